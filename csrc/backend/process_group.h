@@ -1,0 +1,139 @@
+// ProcessGroupChainerMN: the `chainermn` torch.distributed backend.
+//
+// Every call is validated here on the caller's thread, then queued as one operation on the group's
+// FIFO worker, which drives the group's Communicator (MPI or Gloo). The caller gets a WorkChainerMN
+// at once; its Future completes with the output tensors.
+#pragma once
+
+#include "backend/scratch.h"
+#include "backend/worker.h"
+#include "comm/communicator.h"
+#include "topology.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <memory>
+
+namespace chainermn {
+
+// What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
+// it outlives the ProcessGroup if a transport call is still running when the group goes away.
+struct GroupContext {
+  CommunicatorPtr comm;
+  Scratch scratch;
+};
+
+class ProcessGroupChainerMN : public c10d::Backend {
+ public:
+  ProcessGroupChainerMN(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      int globalRank,
+      std::string groupName,
+      CommunicatorPtr comm);
+  ~ProcessGroupChainerMN() override;
+
+  const std::string getBackendName() const override {
+    return "chainermn";
+  }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void shutdown() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputTensorLists,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<std::vector<at::Tensor>>& inputTensors,
+      const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<std::vector<at::Tensor>>& inputTensors,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& outputBuffer,
+      at::Tensor& inputBuffer,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputTensors,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+  const Topology& topology() const {
+    return topology_;
+  }
+  const char* transport() const {
+    return context_->comm->library();
+  }
+  // Bytes of staging memory held (grows to the largest call, then stays).
+  size_t scratchBytes() const {
+    return context_->scratch.bytesHeld();
+  }
+
+ private:
+  using Body = std::function<RequestPtr(GroupContext&)>;
+
+  // Queues `body` behind everything issued before it; `timeout` overrides the group's for this op.
+  c10::intrusive_ptr<c10d::Work> enqueue(
+      c10d::OpType type,
+      const char* name,
+      std::vector<at::Tensor> outputs,
+      std::chrono::milliseconds timeout,
+      Body body);
+
+  std::shared_ptr<GroupContext> context_;
+  std::unique_ptr<Worker> worker_;
+  Topology topology_;
+  std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
+  std::atomic<uint64_t> sequence_{0};
+};
+
+} // namespace chainermn

@@ -1,0 +1,40 @@
+// Validation of every call, in one place, on the calling thread and before anything is queued: a bad
+// call raises ValueError on the rank that made it and never leaves other ranks waiting on a
+// half-started collective. Messages name the op and the argument.
+#pragma once
+
+#include "comm/communicator.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <optional>
+#include <vector>
+
+namespace chainermn {
+
+// A tensor the transports can read and write: defined, dense, contiguous, on the CPU.
+void checkTensor(const char* op, const char* argument, const at::Tensor& tensor);
+void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors);
+
+// Exactly one tensor per call (one device per process), returned for convenience.
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors);
+
+// `tensor` has the dtype and number of elements of `like`.
+void checkSameKind(const char* op, const char* argument, const at::Tensor& tensor, const at::Tensor& like);
+
+void checkRank(const char* op, const char* argument, int64_t rank, int size);
+void checkTag(const char* op, int tag);
+
+// How a c10d::ReduceOp is carried out on a transport for one dtype.
+struct Reduction {
+  ReduceKind kind;                    // what the transport reduces with
+  at::ScalarType wireType;            // what the transport reduces (bool travels as uint8)
+  std::optional<double> scaleBefore;  // PREMUL_SUM's factor; 1/size for AVG in 16-bit floats
+  std::optional<double> divideAfter;  // size, for AVG in 32/64-bit floats
+};
+
+// Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on integers, ...).
+Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
+
+} // namespace chainermn

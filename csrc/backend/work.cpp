@@ -1,0 +1,93 @@
+#include "backend/work.h"
+
+#include <c10/util/Exception.h>
+
+namespace chainermn {
+
+namespace {
+// How long wait() lingers past the deadline for the watchdog's verdict before giving its own.
+constexpr auto kWatchdogGrace = std::chrono::seconds(2);
+} // namespace
+
+std::exception_ptr backendError(const std::string& message) {
+  return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, message));
+}
+
+WorkChainerMN::WorkChainerMN(
+    int rank,
+    c10d::OpType opType,
+    std::string description,
+    uint64_t sequence,
+    std::vector<at::Tensor> outputs,
+    Clock::time_point deadline)
+    : c10d::Work(rank, opType),
+      description_(std::move(description)),
+      sequence_(sequence),
+      outputs_(std::move(outputs)),
+      deadline_(deadline),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+bool WorkChainerMN::claim() {
+  return !claimed_.exchange(true);
+}
+
+// The future is completed before the Work, so whoever returns from wait() finds the future's value.
+void WorkChainerMN::markDone(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    completed_ = true;
+    exception_ = error;
+  }
+  cv_.notify_all();
+}
+
+void WorkChainerMN::complete() {
+  if (claim()) {
+    future_->markCompleted(c10::IValue(outputs_));
+    markDone(nullptr);
+  }
+}
+
+void WorkChainerMN::fail(std::exception_ptr error) {
+  if (claim()) {
+    future_->setError(error);
+    markDone(error);
+  }
+}
+
+bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const auto limit = timeout == ::kNoTimeout ? deadline_ + kWatchdogGrace : Clock::now() + timeout;
+  if (!cv_.wait_until(lock, limit, [this] { return completed_; })) {
+    const auto waited = timeout == ::kNoTimeout ? std::string("its group timeout")
+                                                    : std::to_string(timeout.count()) + " ms";
+    C10_THROW_ERROR(
+        DistBackendError, "chainermn " + description_ + ": wait() timed out after " + waited);
+  }
+  if (exception_) {
+    std::rethrow_exception(exception_);
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkChainerMN::getFuture() {
+  return future_;
+}
+
+std::vector<at::Tensor> WorkChainerMN::result() {
+  return outputs_;
+}
+
+int WorkChainerMN::sourceRank() const {
+  return sourceRank_.load();
+}
+
+uint64_t WorkChainerMN::getSequencenumber() const {
+  return sequence_;
+}
+
+void WorkChainerMN::setSourceRank(int rank) {
+  sourceRank_.store(rank);
+}
+
+} // namespace chainermn

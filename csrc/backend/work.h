@@ -1,0 +1,64 @@
+// The Work returned by every chainermn call: completion state, the error if any, and a Future whose
+// value is the list of output tensors (DDP and comm hooks read fut.value()[0]).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+using Clock = std::chrono::steady_clock;
+
+class WorkChainerMN : public c10d::Work {
+ public:
+  // `deadline` is when the operation must have completed (enqueue time + group timeout); a wait()
+  // without its own timeout never outlasts it by more than a moment.
+  WorkChainerMN(
+      int rank,
+      c10d::OpType opType,
+      std::string description,
+      uint64_t sequence,
+      std::vector<at::Tensor> outputs,
+      Clock::time_point deadline);
+
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override;
+  int sourceRank() const override;
+  uint64_t getSequencenumber() const override;
+
+  // Both are thread safe and idempotent: the first completion wins (the watchdog may fail a Work
+  // whose transport call later returns).
+  void complete();
+  void fail(std::exception_ptr error);
+  void setSourceRank(int rank);
+
+  // "all_reduce (seq 7, rank 0 of 4, gloo)": for messages.
+  const std::string& description() const {
+    return description_;
+  }
+  Clock::time_point deadline() const {
+    return deadline_;
+  }
+
+ private:
+  bool claim();  // true for the first completion only
+  void markDone(std::exception_ptr error);
+
+  const std::string description_;
+  const uint64_t sequence_;
+  std::vector<at::Tensor> outputs_;
+  const Clock::time_point deadline_;
+  std::atomic<bool> claimed_{false};
+  std::atomic<int> sourceRank_{-1};
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A c10::DistBackendError (torch.distributed.DistBackendError in Python) as an exception_ptr.
+std::exception_ptr backendError(const std::string& message);
+
+} // namespace chainermn

@@ -1,0 +1,280 @@
+#include "backend/worker.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+
+namespace chainermn {
+
+namespace {
+
+struct Op {
+  c10::intrusive_ptr<WorkChainerMN> work;
+  Worker::Body body;  // owns the tensors and buffers the transport reads and writes
+};
+
+struct InFlight {
+  c10::intrusive_ptr<WorkChainerMN> work;
+  Worker::Body body;  // kept alive until the transfer is over
+  RequestPtr request;
+};
+
+// Polling of point-to-point requests: yield at first (a reply is often microseconds away), then
+// sleep longer and longer so an idle wait does not steal a core from other ranks.
+class Backoff {
+ public:
+  std::chrono::microseconds next() {
+    if (round_ < 64) {
+      ++round_;
+      return std::chrono::microseconds(0);
+    }
+    delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
+    return delay_;
+  }
+  void reset() {
+    round_ = 0;
+    delay_ = std::chrono::microseconds(10);
+  }
+
+ private:
+  int round_ = 0;
+  std::chrono::microseconds delay_{10};
+};
+
+std::string describeError(const std::exception& error) {
+  if (auto* c10error = dynamic_cast<const c10::Error*>(&error)) {
+    return c10error->what_without_backtrace();
+  }
+  return error.what();
+}
+
+} // namespace
+
+struct Worker::State {
+  explicit State(std::string name) : groupName(std::move(name)) {}
+
+  const std::string groupName;
+  mutable std::mutex mutex;
+  std::condition_variable wakeWorker;    // an op was queued, or stop
+  std::condition_variable wakeWatchdog;  // a deadline started, or stop
+  std::condition_variable idle;          // the queue emptied or the worker left a call
+  std::deque<Op> queue;
+  c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
+  std::vector<InFlight> inFlight;
+  std::string brokenReason;
+  bool stopping = false;
+
+  void workerLoop();
+  void watchdogLoop();
+  void run(Op& op);
+  bool progressInFlight();
+  void failQueued(const std::string& why);  // with mutex held
+};
+
+void Worker::State::failQueued(const std::string& why) {
+  for (auto& op : queue) {
+    op.work->fail(backendError("chainermn " + op.work->description() + ": " + why));
+  }
+  queue.clear();
+  idle.notify_all();
+}
+
+void Worker::State::run(Op& op) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!brokenReason.empty()) {
+      op.work->fail(backendError("chainermn " + op.work->description() + ": not run, " + brokenReason));
+      return;
+    }
+    current = op.work;
+  }
+  wakeWatchdog.notify_one();
+  RequestPtr request;
+  std::exception_ptr error;
+  try {
+    request = op.body();
+  } catch (const std::exception& e) {
+    error = backendError("chainermn " + op.work->description() + " failed: " + describeError(e));
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  current.reset();
+  if (error) {
+    op.work->fail(error);
+  } else if (request) {
+    inFlight.push_back({op.work, std::move(op.body), std::move(request)});
+  } else {
+    op.work->complete();
+  }
+  idle.notify_all();
+}
+
+// Returns true when some request made progress.
+bool Worker::State::progressInFlight() {
+  bool progressed = false;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = inFlight.begin(); it != inFlight.end();) {
+    bool done = false;
+    try {
+      done = it->request->test();
+      if (done) {
+        it->work->setSourceRank(it->request->source());
+        it->work->complete();
+      }
+    } catch (const std::exception& e) {
+      done = true;
+      it->work->fail(backendError("chainermn " + it->work->description() + " failed: " + describeError(e)));
+    }
+    if (done) {
+      it = inFlight.erase(it);
+      progressed = true;
+    } else {
+      ++it;
+    }
+  }
+  if (progressed) {
+    idle.notify_all();
+  }
+  return progressed;
+}
+
+void Worker::State::workerLoop() {
+  Backoff backoff;
+  while (true) {
+    std::optional<Op> op;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      if (queue.empty() && !stopping) {
+        if (inFlight.empty()) {
+          wakeWorker.wait(lock, [this] { return stopping || !queue.empty(); });
+        } else {
+          wakeWorker.wait_for(lock, backoff.next(), [this] { return stopping || !queue.empty(); });
+        }
+      }
+      if (!queue.empty()) {
+        op.emplace(std::move(queue.front()));
+        queue.pop_front();
+      } else if (stopping) {
+        return;
+      }
+    }
+    if (op) {
+      run(*op);
+      backoff.reset();
+    }
+    if (progressInFlight()) {
+      backoff.reset();
+    }
+  }
+}
+
+void Worker::State::watchdogLoop() {
+  std::unique_lock<std::mutex> lock(mutex);
+  while (!stopping) {
+    const auto now = Clock::now();
+    auto nextCheck = now + std::chrono::seconds(1);
+    std::vector<c10::intrusive_ptr<WorkChainerMN>> overdue;
+    if (current && !current->isCompleted()) {
+      if (current->deadline() <= now) {
+        overdue.push_back(current);
+      } else {
+        nextCheck = std::min(nextCheck, current->deadline());
+      }
+    }
+    for (auto& entry : inFlight) {
+      if (entry.work->isCompleted()) {
+        continue;  // failed earlier; the request stays until the transport lets go of it
+      }
+      if (entry.work->deadline() <= now) {
+        overdue.push_back(entry.work);
+      } else {
+        nextCheck = std::min(nextCheck, entry.work->deadline());
+      }
+    }
+    for (auto& work : overdue) {
+      const std::string why = work->description() + " timed out";
+      work->fail(backendError(
+          "chainermn " + why +
+          ": a peer did not take part before the group timeout (a rank may have died, or the ranks issued "
+          "different collectives)"));
+      if (brokenReason.empty()) {
+        brokenReason = "the group is unusable after " + why;
+      }
+    }
+    if (!overdue.empty()) {
+      failQueued("not run, " + brokenReason);
+    }
+    wakeWatchdog.wait_until(lock, nextCheck);
+  }
+}
+
+Worker::Worker(std::string groupName) : state_(std::make_shared<State>(std::move(groupName))) {
+  // The threads share the state, so a worker stuck in a transport call that never returns can be
+  // detached without leaving it pointing at freed memory.
+  worker_ = std::thread([state = state_] { state->workerLoop(); });
+  watchdog_ = std::thread([state = state_] { state->watchdogLoop(); });
+}
+
+Worker::~Worker() {
+  bool stuck = false;
+  {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->failQueued("not run: the process group was destroyed");
+    // Let an operation inside the transport finish, up to its deadline.
+    const auto deadline = state_->current ? state_->current->deadline() : Clock::now();
+    state_->idle.wait_until(lock, deadline, [this] { return !state_->current; });
+    stuck = static_cast<bool>(state_->current);
+    for (auto& entry : state_->inFlight) {
+      entry.work->fail(backendError(
+          "chainermn " + entry.work->description() + ": not completed before the process group was destroyed"));
+    }
+    state_->stopping = true;
+  }
+  state_->wakeWorker.notify_all();
+  state_->wakeWatchdog.notify_all();
+  watchdog_.join();
+  if (stuck) {
+    worker_.detach();
+  } else {
+    worker_.join();
+  }
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!state_->inFlight.empty()) {
+    // Transfers the transport has not released may still write into their buffers: keep the
+    // buffers alive for the life of the process rather than free memory under it.
+    new std::vector<InFlight>(std::move(state_->inFlight));
+  }
+}
+
+void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!state_->brokenReason.empty()) {
+      work->fail(backendError("chainermn " + work->description() + ": not run, " + state_->brokenReason));
+      return;
+    }
+    state_->queue.push_back({std::move(work), std::move(body)});
+  }
+  state_->wakeWorker.notify_one();
+}
+
+void Worker::drain() {
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  state_->idle.wait(lock, [this] {
+    if (!state_->queue.empty() || state_->current) {
+      return false;
+    }
+    return std::all_of(state_->inFlight.begin(), state_->inFlight.end(), [](const InFlight& entry) {
+      return entry.work->isCompleted();
+    });
+  });
+}
+
+std::string Worker::brokenReason() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->brokenReason;
+}
+
+} // namespace chainermn

@@ -1,0 +1,50 @@
+// One FIFO worker per process group: every rank runs the group's operations in the order they were
+// issued, off the caller's thread. A watchdog bounds each operation by its deadline.
+//
+// An operation is a Body. A collective's body runs to completion on the worker thread (the transport
+// blocks) and returns nullptr. A point-to-point body only starts its transfer and returns the
+// Request; the worker polls it between operations, so a send and a receive issued in order never
+// wait for each other.
+//
+// When an operation outlives its deadline the watchdog fails its Work with an error that names it,
+// fails everything queued behind it, and marks the group unusable: the transport may still be inside
+// that call, and nothing can safely be issued behind it (as with NCCL after a timeout).
+#pragma once
+
+#include "backend/work.h"
+#include "comm/communicator.h"
+
+#include <functional>
+#include <memory>
+#include <thread>
+
+namespace chainermn {
+
+class Worker {
+ public:
+  using Body = std::function<RequestPtr()>;
+
+  explicit Worker(std::string groupName);
+  // Fails what is still queued and stops both threads.
+  ~Worker();
+
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body);
+
+  // Blocks until everything enqueued so far has finished or failed.
+  void drain();
+
+  // Non-empty once a timeout has made the group unusable.
+  std::string brokenReason() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+  std::thread worker_;
+  std::thread watchdog_;
+};
+
+} // namespace chainermn

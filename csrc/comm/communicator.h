@@ -1,0 +1,88 @@
+// The buffer-level collective interface every transport implements.
+//
+// A Communicator moves and reduces flat, contiguous buffers among a fixed group of ranks. It knows
+// nothing of tensors, process groups or strategies: one adapter per library (MPI, Gloo through
+// c10d::Backend, ...) maps each call onto that library and nothing more.
+//
+// Collectives block the calling thread (the group's worker) until they complete or throw: blocking
+// MPI collectives use MPI's tuned algorithms and progress without polling. A watchdog above this
+// layer bounds them by the group timeout. Point-to-point calls return a Request instead, because
+// sends and receives issued in order on one thread must not wait for each other (batch_isend_irecv).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+// The associative reductions a transport must provide. AVG and PREMUL_SUM are built on Sum above
+// this layer; bool is carried as uint8 with Min/Max.
+enum class ReduceKind : uint8_t { Sum, Product, Min, Max, BitAnd, BitOr, BitXor };
+
+const char* reduceKindName(ReduceKind kind);
+
+constexpr int kAnySource = -1;
+
+// A point-to-point operation in flight.
+class Request {
+ public:
+  virtual ~Request() = default;
+  // True once the operation has completed. Never blocks. Throws if it failed.
+  virtual bool test() = 0;
+  // For a receive from any source, the rank it matched (valid after test() returned true).
+  virtual int source() const {
+    return -1;
+  }
+};
+using RequestPtr = std::unique_ptr<Request>;
+
+// Counts are in elements of `dtype`. Every rank passes the same count and dtype unless said otherwise.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // The library behind this communicator, for messages ("mpi", "gloo").
+  virtual const char* library() const = 0;
+
+  // In place: buf becomes the reduction of every rank's buf.
+  virtual void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) = 0;
+  // root's buf is copied into every rank's buf.
+  virtual void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) = 0;
+  // root's recv gets the reduction of every rank's send (send == recv is allowed on root); recv is
+  // not touched elsewhere.
+  virtual void reduce(
+      const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) = 0;
+  // recv (size * count) gets rank r's send in block r.
+  virtual void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) = 0;
+  // As allgather, but only root's recv is written.
+  virtual void gather(
+      const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) = 0;
+  // Block r of root's send (size * count) goes to rank r's recv.
+  virtual void scatter(
+      const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) = 0;
+  // send holds size blocks of count; rank r's recv gets the reduction of every rank's block r.
+  virtual void reduceScatter(
+      const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) = 0;
+  // Block p of send (sendCounts[p] elements, blocks back to back) goes to rank p, which receives it
+  // as block r of its recv (recvCounts[r] elements, back to back).
+  virtual void alltoallv(
+      const void* send,
+      const std::vector<int64_t>& sendCounts,
+      void* recv,
+      const std::vector<int64_t>& recvCounts,
+      c10::ScalarType dtype) = 0;
+  virtual RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
+  // peer may be kAnySource; the Request's source() then tells which rank sent.
+  virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
+  virtual void barrier() = 0;
+};
+
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+} // namespace chainermn

@@ -1,0 +1,119 @@
+// torch_chainermn._C: the backend class for torch.distributed, its transports' factories, and the
+// MPI runtime helpers the launcher needs.
+#include "backend/process_group.h"
+#include "comm/gloo.h"
+#include "topology.h"
+#ifdef CHAINERMN_WITH_MPI
+#include "comm/mpi.h"
+#endif
+
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+using chainermn::ProcessGroupChainerMN;
+using chainermn::Topology;
+
+namespace {
+
+c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    int globalRank,
+    std::string groupName,
+    c10::intrusive_ptr<c10d::Backend> gloo) {
+  return c10::make_intrusive<ProcessGroupChainerMN>(
+      store, rank, size, timeout, globalRank, std::move(groupName), chainermn::gloo::createCommunicator(std::move(gloo)));
+}
+
+#ifdef CHAINERMN_WITH_MPI
+c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    int globalRank,
+    std::string groupName,
+    const std::vector<int64_t>& worldRanks) {
+  auto comm = chainermn::mpi::createCommunicator(worldRanks);
+  return c10::make_intrusive<ProcessGroupChainerMN>(
+      store, rank, size, timeout, globalRank, std::move(groupName), std::move(comm));
+}
+#endif
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch-chainermn's C++ backend";
+  // Registers c10d::Backend, Store and Work with pybind11 so the classes below can refer to them.
+  py::module::import("torch.distributed");
+
+  py::class_<Topology>(m, "Topology")
+      .def_readonly("rank", &Topology::rank)
+      .def_readonly("size", &Topology::size)
+      .def_readonly("intra_rank", &Topology::intraRank)
+      .def_readonly("intra_size", &Topology::intraSize)
+      .def_readonly("inter_rank", &Topology::interRank)
+      .def_readonly("inter_size", &Topology::interSize)
+      .def_readonly("node_of_rank", &Topology::nodeOfRank)
+      .def_readonly("ranks_of_node", &Topology::ranksOfNode)
+      .def("__repr__", [](const Topology& t) {
+        return "Topology(rank=" + std::to_string(t.rank) + ", size=" + std::to_string(t.size) +
+            ", intra_rank=" + std::to_string(t.intraRank) + ", intra_size=" + std::to_string(t.intraSize) +
+            ", inter_rank=" + std::to_string(t.interRank) + ", inter_size=" + std::to_string(t.interSize) + ")";
+      });
+
+  m.def("topology_from_names", &chainermn::topologyFromNames, py::arg("names"), py::arg("rank"));
+  m.def("local_node_name", &chainermn::localNodeName, py::arg("global_rank"));
+
+  py::class_<ProcessGroupChainerMN, c10d::Backend, c10::intrusive_ptr<ProcessGroupChainerMN>>(
+      m, "ProcessGroupChainerMN")
+      .def_static(
+          "with_gloo",
+          &withGloo,
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"),
+          py::arg("global_rank"),
+          py::arg("group_name"),
+          py::arg("gloo"),
+          py::call_guard<py::gil_scoped_release>())
+#ifdef CHAINERMN_WITH_MPI
+      .def_static(
+          "with_mpi",
+          &withMpi,
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"),
+          py::arg("global_rank"),
+          py::arg("group_name"),
+          py::arg("world_ranks"),
+          py::call_guard<py::gil_scoped_release>())
+#endif
+      .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
+      .def_property_readonly("transport", &ProcessGroupChainerMN::transport)
+      .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
+
+#ifdef CHAINERMN_WITH_MPI
+  m.attr("mpi_built") = true;
+  m.def("mpi_launched", &chainermn::mpi::launchedByMpiexec);
+  m.def("mpi_initialize", &chainermn::mpi::initialize, py::call_guard<py::gil_scoped_release>());
+  m.def("mpi_thread_multiple", &chainermn::mpi::threadMultiple);
+  m.def("mpi_world_rank", &chainermn::mpi::worldRank);
+  m.def("mpi_world_size", &chainermn::mpi::worldSize);
+  m.def(
+      "mpi_broadcast_string",
+      &chainermn::mpi::broadcastString,
+      py::arg("text"),
+      py::arg("root") = 0,
+      py::call_guard<py::gil_scoped_release>());
+  m.def("mpi_finalize", &chainermn::mpi::finalize, py::call_guard<py::gil_scoped_release>());
+#else
+  m.attr("mpi_built") = false;
+#endif
+}

@@ -1,0 +1,67 @@
+#include "topology.h"
+
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdlib>
+#include <map>
+
+namespace chainermn {
+
+std::string localNodeName(int globalRank) {
+  if (const char* name = std::getenv("CHAINERMN_HOSTNAME"); name != nullptr && *name != '\0') {
+    return name;
+  }
+  if (const char* perNode = std::getenv("CHAINERMN_RANKS_PER_NODE"); perNode != nullptr && *perNode != '\0') {
+    char* end = nullptr;
+    const long k = std::strtol(perNode, &end, 10);
+    TORCH_CHECK_VALUE(
+        *end == '\0' && k > 0, "CHAINERMN_RANKS_PER_NODE must be a positive integer, got '", perNode, "'");
+    return "simulated-node-" + std::to_string(globalRank / k);
+  }
+  char host[HOST_NAME_MAX + 1] = {0};
+  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "chainermn: gethostname failed");
+  return host;
+}
+
+Topology topologyFromNames(const std::vector<std::string>& names, int rank) {
+  Topology topo;
+  topo.rank = rank;
+  topo.size = static_cast<int>(names.size());
+  topo.nodeOfRank.resize(names.size());
+  // Ranks are visited in ascending order, so a node's index is fixed by its lowest rank.
+  std::map<std::string, int> nodeIndex;
+  for (int r = 0; r < topo.size; ++r) {
+    auto [it, added] = nodeIndex.emplace(names[r], static_cast<int>(topo.ranksOfNode.size()));
+    if (added) {
+      topo.ranksOfNode.emplace_back();
+    }
+    topo.nodeOfRank[r] = it->second;
+    topo.ranksOfNode[it->second].push_back(r);
+  }
+  topo.interRank = topo.nodeOfRank[rank];
+  topo.interSize = static_cast<int>(topo.ranksOfNode.size());
+  const auto& mine = topo.ranksOfNode[topo.interRank];
+  topo.intraSize = static_cast<int>(mine.size());
+  for (int i = 0; i < topo.intraSize; ++i) {
+    if (mine[i] == rank) {
+      topo.intraRank = i;
+    }
+  }
+  return topo;
+}
+
+Topology discoverTopology(c10d::Store& store, int rank, int size, int globalRank) {
+  const std::string prefix = "chainermn/topology/";
+  const std::string name = localNodeName(globalRank);
+  store.set(prefix + std::to_string(rank), std::vector<uint8_t>(name.begin(), name.end()));
+  std::vector<std::string> names(size);
+  for (int r = 0; r < size; ++r) {
+    const auto value = store.get(prefix + std::to_string(r));
+    names[r].assign(value.begin(), value.end());
+  }
+  return topologyFromNames(names, rank);
+}
+
+} // namespace chainermn

@@ -1,0 +1,34 @@
+// Who shares a node with whom. Ranks exchange host names through the group's store; ranks with the
+// same name share a node. Nodes are ordered by their lowest rank, ranks within a node by rank.
+// CHAINERMN_HOSTNAME (per process) or CHAINERMN_RANKS_PER_NODE=k (global rank // k) override the
+// name, so that one machine can act as several nodes.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+struct Topology {
+  int rank = 0;
+  int size = 1;
+  int intraRank = 0;  // position among the ranks of this node
+  int intraSize = 1;  // ranks on this node
+  int interRank = 0;  // index of this node
+  int interSize = 1;  // number of nodes
+  std::vector<int> nodeOfRank;                // node index of every rank
+  std::vector<std::vector<int>> ranksOfNode;  // ranks of every node, ascending
+};
+
+// The node name this process reports: the overrides above, else gethostname().
+std::string localNodeName(int globalRank);
+
+// Collective over the group: every rank must call it with the same store.
+Topology discoverTopology(c10d::Store& store, int rank, int size, int globalRank);
+
+// Builds the topology from every rank's node name (exposed for tests of the ordering rules).
+Topology topologyFromNames(const std::vector<std::string>& names, int rank);
+
+} // namespace chainermn
