@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cctype>
+
 namespace chainermn {
 
 namespace {
@@ -29,8 +32,18 @@ std::string dtypeName(at::ScalarType dtype) {
       return "torch.int64";
     case at::kBool:
       return "torch.bool";
-    default:
-      return std::string("torch.") + c10::toString(dtype);
+    case at::kComplexHalf:
+      return "torch.complex32";
+    case at::kComplexFloat:
+      return "torch.complex64";
+    case at::kComplexDouble:
+      return "torch.complex128";
+    default: {
+      // c10 spells the rest as torch does, but capitalised ("UInt32", "Float8_e4m3fn").
+      std::string name = c10::toString(dtype);
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+      return "torch." + name;
+    }
   }
 }
 

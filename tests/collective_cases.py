@@ -1,0 +1,504 @@
+"""Every collective x dtype x reduce op, checked against a result computed locally from every rank's input.
+
+`CASES` maps a case name to a function `case(rank, size)` that raises on a wrong result. Every rank
+runs every case in the same order (`run_cases`), so one process group serves hundreds of checks; the
+names do not depend on the world size, so pytest can list them before any process starts.
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+FLOATING = {"float16", "bfloat16", "float32", "float64"}
+REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM", "BAND", "BOR", "BXOR"]
+SHAPES = [(), (0,), (5,), (2, 3, 4)]  # 0-d, empty, 1-D, 3-D
+PREMUL_FACTOR = 2.0
+
+
+# ---- inputs and references -----------------------------------------------------------------------
+
+def small_values(rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Values in {1, 2, 3} (bool: alternating), so sums and products stay exact in every dtype."""
+    n = int(torch.Size(shape).numel())
+    base = (torch.arange(n, dtype=torch.int64) + rank) % 3 + 1
+    if dtype == torch.bool:
+        base = (torch.arange(n) + rank) % 2 == 0
+    return base.to(dtype).reshape(shape)
+
+
+def tagged_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Values that tell which rank (and position) they came from, exact in every dtype."""
+    base = (torch.arange(n, dtype=torch.int64) + rank * 31 + salt * 7) % 97
+    if dtype == torch.bool:
+        return base % 2 == 1
+    return base.to(dtype)
+
+
+def reduce_op(name: str):
+    if name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(PREMUL_FACTOR)
+    return getattr(dist.ReduceOp, name)
+
+
+def op_supported(op: str, dtype_name: str) -> bool:
+    if op in ("BAND", "BOR", "BXOR"):
+        return dtype_name not in FLOATING
+    if op in ("AVG", "PREMUL_SUM"):
+        return dtype_name in FLOATING
+    return True
+
+
+def reference_reduce(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    dtype = inputs[0].dtype
+    if dtype == torch.bool:
+        stacked = torch.stack(inputs).to(torch.int64)
+        if op in ("SUM", "MAX", "BOR"):
+            return stacked.amax(0).bool() if stacked.numel() else stacked.sum(0).bool()
+        if op in ("PRODUCT", "MIN", "BAND"):
+            return stacked.amin(0).bool() if stacked.numel() else stacked.sum(0).bool()
+        return (stacked.sum(0) % 2).bool()  # BXOR
+    wide = torch.stack(inputs).to(torch.float64 if dtype.is_floating_point else torch.int64)
+    if op == "SUM":
+        out = wide.sum(0)
+    elif op == "AVG":
+        out = wide.sum(0) / len(inputs)
+    elif op == "PREMUL_SUM":
+        out = wide.sum(0) * PREMUL_FACTOR
+    elif op == "PRODUCT":
+        out = wide.prod(0)
+    elif op == "MIN":
+        out = wide.amin(0) if wide.numel() else wide.sum(0)
+    elif op == "MAX":
+        out = wide.amax(0) if wide.numel() else wide.sum(0)
+    else:
+        out = wide[0].clone()
+        for other in wide[1:]:
+            out = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op](out, other)
+    return out.to(dtype)
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if actual.dtype in (torch.float16, torch.bfloat16):
+        # AVG scales each input by 1/size in 16 bits before the sum (so the sum cannot overflow).
+        torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: {m}")
+    elif actual.dtype.is_floating_point:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    else:
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{what}: {actual} != {expected}"
+
+
+def expect_value_error(fn, *words: str) -> None:
+    try:
+        fn()
+    except ValueError as error:
+        message = str(error)
+        missing = [w for w in words if w not in message]
+        assert not missing, f"error message {message!r} lacks {missing}"
+        return
+    raise AssertionError(f"expected ValueError mentioning {words}")
+
+
+# ---- the cases -------------------------------------------------------------------------------------
+
+def all_reduce_case(dtype_name: str, op: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for shape in SHAPES:
+            if not op_supported(op, dtype_name):
+                tensor = small_values(rank, shape, dtype)
+                expect_value_error(lambda: dist.all_reduce(tensor, op=reduce_op(op)), "all_reduce", op)
+                continue
+            tensor = small_values(rank, shape, dtype)
+            dist.all_reduce(tensor, op=reduce_op(op))
+            expected = reference_reduce([small_values(r, shape, dtype) for r in range(size)], op)
+            assert_same(tensor, expected, f"all_reduce {op} {dtype_name} {shape}")
+    return case
+
+
+def all_reduce_async_case(rank, size):
+    tensors = [small_values(rank, (7,), torch.float32) * (i + 1) for i in range(4)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    futures = [w.get_future() for w in works]
+    for i, (work, future) in enumerate(zip(works, futures)):
+        assert work.wait()
+        assert work.is_completed() and work.is_success()
+        expected = reference_reduce([small_values(r, (7,), torch.float32) for r in range(size)], "SUM") * (i + 1)
+        assert_same(tensors[i], expected, "async all_reduce")
+        value = future.wait()
+        assert isinstance(value, list) and value[0] is not None
+        assert_same(value[0], expected, "future value")
+    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda fut: fut.value()[0] * 2)
+    assert_same(chained.wait(), torch.full((3,), 2.0 * size), "then() callback")
+
+
+def all_reduce_coalesced_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        tensors = [small_values(rank, shape, dtype) for shape in SHAPES]
+        dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX)
+        for shape, tensor in zip(SHAPES, tensors):
+            expected = reference_reduce([small_values(r, shape, dtype) for r in range(size)], "MAX")
+            assert_same(tensor, expected, f"all_reduce_coalesced {dtype_name} {shape}")
+    return case
+
+
+def broadcast_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for root in sorted({0, size - 1}):
+            for shape in SHAPES:
+                n = int(torch.Size(shape).numel())
+                tensor = tagged_values(rank, n, dtype).reshape(shape)
+                dist.broadcast(tensor, src=root)
+                assert_same(tensor, tagged_values(root, n, dtype).reshape(shape), f"broadcast from {root}")
+    return case
+
+
+def reduce_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for root in sorted({0, size - 1}):
+            for op in ("SUM", "MAX", "AVG"):
+                if not op_supported(op, dtype_name):
+                    continue
+                tensor = small_values(rank, (2, 3), dtype)
+                before = tensor.clone()
+                dist.reduce(tensor, dst=root, op=reduce_op(op))
+                if rank == root:
+                    expected = reference_reduce([small_values(r, (2, 3), dtype) for r in range(size)], op)
+                    assert_same(tensor, expected, f"reduce {op} to {root}")
+                else:
+                    assert_same(tensor, before, "reduce leaves non-root inputs unchanged")
+    return case
+
+
+def all_gather_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for shape in SHAPES:
+            n = int(torch.Size(shape).numel())
+            mine = tagged_values(rank, n, dtype).reshape(shape)
+            outputs = [torch.empty(shape, dtype=dtype) for _ in range(size)]
+            dist.all_gather(outputs, mine)
+            for r in range(size):
+                assert_same(outputs[r], tagged_values(r, n, dtype).reshape(shape), f"all_gather block {r}")
+    return case
+
+
+def all_gather_into_tensor_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for n in (0, 1, 6):
+            mine = tagged_values(rank, n, dtype)
+            stacked = torch.empty(size, n, dtype=dtype)
+            dist.all_gather_into_tensor(stacked, mine)
+            expected = torch.stack([tagged_values(r, n, dtype) for r in range(size)])
+            assert_same(stacked, expected, "all_gather_into_tensor (stacked)")
+            flat = torch.empty(size * n, dtype=dtype)
+            dist.all_gather_into_tensor(flat, mine)
+            assert_same(flat, expected.reshape(-1), "all_gather_into_tensor (concatenated)")
+    return case
+
+
+def gather_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for root in sorted({0, size - 1}):
+            mine = tagged_values(rank, 4, dtype)
+            gathered = [torch.empty(4, dtype=dtype) for _ in range(size)] if rank == root else None
+            dist.gather(mine, gathered, dst=root)
+            if rank == root:
+                for r in range(size):
+                    assert_same(gathered[r], tagged_values(r, 4, dtype), f"gather block {r}")
+    return case
+
+
+def scatter_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for root in sorted({0, size - 1}):
+            pieces = [tagged_values(r, 3, dtype, salt=root) for r in range(size)] if rank == root else None
+            out = torch.empty(3, dtype=dtype)
+            dist.scatter(out, pieces, src=root)
+            assert_same(out, tagged_values(rank, 3, dtype, salt=root), f"scatter from {root}")
+    return case
+
+
+def reduce_scatter_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for op in ("SUM", "MIN", "AVG"):
+            if not op_supported(op, dtype_name):
+                continue
+            inputs = [small_values(rank + 7 * p, (2, 2), dtype) for p in range(size)]
+            out = torch.empty(2, 2, dtype=dtype)
+            dist.reduce_scatter(out, inputs, op=reduce_op(op))
+            expected = reference_reduce([small_values(r + 7 * rank, (2, 2), dtype) for r in range(size)], op)
+            assert_same(out, expected, f"reduce_scatter {op}")
+    return case
+
+
+def reduce_scatter_tensor_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for op in ("SUM", "MAX", "PREMUL_SUM"):
+            if not op_supported(op, dtype_name):
+                continue
+            whole = small_values(rank, (size * 3,), dtype)
+            before = whole.clone()
+            out = torch.empty(3, dtype=dtype)
+            dist.reduce_scatter_tensor(out, whole, op=reduce_op(op))
+            expected = reference_reduce([small_values(r, (size * 3,), dtype) for r in range(size)], op)
+            assert_same(out, expected[rank * 3:(rank + 1) * 3], f"reduce_scatter_tensor {op}")
+            assert_same(whole, before, "reduce_scatter_tensor leaves its input unchanged")
+    return case
+
+
+def all_to_all_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        # Rank r sends (r + p) % 3 + 1 elements to rank p: every pair has its own size.
+        inputs = [tagged_values(rank, (rank + p) % 3 + 1, dtype, salt=p) for p in range(size)]
+        outputs = [torch.empty((r + rank) % 3 + 1, dtype=dtype) for r in range(size)]
+        dist.all_to_all(outputs, inputs)
+        for r in range(size):
+            assert_same(outputs[r], tagged_values(r, (r + rank) % 3 + 1, dtype, salt=rank), f"all_to_all from {r}")
+    return case
+
+
+def all_to_all_single_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def rows(src, dst):
+        return (src + 2 * dst) % 3  # uneven, and sometimes zero
+
+    def block(src, dst):
+        return tagged_values(src, rows(src, dst) * 2, dtype, salt=dst).reshape(-1, 2)
+
+    def case(rank, size):
+        # Even splits.
+        mine = tagged_values(rank, size * 2, dtype)
+        out = torch.empty(size * 2, dtype=dtype)
+        dist.all_to_all_single(out, mine)
+        expected = torch.cat([tagged_values(r, size * 2, dtype)[rank * 2:(rank + 1) * 2] for r in range(size)])
+        assert_same(out, expected, "all_to_all_single (even)")
+        # Uneven splits of 2-column rows.
+        send = torch.cat([block(rank, p) for p in range(size)])
+        recv = torch.empty(sum(rows(r, rank) for r in range(size)), 2, dtype=dtype)
+        dist.all_to_all_single(recv, send, [rows(r, rank) for r in range(size)], [rows(rank, p) for p in range(size)])
+        assert_same(recv, torch.cat([block(r, rank) for r in range(size)]), "all_to_all_single (uneven)")
+    return case
+
+
+def send_recv_case(dtype_name: str):
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        # A ring: everyone sends right and receives from the left, with isend/irecv so no order deadlocks.
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for shape in SHAPES:
+            n = int(torch.Size(shape).numel())
+            out = torch.empty(shape, dtype=dtype)
+            recv = dist.irecv(out, src=left, tag=5)
+            send = dist.isend(tagged_values(rank, n, dtype).reshape(shape), dst=right, tag=5)
+            send.wait()
+            recv.wait()
+            assert_same(out, tagged_values(left, n, dtype).reshape(shape), "ring send/recv")
+    return case
+
+
+def tags_case(rank, size):
+    # Messages with different tags are matched by tag, not by order.
+    if rank == 0:
+        dist.send(torch.tensor([1.0]), dst=1, tag=11)
+        dist.send(torch.tensor([2.0]), dst=1, tag=22)
+    elif rank == 1:
+        second, first = torch.zeros(1), torch.zeros(1)
+        w2 = dist.irecv(second, src=0, tag=22)
+        w1 = dist.irecv(first, src=0, tag=11)
+        w1.wait()
+        w2.wait()
+        assert first.item() == 1.0 and second.item() == 2.0, (first, second)
+    dist.barrier()
+
+
+def recv_any_source_case(rank, size):
+    if rank == 0:
+        seen = set()
+        for _ in range(size - 1):
+            t = torch.zeros(1, dtype=torch.int64)
+            source = dist.recv(t, tag=3)
+            assert t.item() == source * 10, (t, source)
+            seen.add(source)
+        assert seen == set(range(1, size)), seen
+    else:
+        dist.send(torch.tensor([rank * 10]), dst=0, tag=3)
+    dist.barrier()
+
+
+def batch_isend_irecv_case(rank, size):
+    right, left = (rank + 1) % size, (rank - 1) % size
+    send = torch.arange(4, dtype=torch.float32) + rank * 100
+    recv = torch.zeros(4)
+    ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert_same(recv, torch.arange(4, dtype=torch.float32) + left * 100, "batch_isend_irecv")
+
+
+def barrier_case(rank, size):
+    for _ in range(3):
+        dist.barrier()
+    work = dist.barrier(async_op=True)
+    work.wait()
+    assert work.is_completed()
+
+
+def object_collectives_case(rank, size):
+    mine = {"rank": rank, "payload": list(range(rank + 1)), "text": "x" * (rank * 100)}
+    gathered = [None] * size
+    dist.all_gather_object(gathered, mine)
+    assert [g["rank"] for g in gathered] == list(range(size)) and gathered[-1]["payload"] == list(range(size))
+
+    objects = [{"step": 3, "lr": 0.1}, "hello"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objects, src=0)
+    assert objects == [{"step": 3, "lr": 0.1}, "hello"], objects
+
+    at_root = [None] * size if rank == size - 1 else None
+    dist.gather_object(("r", rank), at_root, dst=size - 1)
+    if rank == size - 1:
+        assert at_root == [("r", r) for r in range(size)], at_root
+
+    out = [None]
+    dist.scatter_object_list(out, [f"to {r}" for r in range(size)] if rank == 0 else None, src=0)
+    assert out == [f"to {rank}"], out
+
+    if rank == 0:
+        dist.send_object_list([{"a": 1}, [2, 3]], dst=1)
+    elif rank == 1:
+        received = [None, None]
+        dist.recv_object_list(received, src=0)
+        assert received == [{"a": 1}, [2, 3]], received
+    dist.barrier()
+
+
+def coalesced_tensor_ops_case(rank, size):
+    group = dist.distributed_c10d._get_default_group()
+    inputs = [tagged_values(rank, n, torch.float32) for n in (1, 4)]
+    outputs = [torch.empty(size * n) for n in (1, 4)]
+    group.allgather_into_tensor_coalesced(outputs, inputs).wait()
+    for n, out in zip((1, 4), outputs):
+        assert_same(out, torch.cat([tagged_values(r, n, torch.float32) for r in range(size)]), "allgather coalesced")
+    whole = [small_values(rank, (size * n,), torch.float32) for n in (2, 3)]
+    parts = [torch.empty(n) for n in (2, 3)]
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait()
+    for n, part in zip((2, 3), parts):
+        expected = reference_reduce([small_values(r, (size * n,), torch.float32) for r in range(size)], "SUM")
+        assert_same(part, expected[rank * n:(rank + 1) * n], "reduce_scatter coalesced")
+    lists = [[torch.empty(2), torch.empty(3, dtype=torch.float32)] for _ in range(size)]
+    dist.all_gather_coalesced(lists, [torch.full((2,), float(rank)), torch.full((3,), rank + 0.5)])
+    for r in range(size):
+        assert_same(lists[r][0], torch.full((2,), float(r)), "all_gather_coalesced")
+        assert_same(lists[r][1], torch.full((3,), r + 0.5), "all_gather_coalesced")
+
+
+def bad_input_case(rank, size):
+    """Each bad call raises ValueError on the calling rank, names the op and argument, and queues nothing."""
+    expect_value_error(lambda: dist.all_reduce(torch.ones(3, 4).t()), "all_reduce", "contiguous")
+    expect_value_error(lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BXOR), "all_reduce", "BXOR")
+    expect_value_error(lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG), "AVG")
+    expect_value_error(lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint32)), "all_reduce", "uint32")
+    expect_value_error(lambda: dist.broadcast(torch.ones(3), src=size), "broadcast", "src")
+    expect_value_error(lambda: dist.reduce(torch.ones(3), dst=size + 3), "reduce", "dst")
+    expect_value_error(lambda: dist.send(torch.ones(3), dst=size), "send", "dst")
+    expect_value_error(lambda: dist.all_gather([torch.ones(3)] * (size + 1), torch.ones(3)), "all_gather", "tensor_list")
+    expect_value_error(lambda: dist.all_gather([torch.ones(2)] * size, torch.ones(3)), "all_gather", "elements")
+    # Mixed dtypes: torch's own check answers before the backend is reached.
+    expect_value_error(lambda: dist.all_gather([torch.ones(3, dtype=torch.int64)] * size, torch.ones(3)), "dtype")
+    expect_value_error(
+        lambda: dist.all_gather_into_tensor(torch.empty(size * 3 + 1), torch.ones(3)), "all_gather_into_tensor")
+    expect_value_error(
+        lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(size * 2 + 1)), "reduce_scatter_tensor", "input")
+    expect_value_error(
+        lambda: dist.all_to_all_single(torch.empty(size), torch.ones(size), None, [size + 1] + [0] * (size - 1)),
+        "all_to_all_single", "split")
+    expect_value_error(lambda: dist.recv(torch.ones(1), src=0, tag=-4), "recv", "tag")
+    # Nothing was queued: the group still works, on every rank, in step.
+    check = torch.ones(2)
+    dist.all_reduce(check)
+    assert_same(check, torch.full((2,), float(size)), "all_reduce after rejected calls")
+
+
+def _build_cases() -> dict:
+    cases = {}
+    for dtype_name in DTYPES:
+        for op in REDUCE_OPS:
+            cases[f"all_reduce[{dtype_name}-{op}]"] = all_reduce_case(dtype_name, op)
+    for dtype_name in DTYPES:
+        for label, factory in [
+            ("all_reduce_coalesced", all_reduce_coalesced_case),
+            ("broadcast", broadcast_case),
+            ("reduce", reduce_case),
+            ("all_gather", all_gather_case),
+            ("all_gather_into_tensor", all_gather_into_tensor_case),
+            ("gather", gather_case),
+            ("scatter", scatter_case),
+            ("reduce_scatter", reduce_scatter_case),
+            ("reduce_scatter_tensor", reduce_scatter_tensor_case),
+            ("all_to_all", all_to_all_case),
+            ("all_to_all_single", all_to_all_single_case),
+            ("send_recv", send_recv_case),
+        ]:
+            cases[f"{label}[{dtype_name}]"] = factory(dtype_name)
+    cases["all_reduce_async"] = all_reduce_async_case
+    cases["tags"] = tags_case
+    cases["recv_any_source"] = recv_any_source_case
+    cases["batch_isend_irecv"] = batch_isend_irecv_case
+    cases["barrier"] = barrier_case
+    cases["object_collectives"] = object_collectives_case
+    cases["coalesced_tensor_ops"] = coalesced_tensor_ops_case
+    cases["bad_input"] = bad_input_case
+    return cases
+
+
+CASES = _build_cases()
+
+
+def run_cases(names=None) -> dict:
+    """Run the named cases (default: all) on this rank; returns {name: None or the failure's traceback}."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    for name in names or CASES:
+        try:
+            CASES[name](rank, size)
+            outcome[name] = None
+        except Exception:  # noqa: BLE001  each case's failure is reported on its own
+            outcome[name] = traceback.format_exc()
+    outcome["__transport__"] = __import__("torch_chainermn").transport()
+    return outcome

@@ -1,0 +1,194 @@
+"""Run a function on N real processes joined by the chainermn backend, and collect what each returns.
+
+Two launchers, both with real processes:
+- `run_spawn`: multiprocessing's spawn with env:// rendezvous, as torchrun does (transport: Gloo);
+- `run_mpiexec`: Open MPI's mpiexec with no rendezvous variables at all (transport: MPI).
+
+`fn(*args)` runs on every rank after `dist.init_process_group("chainermn")`; its return values come
+back as a list indexed by rank. A rank that raises makes the run fail with that rank's traceback. A
+run that outlives `timeout` is killed, so a hang fails the test instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+MPIEXEC = shutil.which("mpiexec")
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(fn) -> str:
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def _resolve(reference: str):
+    module, _, name = reference.partition(":")
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_s: float) -> None:
+    """Body of every rank: init, run, write the result (or the traceback) to out_dir/<rank>.pkl."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import torch_chainermn  # noqa: F401  registers the backend (and reads MPI's ranks under mpiexec)
+
+    rank = int(os.environ["RANK"])
+    outcome = {}
+    try:
+        with open(args_path, "rb") as f:
+            args, kwargs = pickle.load(f)
+        if init:
+            dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=timeout_s))
+        outcome["value"] = _resolve(reference)(*args, **kwargs)
+    except BaseException:  # noqa: BLE001  report everything to the parent
+        outcome["error"] = traceback.format_exc()
+    tmp = Path(out_dir) / f".{rank}.tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(outcome, f)
+    tmp.rename(Path(out_dir) / f"{rank}.pkl")
+    if init and dist.is_initialized() and "error" not in outcome:
+        dist.destroy_process_group()
+
+
+def _spawn_target(reference, args_path, out_dir, init, timeout_s, env):
+    os.environ.update(env)
+    rank_main(reference, args_path, out_dir, init, timeout_s)
+
+
+def _collect(out_dir: Path, world_size: int, how: str) -> list:
+    results, errors = [], []
+    for rank in range(world_size):
+        path = out_dir / f"{rank}.pkl"
+        if not path.exists():
+            errors.append(f"rank {rank}: no result ({how})")
+            results.append(None)
+            continue
+        with open(path, "rb") as f:
+            outcome = pickle.load(f)
+        if "error" in outcome:
+            errors.append(f"rank {rank} raised:\n{outcome['error']}")
+        results.append(outcome.get("value"))
+    if errors:
+        raise RankFailure("\n".join(errors))
+    return results
+
+
+def _write_args(tmp: Path, args, kwargs) -> str:
+    path = tmp / "args.pkl"
+    with open(path, "wb") as f:
+        pickle.dump((args, kwargs), f)
+    return str(path)
+
+
+def _base_env(extra: dict | None) -> dict:
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
+              init=True, **kwargs) -> list:
+    """Run fn on world_size spawned processes (env:// rendezvous, Gloo transport)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
+        tmp = Path(tmp_name)
+        args_path = _write_args(tmp, args, kwargs)
+        port = free_port()
+        procs = []
+        for rank in range(world_size):
+            rank_vars = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                **_base_env(env),
+                **((rank_env or {}).get(rank, {})),
+            }
+            p = ctx.Process(
+                target=_spawn_target,
+                args=(_reference(fn), args_path, str(tmp), init, op_timeout, rank_vars),
+            )
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        how = f"ranks {hung} still running after {timeout:.0f} s and were killed" if hung else "process died"
+        return _collect(tmp, world_size, how)
+
+
+def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=60.0, init=True,
+                allow_abnormal_exit=False, **kwargs) -> list:
+    """Run fn under `mpiexec -n world_size` with no rendezvous variables (MPI transport)."""
+    if MPIEXEC is None:
+        raise RuntimeError("mpiexec is not installed (make install sets up Open MPI)")
+    with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
+        tmp = Path(tmp_name)
+        args_path = _write_args(tmp, args, kwargs)
+        child_env = {k: v for k, v in os.environ.items()
+                     if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+        child_env.update(_base_env(env))
+        command = [
+            MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(world_size),
+            sys.executable, "-m", "tests.harness",
+            _reference(fn), args_path, str(tmp), "1" if init else "0", str(op_timeout),
+        ]
+        proc = subprocess.Popen(command, env=child_env, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise RankFailure(f"mpiexec still running after {timeout:.0f} s; killed. Output:\n"
+                              f"{output.decode(errors='replace')[-4000:]}")
+        text = output.decode(errors="replace")
+        results = _collect(tmp, world_size, f"mpiexec exited with {proc.returncode}:\n{text[-4000:]}")
+        if proc.returncode != 0 and not allow_abnormal_exit:
+            raise RankFailure(f"mpiexec exited with {proc.returncode}:\n{text[-4000:]}")
+        return results
+
+
+if __name__ == "__main__":
+    # Entry point of every rank under mpiexec.
+    reference, args_path, out_dir, init, op_timeout = sys.argv[1:6]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch_chainermn  # noqa: F401  sets RANK etc. from MPI
+
+    rank_main(reference, args_path, out_dir, init == "1", float(op_timeout))
