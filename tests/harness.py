@@ -73,7 +73,11 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
         pickle.dump(outcome, f)
     tmp.rename(Path(out_dir) / f"{rank}.pkl")
     if init and dist.is_initialized() and "error" not in outcome:
-        dist.destroy_process_group()
+        # Rank 0 hosts the store: it must not leave while others may still use it.
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def _spawn_target(reference, args_path, out_dir, init, timeout_s, env):
@@ -81,10 +85,13 @@ def _spawn_target(reference, args_path, out_dir, init, timeout_s, env):
     rank_main(reference, args_path, out_dir, init, timeout_s)
 
 
-def _collect(out_dir: Path, world_size: int, how: str) -> list:
+def _collect(out_dir: Path, world_size: int, how: str, may_exit=()) -> list:
     results, errors = [], []
     for rank in range(world_size):
         path = out_dir / f"{rank}.pkl"
+        if not path.exists() and rank in may_exit:
+            results.append(None)
+            continue
         if not path.exists():
             errors.append(f"rank {rank}: no result ({how})")
             results.append(None)
@@ -114,8 +121,11 @@ def _base_env(extra: dict | None) -> dict:
 
 
 def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
-              init=True, **kwargs) -> list:
-    """Run fn on world_size spawned processes (env:// rendezvous, Gloo transport)."""
+              init=True, may_exit=(), **kwargs) -> list:
+    """Run fn on world_size spawned processes (env:// rendezvous, Gloo transport).
+
+    Ranks in `may_exit` are allowed to end without a result (tests of a rank dying).
+    """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -150,7 +160,7 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
                 p.kill()
                 p.join()
         how = f"ranks {hung} still running after {timeout:.0f} s and were killed" if hung else "process died"
-        return _collect(tmp, world_size, how)
+        return _collect(tmp, world_size, how, may_exit)
 
 
 def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=60.0, init=True,

@@ -263,7 +263,8 @@ void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
 void Worker::drain() {
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->idle.wait(lock, [this] {
-    if (!state_->queue.empty() || state_->current) {
+    // An op the watchdog failed counts as finished even if its transport call never returns.
+    if (!state_->queue.empty() || (state_->current && !state_->current->isCompleted())) {
       return false;
     }
     return std::all_of(state_->inFlight.begin(), state_->inFlight.end(), [](const InFlight& entry) {

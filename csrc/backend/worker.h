@@ -33,7 +33,7 @@ class Worker {
 
   void enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body);
 
-  // Blocks until everything enqueued so far has finished or failed.
+  // Blocks until everything enqueued so far has finished or failed (bounded by the ops' deadlines).
   void drain();
 
   // Non-empty once a timeout has made the group unusable.

@@ -17,6 +17,18 @@ namespace {
 
 bool gInitializedHere = false;
 std::atomic<bool> gAbandoned{false};
+// Blocking calls in progress on any thread. One that never returns (a peer never joined, and the
+// watchdog failed the op) makes MPI_Finalize unsafe: it would wait for that call forever.
+std::atomic<int> gCallsInProgress{0};
+
+struct CallInProgress {
+  CallInProgress() {
+    gCallsInProgress.fetch_add(1);
+  }
+  ~CallInProgress() {
+    gCallsInProgress.fetch_sub(1);
+  }
+};
 int gThreadLevel = MPI_THREAD_SINGLE;
 
 std::string errorString(int code) {
@@ -228,7 +240,7 @@ class MpiCommunicator : public Communicator {
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized && !gAbandoned.load()) {
+    if (!finalized && !gAbandoned.load() && gCallsInProgress.load() == 0) {
       MPI_Comm_free(&comm_);
     }
   }
@@ -244,17 +256,20 @@ class MpiCommunicator : public Communicator {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    CallInProgress inProgress;
     check(
         MPI_Allreduce(MPI_IN_PLACE, buf, checkedCount(count, "all_reduce"), mpiType(dtype), mpiOp(op, dtype), comm_),
         "Allreduce");
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
+    CallInProgress inProgress;
     check(MPI_Bcast(buf, checkedCount(count, "broadcast"), mpiType(dtype), root, comm_), "Bcast");
   }
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
       override {
+    CallInProgress inProgress;
     const void* source = (rank_ == root && send == recv) ? MPI_IN_PLACE : send;
     check(
         MPI_Reduce(source, recv, checkedCount(count, "reduce"), mpiType(dtype), mpiOp(op, dtype), root, comm_),
@@ -262,21 +277,25 @@ class MpiCommunicator : public Communicator {
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
+    CallInProgress inProgress;
     const int n = checkedCount(count, "all_gather");
     check(MPI_Allgather(send, n, mpiType(dtype), recv, n, mpiType(dtype), comm_), "Allgather");
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    CallInProgress inProgress;
     const int n = checkedCount(count, "gather");
     check(MPI_Gather(send, n, mpiType(dtype), recv, n, mpiType(dtype), root, comm_), "Gather");
   }
 
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    CallInProgress inProgress;
     const int n = checkedCount(count, "scatter");
     check(MPI_Scatter(send, n, mpiType(dtype), recv, n, mpiType(dtype), root, comm_), "Scatter");
   }
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    CallInProgress inProgress;
     check(
         MPI_Reduce_scatter_block(
             send, recv, checkedCount(count, "reduce_scatter"), mpiType(dtype), mpiOp(op, dtype), comm_),
@@ -289,6 +308,7 @@ class MpiCommunicator : public Communicator {
       void* recv,
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
+    CallInProgress inProgress;
     // Only the worker thread calls a communicator, so these count arrays can be reused.
     toDisplacements(sendCounts, sendCounts_, sendDispls_);
     toDisplacements(recvCounts, recvCounts_, recvDispls_);
@@ -320,6 +340,7 @@ class MpiCommunicator : public Communicator {
   }
 
   void barrier() override {
+    CallInProgress inProgress;
     check(MPI_Barrier(comm_), "Barrier");
   }
 
@@ -395,7 +416,7 @@ std::string broadcastString(const std::string& text, int root) {
 void finalize() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (gInitializedHere && !finalized && !gAbandoned.load()) {
+  if (gInitializedHere && !finalized && !gAbandoned.load() && gCallsInProgress.load() == 0) {
     MPI_Finalize();
   }
 }

@@ -1,0 +1,77 @@
+"""A peer that never comes, or dies, ends in an error that names the op: never a hang."""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_mpiexec, run_spawn
+
+
+def missing_peer():
+    """Rank 0 calls all_reduce on a group with a 3 s timeout; rank 1 never does."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    outcome = {}
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(8), group=group, async_op=True)
+        try:
+            work.wait()
+            outcome["first"] = "completed"
+        except dist.DistBackendError as error:
+            outcome["first"] = str(error)
+        future_error = None
+        try:
+            work.get_future().wait()
+        except Exception as error:  # noqa: BLE001
+            future_error = str(error)
+        outcome["future"] = future_error
+        try:
+            dist.all_reduce(torch.ones(2), group=group)
+            outcome["second"] = "completed"
+        except dist.DistBackendError as error:
+            outcome["second"] = str(error)
+    # The default group is untouched by the other group's failure.
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    outcome["default_group_after"] = check.item()
+    return outcome
+
+
+def check_missing_peer(outcome):
+    assert "all_reduce" in outcome["first"] and "timed out" in outcome["first"], outcome["first"]
+    assert "3000 ms" in outcome["first"], outcome["first"]
+    assert outcome["future"] is not None and "all_reduce" in outcome["future"]
+    assert "all_reduce" in outcome["second"] and "unusable" in outcome["second"], outcome["second"]
+    assert outcome["default_group_after"] == 2.0
+
+
+def test_missing_peer_times_out_over_gloo():
+    outcomes = run_spawn(missing_peer, 2, timeout=90)
+    check_missing_peer(outcomes[0])
+
+
+@pytest.mark.mpi
+def test_missing_peer_times_out_over_mpi():
+    # Rank 0's MPI call can never return, so it exits without MPI_Finalize and mpiexec reports the
+    # job as failed: what matters is that every rank got its error and the job ended.
+    outcomes = run_mpiexec(missing_peer, 2, timeout=90, allow_abnormal_exit=True)
+    check_missing_peer(outcomes[0])
+
+
+def dying_peer():
+    rank = dist.get_rank()
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(4))
+        return "completed"
+    except dist.DistBackendError as error:
+        return str(error)
+
+
+def test_dead_peer_gives_an_error():
+    outcomes = run_spawn(dying_peer, 2, timeout=90, op_timeout=30, may_exit=(1,))
+    assert "all_reduce" in outcomes[0], outcomes[0]

@@ -1,0 +1,95 @@
+"""Sub-groups from new_group and new_subgroups, concurrent groups, and the asynchronous contract."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_chainermn
+from tests.harness import run_mpiexec, run_spawn
+
+
+def subgroup_operations():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    evens = dist.new_group([r for r in range(size) if r % 2 == 0])
+    if rank % 2 == 0:
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=evens)
+        outcome["evens_sum"] = t.item()
+        outcome["evens_transport"] = torch_chainermn.transport(evens)
+        assert dist.get_backend(evens) == "chainermn"
+    else:
+        assert evens == dist.GroupMember.NON_GROUP_MEMBER
+
+    pair, _ = dist.new_subgroups(group_size=2)
+    mine = torch.tensor([rank + 1.0])
+    dist.all_reduce(mine, group=pair)
+    outcome["pair_sum"] = mine.item()
+    # Point to point inside the pair, addressed by group rank.
+    peer_group_rank = 1 - dist.get_group_rank(pair, rank)
+    got = torch.zeros(1)
+    recv = dist.irecv(got, group=pair, group_src=peer_group_rank)
+    dist.send(torch.tensor([rank * 10.0]), group=pair, group_dst=peer_group_rank)
+    recv.wait()
+    outcome["from_pair_peer"] = got.item()
+
+    # Two groups in flight at once: each has its own worker, neither waits for the other.
+    a, b = torch.ones(1000), torch.ones(1000) * 2
+    work_world = dist.all_reduce(a, async_op=True)
+    work_pair = dist.all_reduce(b, group=pair, async_op=True)
+    work_pair.wait()
+    work_world.wait()
+    outcome["concurrent"] = (a[0].item(), b[0].item())
+    return outcome
+
+
+def check_subgroups(outcomes, size):
+    for rank, outcome in enumerate(outcomes):
+        if rank % 2 == 0:
+            assert outcome["evens_sum"] == sum(r for r in range(size) if r % 2 == 0)
+        first = rank - rank % 2
+        assert outcome["pair_sum"] == (first + 1) + (first + 2)
+        assert outcome["from_pair_peer"] == (first + (1 - rank % 2)) * 10
+        assert outcome["concurrent"] == (size, 4.0)
+
+
+def test_subgroups_over_gloo():
+    outcomes = run_spawn(subgroup_operations, 4)
+    check_subgroups(outcomes, 4)
+    assert outcomes[0]["evens_transport"] == "gloo"
+
+
+@pytest.mark.mpi
+def test_subgroups_over_mpi():
+    outcomes = run_mpiexec(subgroup_operations, 4)
+    check_subgroups(outcomes, 4)
+    assert outcomes[0]["evens_transport"] == "mpi"
+
+
+def async_does_not_block():
+    """Rank 1 joins a second late: rank 0's async all_reduce must return at once, not after it."""
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    if rank == 1:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    pending_right_after_issue = not work.is_completed()
+    work.wait()
+    return pending_right_after_issue, t.tolist()
+
+
+def test_async_op_returns_before_the_collective_completes():
+    outcomes = run_spawn(async_does_not_block, 2)
+    assert outcomes[0][0], "rank 0's async all_reduce had completed before rank 1 joined"
+    assert outcomes[0][1] == outcomes[1][1] == [2.0] * 4
+
+
+def test_gloo_transport_can_be_forced_under_mpiexec():
+    outcomes = run_mpiexec(torch_chainermn.transport, 2, env={"CHAINERMN_TRANSPORT": "gloo"})
+    assert outcomes == ["gloo", "gloo"]
+
+
+def test_mpi_transport_without_mpiexec_is_an_error():
+    with pytest.raises(Exception, match="CHAINERMN_TRANSPORT=mpi"):
+        run_spawn(torch_chainermn.transport, 2, env={"CHAINERMN_TRANSPORT": "mpi"})
