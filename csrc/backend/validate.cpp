@@ -55,12 +55,12 @@ bool isReducible(at::ScalarType dtype) {
     case at::kDouble:
     case at::kChar:
     case at::kByte:
-    case at::kShort:
     case at::kInt:
     case at::kLong:
     case at::kBool:
       return true;
     default:
+      // int16 among them: Gloo cannot reduce it, and a dtype should not work on one transport only.
       return false;
   }
 }
@@ -164,7 +164,7 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
       op,
       ": cannot reduce tensors of dtype ",
       dtypeName(dtype),
-      " (supported: float16, bfloat16, float32, float64, int8, uint8, int16, int32, int64, bool)");
+      " (supported: float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)");
   const bool floating = at::isFloatingType(dtype);
   const bool sixteenBit = dtype == at::kHalf || dtype == at::kBFloat16;
 

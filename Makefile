@@ -1,0 +1,56 @@
+# torch-chainermn: set-up, demo, tests.
+#
+#   make demo   train the MNIST example on 4 processes with torchrun (sets everything up first)
+#   make test   run the test suite (sets everything up first)
+#
+# `make install` is idempotent and quick when nothing changed: it creates .venv with the pinned CPU
+# torch (found through PIP_FIND_LINKS, which must stay in the environment), installs Open MPI from
+# Debian when mpicc is missing, and builds the extension in place.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC := torch==2.13.0
+PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja
+SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+EXTENSION_STAMP := $(VENV)/.extension-built
+MPI_STAMP := $(VENV)/.mpi-checked
+DEPS_STAMP := $(VENV)/.deps-installed
+NPROC ?= 4
+
+.PHONY: install demo test bench clean
+
+install: $(EXTENSION_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): $(PY) Makefile
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PY_PACKAGES)
+	touch $@
+
+# Open MPI: the MPI transport is built only when mpicc is there at build time.
+$(MPI_STAMP): $(PY)
+	@if ! command -v mpicc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Open MPI from Debian"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null; \
+	  else \
+	    echo "warning: mpicc not found and not root: building without the MPI transport"; \
+	  fi; \
+	fi
+	@command -v mpicc > $@ || true
+
+$(EXTENSION_STAMP): $(DEPS_STAMP) $(MPI_STAMP) $(SOURCES)
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+demo: install
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/mnist/train_mnist.py
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf build $(VENV) torch_chainermn/_C*.so *.egg-info

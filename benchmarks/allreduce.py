@@ -1,0 +1,545 @@
+#!/usr/bin/env python
+"""all_reduce bus bandwidth of the "chainermn" backend, measured against torch's Gloo, MPI and memcpy.
+
+What is measured
+----------------
+For every message size S (float32, from --min-bytes to --max-bytes in steps of x4) and every contender,
+each rank runs a few warm-up all-reduces, then --repeats timed loops of `iters` all-reduces, each loop
+started right after a barrier. `iters` is chosen per point so that one point takes about
+--seconds-per-point, which means fewer iterations for large messages. The time t of one all-reduce is
+the median over the loops of (elapsed / iters), taken from the slowest rank.
+
+Bandwidths are defined as in nccl-tests (doc/PERFORMANCE.md), with n ranks:
+
+    algbw = S / t
+    busbw = algbw * 2(n-1)/n
+
+Any all-reduce algorithm has to move at least 2(n-1)/n * S bytes in and out of each rank (a ring
+does n-1 reduce-scatter steps and n-1 all-gather steps of S/n bytes each). busbw is therefore the
+rate each rank's link actually ran at: it does not depend on n, and it can be set against the
+hardware's bandwidth. GB/s here means 1e9 bytes per second.
+
+Contenders, measured in the same processes on the same buffer:
+  chainermn/<transport>  dist.all_reduce on the default group, dist.init_process_group("chainermn");
+                         the transport is MPI under mpiexec and Gloo under torchrun.
+  gloo                   dist.all_reduce on dist.new_group(backend="gloo").
+  mpi4py                 MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM); only
+                         under mpiexec and when mpi4py imports, otherwise the row is skipped (and why
+                         is printed).
+  memcpy                 dst.copy_(src) of S bytes on rank 0 alone, one thread, reported as S / t.
+                         Not an all-reduce: a reference for what the memory can do, an upper bound
+                         for an all-reduce between processes of one host.
+Each time includes the Python call of its API, as a training script would pay it.
+
+Run it
+------
+    # one launch; chainermn uses MPI, mpi4py row present (as root: --allow-run-as-root)
+    mpiexec --allow-run-as-root --oversubscribe -n 2 .venv/bin/python benchmarks/allreduce.py
+    # one launch; chainermn uses Gloo, no MPI row
+    .venv/bin/torchrun --nproc-per-node 2 benchmarks/allreduce.py
+    # both launches, one after the other, merged into one markdown table and a plot
+    .venv/bin/python benchmarks/allreduce.py --launch both --nproc 2 --plot benchmarks/results/allreduce.png
+
+Each launch prints its rows on rank 0; with --json PATH rank 0 also writes them to PATH. The driver
+(--launch) writes benchmarks/results/allreduce-<launcher>.json for each launch and allreduce.md with
+the combined table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
+LAUNCHERS = ("mpiexec", "torchrun")
+
+FLOAT32_BYTES = 4
+GB = 1e9
+WARMUP_BYTES = 128 * 2**20  # cap on the data pushed through warm-up, so large sizes warm up once or twice
+MAX_ITERS = 100_000
+
+
+# ----------------------------------------------------------------------------------------- arguments
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="all_reduce bus bandwidth: chainermn vs gloo vs MPI (mpi4py) vs memcpy",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--min-bytes", type=int, default=4 * 2**10, help="smallest message, in bytes")
+    parser.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message, in bytes")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up all-reduces per point (fewer for large messages)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the median is reported")
+    parser.add_argument("--seconds-per-point", type=float, default=0.5,
+                        help="aim for this much timed work per (contender, size)")
+    parser.add_argument("--json", type=Path, help="rank 0 writes the rows here (a launch)")
+    parser.add_argument("--launch", choices=("none",) + LAUNCHERS + ("both",), default="none",
+                        help="none: this process is a rank; otherwise start the launch(es) as subprocesses")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per launch (--launch only)")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where --launch writes its files")
+    parser.add_argument("--plot", type=Path, help="write a log-log PNG of busbw vs message size here")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed (--launch only)")
+    args = parser.parse_args(argv)
+    if not 0 < args.min_bytes <= args.max_bytes:
+        parser.error("need 0 < --min-bytes <= --max-bytes")
+    if args.repeats < 1 or args.warmup < 1 or args.nproc < 2:
+        parser.error("--repeats and --warmup must be >= 1 and --nproc >= 2")
+    return args
+
+
+def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """min_bytes, 4x that, 16x ... up to max_bytes, each a whole number of float32 elements."""
+    sizes, size = [], max(FLOAT32_BYTES, min_bytes - min_bytes % FLOAT32_BYTES)
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def human_bytes(nbytes: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return f"{nbytes}B"
+
+
+# ------------------------------------------------------------------------------- process environment
+
+def launched_by_mpiexec() -> bool:
+    # Checked through the environment, before anything initializes MPI: importing mpi4py outside
+    # mpiexec would start an MPI singleton that nobody asked for.
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def import_mpi4py():
+    """(MPI module, "") under mpiexec when mpi4py imports, else (None, why the MPI row is skipped).
+
+    Must run before `import torch_chainermn`: mpi4py then initializes MPI (at MPI_THREAD_MULTIPLE,
+    its default, which torch_chainermn needs) and torch_chainermn finds it already initialized.
+    """
+    if not launched_by_mpiexec():
+        return None, "not launched by mpiexec"
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        return None, f"mpi4py does not import ({error}); pip install mpi4py"
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        # Not fatal for the MPI row itself, but torch_chainermn will then fall back to Gloo.
+        print(f"warning: MPI provides thread level {MPI.Query_thread()}, not MPI_THREAD_MULTIPLE", file=sys.stderr)
+    return MPI, ""
+
+
+def launcher_name() -> str:
+    if launched_by_mpiexec():
+        return "mpiexec"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    return "env://"
+
+
+# -------------------------------------------------------------------------------------------- timing
+
+def time_loop(op, barrier, iters: int) -> float:
+    """Seconds per op over one loop of `iters` ops, started together on every rank."""
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op()
+    return (time.perf_counter() - start) / iters
+
+
+def measure(op, barrier, slowest, nbytes: int, args) -> tuple[float, int]:
+    """(seconds per op, iterations per timed loop) for one contender at one size.
+
+    `slowest(x)` returns the largest x over the ranks taking part, so that every rank runs the
+    same number of iterations and the reported time is the slowest rank's.
+    """
+    warmup = max(1, min(args.warmup, WARMUP_BYTES // nbytes))
+    for _ in range(warmup):
+        op()
+    per_loop = args.seconds_per_point / args.repeats
+    iters = int(min(MAX_ITERS, max(1, round(per_loop / estimate_seconds(op, barrier, slowest, per_loop)))))
+    times = [time_loop(op, barrier, iters) for _ in range(args.repeats)]
+    return slowest(statistics.median(times)), iters
+
+
+def estimate_seconds(op, barrier, slowest, per_loop: float) -> float:
+    """A rough time per op, from loops grown until one lasts a tenth of a timed loop.
+
+    A single short loop is too noisy to size the timed loops from: a few microseconds of jitter on
+    a 5-op loop would change the iteration count tenfold.
+    """
+    iters = 1
+    while True:
+        elapsed = slowest(time_loop(op, barrier, iters) * iters)
+        if elapsed >= per_loop / 10 or iters >= MAX_ITERS:
+            return max(elapsed, 1e-9) / iters
+        iters = min(MAX_ITERS, iters * 4)
+
+
+# --------------------------------------------------------------------------------------- contenders
+
+class Contender:
+    """One way to all-reduce a float32 tensor in place, with a matching barrier."""
+
+    def __init__(self, label: str, allreduce, barrier):
+        self.label, self.allreduce, self.barrier = label, allreduce, barrier
+
+
+def make_contenders(dist, MPI, transport: str) -> list[Contender]:
+    gloo = dist.new_group(backend="gloo")
+    contenders = [
+        Contender(f"chainermn/{transport}", lambda t: dist.all_reduce(t), lambda: dist.barrier()),
+        Contender("gloo", lambda t: dist.all_reduce(t, group=gloo), lambda: dist.barrier(group=gloo)),
+    ]
+    if MPI is not None:
+        comm = MPI.COMM_WORLD
+        contenders.append(Contender(
+            "mpi4py",
+            # The numpy array shares the tensor's memory: MPI reduces the very buffer the others use.
+            lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
+            comm.Barrier,
+        ))
+    return contenders
+
+
+def check_allreduce(contender: Contender, buf, rank: int, world: int) -> str:
+    """'' when one all-reduce of (rank + 1) everywhere gives n(n+1)/2 everywhere, else what went wrong."""
+    buf.fill_(rank + 1)
+    contender.allreduce(buf)
+    expected = world * (world + 1) / 2
+    wrong = (buf != expected).nonzero()
+    if len(wrong) == 0:
+        return ""
+    first = int(wrong[0])
+    return (f"{len(wrong)} of {buf.numel()} elements wrong on rank {rank}, "
+            f"e.g. [{first}] = {float(buf[first])}, expected {expected}")
+
+
+def row(launcher, contender, kind, ranks, nbytes, seconds, iters, repeats, error="") -> dict:
+    algbw = nbytes / seconds / GB
+    # memcpy is not an all-reduce: its "busbw" is plainly bytes / time (one rank, no 2(n-1)/n).
+    busbw = algbw * 2 * (ranks - 1) / ranks if kind == "allreduce" else algbw
+    return {
+        "launcher": launcher, "contender": contender, "kind": kind, "ranks": ranks, "bytes": nbytes,
+        "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
+        "iters": iters, "repeats": repeats, "error": error,
+    }
+
+
+# ------------------------------------------------------------------------------------------- a rank
+
+def run_rank(args) -> None:
+    MPI, mpi_skipped = import_mpi4py()  # before torch_chainermn, see import_mpi4py
+
+    sys.path.insert(0, str(REPO))  # the package, also when it is not pip-installed
+    import torch
+    import torch.distributed as dist
+
+    import torch_chainermn
+
+    # One compute thread: the ranks share few cores, and memcpy should be one thread's copy.
+    torch.set_num_threads(1)
+    if not launched_by_mpiexec() and "RANK" not in os.environ:
+        sys.exit("start this script with mpiexec or torchrun, or use --launch both (see --help)")
+
+    dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    transport = torch_chainermn.transport()
+    launcher = launcher_name()
+    contenders = make_contenders(dist, MPI, transport)
+    # A separate group for bookkeeping (agreeing on counts, checks), so it never queues behind or
+    # between the measured operations of a contender's own group.
+    control = dist.new_group(backend="gloo")
+
+    def slowest(x: float) -> float:
+        value = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control)
+        return float(value)
+
+    meta = describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport)
+    if rank == 0:
+        print_header(meta)
+
+    rows = []
+    for nbytes in message_sizes(args.min_bytes, args.max_bytes):
+        # One buffer per size, used by every contender (mpi4py through .numpy()).
+        buf = torch.empty(nbytes // FLOAT32_BYTES, dtype=torch.float32)
+        for contender in contenders:
+            error = check_allreduce(contender, buf, rank, world)
+            if error:
+                print(f"rank {rank}: {contender.label} gave wrong values at {human_bytes(nbytes)}: {error}",
+                      file=sys.stderr, flush=True)
+            # Zeros sum to zeros: the timed loops never overflow nor reach slow denormals.
+            buf.zero_()
+            seconds, iters = measure(lambda: contender.allreduce(buf), contender.barrier, slowest, nbytes, args)
+            if not error and bool(buf.any()):
+                error = f"non-zero values after all-reducing zeros on rank {rank}"
+            # Every rank's verdict counts: rank 0 reports the row as wrong if any rank saw wrong values.
+            if slowest(1.0 if error else 0.0) > 0 and not error:
+                error = "wrong values on another rank"
+            rows.append(row(launcher, contender.label, "allreduce", world, nbytes, seconds, iters, args.repeats, error))
+            if rank == 0:
+                print_row(rows[-1], flush=True)
+        if rank == 0:
+            seconds, iters = measure_memcpy(torch, buf, nbytes, args)
+            rows.append(row(launcher, "memcpy", "memcpy", 1, nbytes, seconds, iters, args.repeats))
+            print_row(rows[-1], flush=True)
+        dist.barrier(group=control)  # the other ranks wait here (sleeping in Gloo) while rank 0 copies
+        del buf
+
+    if rank == 0:
+        print_notes(meta)
+        if args.json:
+            write_json(args.json, {"meta": meta, "rows": rows})
+            print(f"rows written to {args.json}")
+        if args.plot:
+            plot([{"meta": meta, "rows": rows}], args.plot)
+    dist.barrier(group=control)  # rank 0 hosts the store: nobody leaves while others may still use it
+    dist.destroy_process_group()
+
+
+def measure_memcpy(torch, src, nbytes: int, args) -> tuple[float, int]:
+    dst = torch.empty_like(src)
+    return measure(lambda: dst.copy_(src), lambda: None, lambda x: x, nbytes, args)
+
+
+def describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport) -> dict:
+    meta = {
+        "launcher": launcher, "ranks": world, "chainermn_transport": transport,
+        "torch": torch.__version__, "torch_chainermn": torch_chainermn.__version__,
+        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "mpi4py": None, "mpi_library": None, "mpi_skipped": mpi_skipped,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    if MPI is not None:
+        import mpi4py
+
+        meta["mpi4py"] = mpi4py.__version__
+        meta["mpi_library"] = MPI.Get_library_version().split(",")[0].strip()  # "Open MPI v4.1.4"
+    return meta
+
+
+# ------------------------------------------------------------------------------------------- output
+
+ROW_HEADER = "| size | contender | time (us) | algbw (GB/s) | busbw (GB/s) | iters x repeats |"
+ROW_RULE = "|---:|---|---:|---:|---:|---:|"
+
+
+def format_us(us: float) -> str:
+    return f"{us:.1f}" if us < 1000 else f"{us:.0f}"
+
+
+def print_header(meta: dict) -> None:
+    print(f"# all_reduce, float32, {meta['ranks']} ranks, launched by {meta['launcher']}; "
+          f"chainermn transport: {meta['chainermn_transport']}")
+    print(f"# torch {meta['torch']}, torch_chainermn {meta['torch_chainermn']}, "
+          f"{meta['cpus']} CPUs, {meta['torch_threads']} torch thread(s)")
+    if meta["mpi4py"]:
+        print(f"# mpi4py {meta['mpi4py']} on {meta['mpi_library']}")
+    else:
+        print(f"# MPI (mpi4py) row skipped: {meta['mpi_skipped']}")
+    print(ROW_HEADER)
+    print(ROW_RULE, flush=True)
+
+
+def print_row(r: dict, flush=False) -> None:
+    label = r["contender"] + (" (1 rank, upper-bound reference)" if r["kind"] == "memcpy" else "")
+    wrong = f" WRONG: {r['error']}" if r["error"] else ""
+    print(f"| {human_bytes(r['bytes'])} | {label}{wrong} | {format_us(r['time_us'])} | {r['algbw_GBps']:.3f} "
+          f"| {r['busbw_GBps']:.3f} | {r['iters']} x {r['repeats']} |", flush=flush)
+
+
+def print_notes(meta: dict) -> None:
+    n = meta["ranks"]
+    print(f"# busbw = algbw * 2(n-1)/n = algbw * {2 * (n - 1) / n:g} (nccl-tests); "
+          "memcpy: bytes / time of dst.copy_(src) on rank 0")
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def series(results: list[dict]) -> dict[str, list[dict]]:
+    """Rows grouped by column: '<contender> (<launcher>)' for all-reduces, one memcpy (the first launch's).
+
+    The launcher stays in the name because it changes the processes: mpiexec pins each rank to a
+    core, torchrun does not, so even torch's gloo can differ between the launches.
+    """
+    columns: dict[str, list[dict]] = {}
+    # Same contender side by side across launches, the reference last.
+    order = {"chainermn": 0, "gloo": 1, "mpi4py": 2, "memcpy": 3}
+    all_rows = [r for result in results for r in result["rows"]]
+    all_rows.sort(key=lambda r: order.get(r["contender"].split("/")[0], 2))  # stable: launch order kept
+    for r in all_rows:
+        if r["kind"] == "memcpy":
+            name = "memcpy (1 rank, reference)"
+            if name in columns and columns[name][0]["launcher"] != r["launcher"]:
+                continue  # the same copy again in the other launch: one column is enough
+        else:
+            name = f"{r['contender']} ({r['launcher']})"
+        columns.setdefault(name, []).append(r)
+    return columns
+
+
+def combined_table(results: list[dict]) -> str:
+    """One markdown table: a row per size, a column per contender, cells 'busbw (time per op)'."""
+    columns = series(results)
+    sizes = sorted({r["bytes"] for rows in columns.values() for r in rows})
+    ranks = sorted({result["meta"]["ranks"] for result in results})
+    lines = [
+        f"all_reduce of float32, {', '.join(map(str, ranks))} ranks: busbw in GB/s (time per all-reduce in us)",
+        "",
+        "| size | " + " | ".join(columns) + " |",
+        "|---:|" + "---:|" * len(columns),
+    ]
+    for nbytes in sizes:
+        cells = []
+        for rows in columns.values():
+            r = next((r for r in rows if r["bytes"] == nbytes), None)
+            if r is None:
+                cells.append("-")
+            else:
+                cell = f"{r['busbw_GBps']:.2f} ({format_us(r['time_us'])} us)"
+                cells.append(cell + (" WRONG" if r["error"] else ""))
+        lines.append(f"| {human_bytes(nbytes)} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("busbw = bytes / time * 2(n-1)/n as in nccl-tests. memcpy is one rank's `dst.copy_(src)` "
+                 "(bytes / time), an upper bound for comparison, not an all-reduce.")
+    for result in results:
+        meta = result["meta"]
+        mpi = (f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"]
+               else f"MPI row skipped: {meta['mpi_skipped']}")
+        lines.append(f"- {meta['launcher']}: {meta['ranks']} ranks, chainermn transport {meta['chainermn_transport']}, "
+                     f"torch {meta['torch']}, {meta['cpus']} CPUs, {mpi}.")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed, so no plot was written to {path} "
+              f"(pip install matplotlib into this Python: {sys.executable})")
+        return
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    sizes = set()
+    for name, rows in series(results).items():
+        rows = sorted(rows, key=lambda r: r["bytes"])
+        xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
+        sizes.update(xs)
+        style = dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy" else dict(linestyle="-")
+        ax.loglog(xs, ys, marker="o", label=name, **style)
+    ticks = sorted(sizes)
+    ax.set_xticks(ticks, [human_bytes(s) for s in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("message size (bytes, float32)")
+    ax.set_ylabel("busbw (GB/s)")
+    ranks = sorted({result["meta"]["ranks"] for result in results})
+    ax.set_title(f"all_reduce bus bandwidth, {', '.join(map(str, ranks))} ranks on one host")
+    ax.grid(True, which="major", alpha=0.4)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a line
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot written to {path}")
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+def launch_command(launcher: str, args, json_path: Path) -> list[str]:
+    """The command line of one launch, with this run's measurement options passed on."""
+    script = [str(Path(__file__).resolve()),
+              "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
+              "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+              "--seconds-per-point", str(args.seconds_per_point), "--json", str(json_path)]
+    if launcher == "mpiexec":
+        mpiexec = shutil.which("mpiexec")
+        if mpiexec is None:
+            raise FileNotFoundError("mpiexec is not on PATH")
+        root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+        # --oversubscribe: allow more ranks than cores; -x: pass OMP_NUM_THREADS to remote ranks too.
+        return [mpiexec, *root, "--oversubscribe", "-n", str(args.nproc), "-x", "OMP_NUM_THREADS",
+                sys.executable, *script]
+    # --standalone: a private rendezvous on a free port, so nothing else on this host interferes.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(args.nproc), *script]
+
+
+def run_launch(command: list[str], timeout: float) -> int:
+    """Run one launch in its own process group, so a hang can be killed as a whole; its exit status."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"launch still running after {timeout:.0f} s: killing it", file=sys.stderr)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return -1
+
+
+def drive(args) -> int:
+    start = time.perf_counter()
+    launchers = LAUNCHERS if args.launch == "both" else (args.launch,)
+    results, failures = [], []
+    for launcher in launchers:
+        json_path = args.out_dir / f"allreduce-{launcher}.json"
+        json_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
+        try:
+            command = launch_command(launcher, args, json_path)
+        except FileNotFoundError as error:
+            failures.append(f"{launcher}: {error}")
+            continue
+        print(f"\n$ {shlex.join(command)}", flush=True)
+        launch_start = time.perf_counter()
+        status = run_launch(command, args.timeout)
+        print(f"({launcher} launch: exit status {status}, {time.perf_counter() - launch_start:.1f} s)", flush=True)
+        if status != 0 or not json_path.exists():
+            failures.append(f"{launcher}: exit status {status}" + ("" if json_path.exists() else ", no results"))
+            continue
+        results.append(json.loads(json_path.read_text()))
+
+    if results:
+        table = combined_table(results)
+        md_path = args.out_dir / "allreduce.md"
+        md_path.write_text(table + "\n")
+        print("\n" + table + f"\n\n(table written to {md_path})")
+        if args.plot:
+            plot(results, args.plot)
+    for failure in failures:
+        print(f"launch failed: {failure}", file=sys.stderr)
+    print(f"total wall time: {time.perf_counter() - start:.1f} s")
+    return 1 if failures or not results else 0
+
+
+def main() -> None:
+    args = parse_args()
+    if args.launch != "none":
+        sys.exit(drive(args))
+    run_rank(args)
+
+
+if __name__ == "__main__":
+    main()
