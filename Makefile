@@ -18,6 +18,8 @@ MPI_STAMP := $(VENV)/.mpi-checked
 DEPS_STAMP := $(VENV)/.deps-installed
 NPROC ?= 4
 
+BENCH_STAMP := $(VENV)/.bench-deps-installed
+
 .PHONY: install demo test bench clean
 
 install: $(EXTENSION_STAMP)
@@ -51,6 +53,14 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# all_reduce bandwidth against gloo and MPI (mpi4py), under mpiexec and torchrun; table + plot.
+bench: install $(BENCH_STAMP)
+	$(PY) benchmarks/allreduce.py --launch both --nproc 2 --plot benchmarks/results/allreduce.png
+
+$(BENCH_STAMP): $(DEPS_STAMP)
+	$(PY) -m pip install -q mpi4py matplotlib
+	touch $@
 
 clean:
 	rm -rf build $(VENV) torch_chainermn/_C*.so *.egg-info

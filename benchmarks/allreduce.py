@@ -299,6 +299,7 @@ def run_rank(args) -> None:
         del buf
 
     if rank == 0:
+        meta["loadavg_end"] = os.getloadavg()[0]
         print_notes(meta)
         if args.json:
             write_json(args.json, {"meta": meta, "rows": rows})
@@ -321,6 +322,8 @@ def describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, tran
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "mpi4py": None, "mpi_library": None, "mpi_skipped": mpi_skipped,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        # Anything else running on the host shows up in the numbers: keep a trace of it.
+        "loadavg_start": os.getloadavg()[0],
     }
     if MPI is not None:
         import mpi4py
@@ -364,6 +367,8 @@ def print_notes(meta: dict) -> None:
     n = meta["ranks"]
     print(f"# busbw = algbw * 2(n-1)/n = algbw * {2 * (n - 1) / n:g} (nccl-tests); "
           "memcpy: bytes / time of dst.copy_(src) on rank 0")
+    print(f"# 1-minute load average: {meta['loadavg_start']:.2f} at the start, {meta['loadavg_end']:.2f} at the end "
+          f"({meta['cpus']} CPUs; well above {meta['ranks']} means something else competed for the cores)")
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -424,7 +429,8 @@ def combined_table(results: list[dict]) -> str:
         mpi = (f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"]
                else f"MPI row skipped: {meta['mpi_skipped']}")
         lines.append(f"- {meta['launcher']}: {meta['ranks']} ranks, chainermn transport {meta['chainermn_transport']}, "
-                     f"torch {meta['torch']}, {meta['cpus']} CPUs, {mpi}.")
+                     f"torch {meta['torch']}, {meta['cpus']} CPUs, {mpi}; load average "
+                     f"{meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}.")
     return "\n".join(lines)
 
 

@@ -456,6 +456,7 @@ def bad_input_case(rank, size):
         lambda: dist.all_to_all_single(torch.empty(size), torch.ones(size), None, [size + 1] + [0] * (size - 1)),
         "all_to_all_single", "split")
     expect_value_error(lambda: dist.recv(torch.ones(1), src=0, tag=-4), "recv", "tag")
+    expect_value_error(lambda: dist.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)]), "dtype")
     # Nothing was queued: the group still works, on every rank, in step.
     check = torch.ones(2)
     dist.all_reduce(check)

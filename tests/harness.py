@@ -72,7 +72,7 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
     with open(tmp, "wb") as f:
         pickle.dump(outcome, f)
     tmp.rename(Path(out_dir) / f"{rank}.pkl")
-    if init and dist.is_initialized() and "error" not in outcome:
+    if dist.is_initialized() and "error" not in outcome:
         # Rank 0 hosts the store: it must not leave while others may still use it.
         try:
             dist.barrier()

@@ -19,7 +19,10 @@ def matrix(transport: str, size: int):
     return run(collective_cases.run_cases, size, timeout=600)
 
 
-@pytest.mark.parametrize("transport,size", CONFIGS, ids=[f"{t}-{n}ranks" for t, n in CONFIGS])
+@pytest.mark.parametrize(
+    "transport,size",
+    [pytest.param(t, n, id=f"{t}-{n}ranks", marks=[pytest.mark.mpi] if t == "mpi" else []) for t, n in CONFIGS],
+)
 @pytest.mark.parametrize("case", list(collective_cases.CASES))
 def test_collective(transport, size, case):
     results = matrix(transport, size)

@@ -85,6 +85,7 @@ def test_async_op_returns_before_the_collective_completes():
     assert outcomes[0][1] == outcomes[1][1] == [2.0] * 4
 
 
+@pytest.mark.mpi
 def test_gloo_transport_can_be_forced_under_mpiexec():
     outcomes = run_mpiexec(torch_chainermn.transport, 2, env={"CHAINERMN_TRANSPORT": "gloo"})
     assert outcomes == ["gloo", "gloo"]
@@ -93,3 +94,25 @@ def test_gloo_transport_can_be_forced_under_mpiexec():
 def test_mpi_transport_without_mpiexec_is_an_error():
     with pytest.raises(Exception, match="CHAINERMN_TRANSPORT=mpi"):
         run_spawn(torch_chainermn.transport, 2, env={"CHAINERMN_TRANSPORT": "mpi"})
+
+
+def init_with(method_template: str):
+    """init_process_group with an explicit init_method (tcp:// or file://) instead of env://."""
+    import datetime
+    import os
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("chainermn", init_method=method_template, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return dist.get_backend(), t.item()
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_tcp_and_file_init_methods(scheme, tmp_path):
+    from tests.harness import free_port
+
+    method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous"
+    outcomes = run_spawn(init_with, 3, method, init=False, env={"MASTER_ADDR": "", "MASTER_PORT": ""})
+    assert outcomes == [("chainermn", 6.0)] * 3
