@@ -185,11 +185,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueue(
     timeout = std::chrono::milliseconds(timeoutMs_.load());
   }
   auto work = c10::make_intrusive<WorkChainerMN>(
-      rank_,
       type,
-      std::string(name) + " (seq " + std::to_string(sequence) + ", rank " + std::to_string(rank_) + " of " +
-          std::to_string(size_) + ", " + context_->comm->library() + ", timeout " + std::to_string(timeout.count()) +
-          " ms)",
+      WorkChainerMN::Label{name, context_->comm->library(), rank_, size_, timeout},
       sequence,
       std::move(outputs),
       Clock::now() + timeout);

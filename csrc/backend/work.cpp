@@ -14,18 +14,23 @@ std::exception_ptr backendError(const std::string& message) {
 }
 
 WorkChainerMN::WorkChainerMN(
-    int rank,
     c10d::OpType opType,
-    std::string description,
+    Label label,
     uint64_t sequence,
     std::vector<at::Tensor> outputs,
     Clock::time_point deadline)
-    : c10d::Work(rank, opType),
-      description_(std::move(description)),
+    : c10d::Work(label.rank, opType),
+      label_(label),
       sequence_(sequence),
       outputs_(std::move(outputs)),
       deadline_(deadline),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+std::string WorkChainerMN::description() const {
+  return std::string(label_.op) + " (seq " + std::to_string(sequence_) + ", rank " + std::to_string(label_.rank) +
+      " of " + std::to_string(label_.size) + ", " + label_.transport + ", timeout " +
+      std::to_string(label_.timeout.count()) + " ms)";
+}
 
 bool WorkChainerMN::claim() {
   return !claimed_.exchange(true);
@@ -62,7 +67,7 @@ bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
     const auto waited = timeout == ::kNoTimeout ? std::string("its group timeout")
                                                     : std::to_string(timeout.count()) + " ms";
     C10_THROW_ERROR(
-        DistBackendError, "chainermn " + description_ + ": wait() timed out after " + waited);
+        DistBackendError, "chainermn " + description() + ": wait() timed out after " + waited);
   }
   if (exception_) {
     std::rethrow_exception(exception_);

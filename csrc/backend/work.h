@@ -17,10 +17,18 @@ class WorkChainerMN : public c10d::Work {
  public:
   // `deadline` is when the operation must have completed (enqueue time + group timeout); a wait()
   // without its own timeout never outlasts it by more than a moment.
+  // What names the op in messages; the text is built only when a message needs it, not per call.
+  struct Label {
+    const char* op;         // "all_reduce"
+    const char* transport;  // "gloo"
+    int rank;
+    int size;
+    std::chrono::milliseconds timeout;
+  };
+
   WorkChainerMN(
-      int rank,
       c10d::OpType opType,
-      std::string description,
+      Label label,
       uint64_t sequence,
       std::vector<at::Tensor> outputs,
       Clock::time_point deadline);
@@ -37,10 +45,8 @@ class WorkChainerMN : public c10d::Work {
   void fail(std::exception_ptr error);
   void setSourceRank(int rank);
 
-  // "all_reduce (seq 7, rank 0 of 4, gloo)": for messages.
-  const std::string& description() const {
-    return description_;
-  }
+  // "all_reduce (seq 7, rank 0 of 4, gloo, timeout 30000 ms)", for messages.
+  std::string description() const;
   Clock::time_point deadline() const {
     return deadline_;
   }
@@ -49,7 +55,7 @@ class WorkChainerMN : public c10d::Work {
   bool claim();  // true for the first completion only
   void markDone(std::exception_ptr error);
 
-  const std::string description_;
+  const Label label_;
   const uint64_t sequence_;
   std::vector<at::Tensor> outputs_;
   const Clock::time_point deadline_;
