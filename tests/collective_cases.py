@@ -149,6 +149,21 @@ def all_reduce_async_case(rank, size):
     assert_same(chained.wait(), torch.full((3,), 2.0 * size), "then() callback")
 
 
+def callback_issues_collective_case(rank, size):
+    """A then() callback runs when the worker finishes an op; issuing the next op from it must not deadlock."""
+    second = torch.ones(3)
+    issued = {}
+
+    def chain(future):
+        issued["work"] = dist.all_reduce(second, async_op=True)
+        return future.value()[0]
+
+    first = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(chain)
+    assert_same(first.wait(), torch.full((3,), float(size)), "first all_reduce")
+    issued["work"].wait()
+    assert_same(second, torch.full((3,), float(size)), "all_reduce issued from a callback")
+
+
 def all_reduce_coalesced_case(dtype_name: str):
     dtype = DTYPES[dtype_name]
 
@@ -485,6 +500,7 @@ def _build_cases() -> dict:
         ]:
             cases[f"{label}[{dtype_name}]"] = factory(dtype_name)
     cases["all_reduce_async"] = all_reduce_async_case
+    cases["callback_issues_collective"] = callback_issues_collective_case
     cases["tags"] = tags_case
     cases["recv_any_source"] = recv_any_source_case
     cases["batch_isend_irecv"] = batch_isend_irecv_case

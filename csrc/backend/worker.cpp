@@ -71,73 +71,96 @@ struct Worker::State {
   void watchdogLoop();
   void run(Op& op);
   bool progressInFlight();
-  void failQueued(const std::string& why);  // with mutex held
+  std::deque<Op> takeQueued();  // with mutex held
 };
 
-void Worker::State::failQueued(const std::string& why) {
-  for (auto& op : queue) {
+// Completing or failing a Work runs its future's callbacks, which may issue more operations on this
+// group: it is never done with the mutex held.
+void failAll(std::deque<Op>& ops, const std::string& why);
+
+std::deque<Op> Worker::State::takeQueued() {
+  std::deque<Op> taken;
+  taken.swap(queue);
+  idle.notify_all();
+  return taken;
+}
+
+void failAll(std::deque<Op>& ops, const std::string& why) {
+  for (auto& op : ops) {
     op.work->fail(backendError("chainermn " + op.work->description() + ": " + why));
   }
-  queue.clear();
-  idle.notify_all();
 }
 
 void Worker::State::run(Op& op) {
+  std::string notRun;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!brokenReason.empty()) {
-      op.work->fail(backendError("chainermn " + op.work->description() + ": not run, " + brokenReason));
-      return;
+    if (brokenReason.empty()) {
+      current = op.work;
+    } else {
+      notRun = brokenReason;
     }
-    current = op.work;
+  }
+  if (!notRun.empty()) {
+    op.work->fail(backendError("chainermn " + op.work->description() + ": not run, " + notRun));
+    return;
   }
   wakeWatchdog.notify_one();
   RequestPtr request;
-  std::exception_ptr error;
   try {
     request = op.body();
+    if (!request) {
+      op.work->complete();
+    }
   } catch (const std::exception& e) {
-    error = backendError("chainermn " + op.work->description() + " failed: " + describeError(e));
+    op.work->fail(backendError("chainermn " + op.work->description() + " failed: " + describeError(e)));
   }
-  std::lock_guard<std::mutex> lock(mutex);
-  current.reset();
-  if (error) {
-    op.work->fail(error);
-  } else if (request) {
-    inFlight.push_back({op.work, std::move(op.body), std::move(request)});
-  } else {
-    op.work->complete();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    current.reset();
+    if (request) {
+      inFlight.push_back({op.work, std::move(op.body), std::move(request)});
+    }
   }
   idle.notify_all();
 }
 
 // Returns true when some request made progress.
 bool Worker::State::progressInFlight() {
-  bool progressed = false;
-  std::lock_guard<std::mutex> lock(mutex);
-  for (auto it = inFlight.begin(); it != inFlight.end();) {
-    bool done = false;
-    try {
-      done = it->request->test();
-      if (done) {
-        it->work->setSourceRank(it->request->source());
-        it->work->complete();
+  std::vector<InFlight> finished;
+  std::vector<std::exception_ptr> errors;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = inFlight.begin(); it != inFlight.end();) {
+      std::exception_ptr error;
+      bool done = false;
+      try {
+        done = it->request->test();
+      } catch (const std::exception& e) {
+        done = true;
+        error = backendError("chainermn " + it->work->description() + " failed: " + describeError(e));
       }
-    } catch (const std::exception& e) {
-      done = true;
-      it->work->fail(backendError("chainermn " + it->work->description() + " failed: " + describeError(e)));
-    }
-    if (done) {
-      it = inFlight.erase(it);
-      progressed = true;
-    } else {
-      ++it;
+      if (done) {
+        finished.push_back(std::move(*it));
+        errors.push_back(error);
+        it = inFlight.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
-  if (progressed) {
+  for (size_t i = 0; i < finished.size(); ++i) {
+    if (errors[i]) {
+      finished[i].work->fail(errors[i]);
+    } else {
+      finished[i].work->setSourceRank(finished[i].request->source());
+      finished[i].work->complete();
+    }
+  }
+  if (!finished.empty()) {
     idle.notify_all();
   }
-  return progressed;
+  return !finished.empty();
 }
 
 void Worker::State::workerLoop() {
@@ -193,18 +216,23 @@ void Worker::State::watchdogLoop() {
         nextCheck = std::min(nextCheck, entry.work->deadline());
       }
     }
-    for (auto& work : overdue) {
-      const std::string why = work->description() + " timed out";
-      work->fail(backendError(
-          "chainermn " + why +
-          ": a peer did not take part before the group timeout (a rank may have died, or the ranks issued "
-          "different collectives)"));
-      if (brokenReason.empty()) {
-        brokenReason = "the group is unusable after " + why;
-      }
-    }
     if (!overdue.empty()) {
-      failQueued("not run, " + brokenReason);
+      if (brokenReason.empty()) {
+        brokenReason = "the group is unusable after " + overdue.front()->description() + " timed out";
+      }
+      auto queued = takeQueued();
+      const std::string reason = brokenReason;
+      lock.unlock();
+      for (auto& work : overdue) {
+        work->fail(backendError(
+            "chainermn " + work->description() +
+            " timed out: a peer did not take part before the group timeout (a rank may have died, or the "
+            "ranks issued different collectives)"));
+      }
+      failAll(queued, "not run, " + reason);
+      lock.lock();
+      idle.notify_all();
+      continue;
     }
     wakeWatchdog.wait_until(lock, nextCheck);
   }
@@ -219,18 +247,25 @@ Worker::Worker(std::string groupName) : state_(std::make_shared<State>(std::move
 
 Worker::~Worker() {
   bool stuck = false;
+  std::deque<Op> queued;
+  std::vector<c10::intrusive_ptr<WorkChainerMN>> unfinished;
   {
     std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->failQueued("not run: the process group was destroyed");
+    queued = state_->takeQueued();
+    lock.unlock();
+    failAll(queued, "not run: the process group was destroyed");
+    lock.lock();
     // Let an operation inside the transport finish, up to its deadline.
     const auto deadline = state_->current ? state_->current->deadline() : Clock::now();
     state_->idle.wait_until(lock, deadline, [this] { return !state_->current; });
     stuck = static_cast<bool>(state_->current);
     for (auto& entry : state_->inFlight) {
-      entry.work->fail(backendError(
-          "chainermn " + entry.work->description() + ": not completed before the process group was destroyed"));
+      unfinished.push_back(entry.work);
     }
     state_->stopping = true;
+  }
+  for (auto& work : unfinished) {
+    work->fail(backendError("chainermn " + work->description() + ": not completed before the process group was destroyed"));
   }
   state_->wakeWorker.notify_all();
   state_->wakeWatchdog.notify_all();
@@ -249,13 +284,18 @@ Worker::~Worker() {
 }
 
 void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
+  std::string notRun;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    if (!state_->brokenReason.empty()) {
-      work->fail(backendError("chainermn " + work->description() + ": not run, " + state_->brokenReason));
-      return;
+    if (state_->brokenReason.empty()) {
+      state_->queue.push_back({work, std::move(body)});
+    } else {
+      notRun = state_->brokenReason;
     }
-    state_->queue.push_back({std::move(work), std::move(body)});
+  }
+  if (!notRun.empty()) {
+    work->fail(backendError("chainermn " + work->description() + ": not run, " + notRun));
+    return;
   }
   state_->wakeWorker.notify_one();
 }
