@@ -11,10 +11,12 @@ import torch.distributed  # noqa: F401
 
 from . import _C, _backend, _launch
 from ._C import Topology
+from ._backend import get_options
+from .options import Options
 from .topology import topology
 
 __version__ = "0.1.0"
-__all__ = ["Topology", "topology", "transport"]
+__all__ = ["Options", "Topology", "get_options", "topology", "transport"]
 
 
 def transport(group=None) -> str:

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._launch import mpi_launched
+from .options import Options, _dtype_name
 
 TRANSPORTS = ("auto", "mpi", "gloo")
 
@@ -37,8 +38,29 @@ def _agree_on_transport(store, rank: int, size: int, mine: str) -> str:
     return "mpi" if choices == {"mpi"} else "gloo"
 
 
+def _gloo(store, prefix: str, rank: int, size: int, timeout):
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"chainermn/gloo/{prefix}/", store), rank, size, timeout)
+
+
+def _gloo_levels(store, topology, timeout):
+    """Gloo groups for the world, this node (intra) and this intra rank across nodes (inter)."""
+    world = _gloo(store, "world", topology.rank, topology.size, timeout)
+    intra = world
+    if topology.inter_size > 1:
+        intra = _gloo(store, f"intra/{topology.inter_rank}", topology.intra_rank, topology.intra_size, timeout)
+    inter = world
+    if topology.inter_size < topology.size:  # not one rank per node
+        peers = [node[topology.intra_rank] for node in topology.ranks_of_node if len(node) > topology.intra_rank]
+        inter = _gloo(store, f"inter/{topology.intra_rank}", peers.index(topology.rank), len(peers), timeout)
+    return world, intra, inter
+
+
 def create_backend(dist_options, pg_options=None):
-    """Creator registered with torch.distributed (extended API)."""
+    """Creator registered with torch.distributed (extended API); pg_options is a torch_chainermn.Options."""
+    if pg_options is None:
+        pg_options = Options()
+    elif not isinstance(pg_options, Options):
+        raise ValueError(f"chainermn: pg_options must be torch_chainermn.Options, got {type(pg_options).__name__}")
     store = dist_options.store
     rank, size = dist_options.group_rank, dist_options.group_size
     global_ranks = list(dist_options.global_ranks_in_group) or list(range(size))
@@ -46,19 +68,28 @@ def create_backend(dist_options, pg_options=None):
     world_size = dist.get_world_size() if dist.is_initialized() else size
     timeout = dist_options.timeout
     group_name = dist_options.group_id
+    communicator = pg_options.communicator
+    wire_dtype = _dtype_name(pg_options.allreduce_grad_dtype)
 
     requested = _requested_transport()
     usable, why_not = _mpi_usable(world_size, global_rank) if requested != "gloo" else (False, "")
     if requested == "mpi" and not usable:
         raise RuntimeError(f"CHAINERMN_TRANSPORT=mpi, but MPI cannot be used: {why_not}")
     transport = _agree_on_transport(store, rank, size, "mpi" if usable else "gloo")
+    topology = _C.discover_topology(store, rank, size, global_rank)
 
     if transport == "mpi":
         return _C.ProcessGroupChainerMN.with_mpi(
-            store, rank, size, timeout, global_rank, group_name, global_ranks
-        )
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("chainermn/gloo/", store), rank, size, timeout)
-    return _C.ProcessGroupChainerMN.with_gloo(store, rank, size, timeout, global_rank, group_name, gloo)
+            store, rank, size, timeout, group_name, topology, global_ranks, communicator, wire_dtype)
+    world, intra, inter = _gloo_levels(store, topology, timeout)
+    return _C.ProcessGroupChainerMN.with_gloo(
+        store, rank, size, timeout, group_name, topology, world, intra, inter, communicator, wire_dtype)
+
+
+def get_options(group=None) -> Options:
+    """The Options a chainermn group was created with."""
+    backend = backend_of(group, "get_options")
+    return Options(backend.communicator, backend.allreduce_grad_dtype or None)
 
 
 def register() -> None:

@@ -134,27 +134,31 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    int globalRank,
     std::string groupName,
-    CommunicatorPtr comm)
+    Topology topology,
+    CommunicatorSet comms,
+    GroupOptions options)
     : c10d::Backend(rank, size),
       context_(std::make_shared<GroupContext>()),
-      topology_(discoverTopology(*store, rank, size, globalRank)),
+      topology_(std::move(topology)),
+      options_(std::move(options)),
       timeoutMs_(timeout.count()) {
-  TORCH_CHECK(comm, "chainermn: no communicator for group ", groupName);
+  TORCH_CHECK(comms.world && comms.intra && comms.inter, "chainermn: incomplete communicators for group ", groupName);
   TORCH_CHECK(
-      comm->rank() == rank && comm->size() == size,
+      comms.world->rank() == rank && comms.world->size() == size,
       "chainermn: the ",
-      comm->library(),
+      comms.world->library(),
       " communicator has rank ",
-      comm->rank(),
+      comms.world->rank(),
       " of ",
-      comm->size(),
+      comms.world->size(),
       " but the group has rank ",
       rank,
       " of ",
       size);
-  context_->comm = std::move(comm);
+  context_->strategy = makeStrategy(options_.communicator, topology_);
+  context_->comm = comms.world;
+  context_->comms = std::move(comms);
   worker_ = std::make_unique<Worker>(std::move(groupName));
 }
 
@@ -214,12 +218,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   at::Tensor tensor = single("all_reduce", "tensor", tensors);
+  checkStrategyHandles("all_reduce", *context_->strategy, tensor);
   const Reduction plan = planReduction("all_reduce", opts.reduceOp, tensor.scalar_type(), size_);
   return enqueue(
       c10d::OpType::ALLREDUCE, "all_reduce", {tensor}, opts.timeout, [tensor, plan](GroupContext& ctx) mutable {
         if (tensor.numel() > 0) {
           applyScaleBefore(tensor, plan);
-          ctx.comm->allreduce(tensor.data_ptr(), tensor.numel(), plan.wireType, plan.kind);
+          ctx.strategy->allreduce(
+              ctx.comms, ctx.scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType}, plan.kind);
           applyDivideAfter(tensor, plan);
         }
         return RequestPtr();
@@ -238,18 +244,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
   for (const auto& tensor : tensors) {
     total += tensor.numel();
   }
+  for (const auto& tensor : tensors) {
+    checkStrategyHandles(op, *context_->strategy, tensor);
+  }
   return enqueue(
       c10d::OpType::ALLREDUCE_COALESCED, op, tensors, opts.timeout, [tensors, plan, total](GroupContext& ctx) mutable {
         if (total == 0) {
           return RequestPtr();
         }
-        // One transport call for all tensors: pack, reduce, unpack.
-        at::Tensor flat = ctx.scratch.tensor(0, total, tensors[0].scalar_type());
-        pack(tensors, flat.data_ptr());
-        applyScaleBefore(flat, plan);
-        ctx.comm->allreduce(flat.data_ptr(), total, plan.wireType, plan.kind);
-        applyDivideAfter(flat, plan);
-        unpack(flat.data_ptr(), tensors);
+        for (auto& tensor : tensors) {
+          applyScaleBefore(tensor, plan);
+        }
+        std::vector<FlatBuffer> bufs;
+        bufs.reserve(tensors.size());
+        for (auto& tensor : tensors) {
+          bufs.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType});
+        }
+        ctx.strategy->allreduceMany(ctx.comms, ctx.scratch, bufs, plan.kind);
+        for (auto& tensor : tensors) {
+          applyDivideAfter(tensor, plan);
+        }
         return RequestPtr();
       });
 }

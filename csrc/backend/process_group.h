@@ -8,6 +8,7 @@
 #include "backend/scratch.h"
 #include "backend/worker.h"
 #include "comm/communicator.h"
+#include "strategies/strategy.h"
 #include "topology.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -21,8 +22,16 @@ namespace chainermn {
 // What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
 // it outlives the ProcessGroup if a transport call is still running when the group goes away.
 struct GroupContext {
-  CommunicatorPtr comm;
+  CommunicatorSet comms;              // world, intra and inter communicators of this group
+  CommunicatorPtr comm;               // == comms.world: every non-allreduce collective uses it
+  std::unique_ptr<Strategy> strategy;  // how all_reduce runs
   Scratch scratch;
+};
+
+// What a group was created with (torch_chainermn.Options on the Python side).
+struct GroupOptions {
+  std::string communicator = "hierarchical";
+  std::string allreduceGradDtype;  // "" for the gradients' own dtype
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -32,9 +41,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
       int rank,
       int size,
       std::chrono::milliseconds timeout,
-      int globalRank,
       std::string groupName,
-      CommunicatorPtr comm);
+      Topology topology,
+      CommunicatorSet comms,
+      GroupOptions options);
   ~ProcessGroupChainerMN() override;
 
   const std::string getBackendName() const override {
@@ -113,6 +123,13 @@ class ProcessGroupChainerMN : public c10d::Backend {
   const char* transport() const {
     return context_->comm->library();
   }
+  const GroupOptions& options() const {
+    return options_;
+  }
+  // The algorithm all_reduce runs (two_dimensional runs as hierarchical on nodes of unequal size).
+  const char* algorithm() const {
+    return context_->strategy->name();
+  }
   // Bytes of staging memory held (grows to the largest call, then stays).
   size_t scratchBytes() const {
     return context_->scratch.bytesHeld();
@@ -132,6 +149,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::shared_ptr<GroupContext> context_;
   std::unique_ptr<Worker> worker_;
   Topology topology_;
+  GroupOptions options_;
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};
 };

@@ -10,7 +10,9 @@ namespace chainermn {
 
 class Scratch {
  public:
-  static constexpr int kSlots = 2;  // e.g. a send and a receive staging area
+  // Slots 0 and 1 stage collectives' inputs and outputs (slot 0 holds packed tensors); strategies
+  // use slots 1 and 2 for their own intermediate buffers.
+  static constexpr int kSlots = 3;
 
   // At least `bytes` of memory in `slot`; the contents are not kept when it grows.
   void* get(int slot, size_t bytes) {

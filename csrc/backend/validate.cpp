@@ -148,6 +148,16 @@ void checkSameKind(const char* op, const char* argument, const at::Tensor& tenso
       like.numel());
 }
 
+void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Tensor& tensor) {
+  TORCH_CHECK_VALUE(
+      !tensor.device().is_cpu() || strategy.supportsCpu(),
+      op,
+      ": communicator '",
+      strategy.name(),
+      "' reduces CUDA tensors only (NCCL); for CPU tensors use 'hierarchical', 'two_dimensional', "
+      "'flat', 'naive' or 'single_node'");
+}
+
 void checkRank(const char* op, const char* argument, int64_t rank, int size) {
   TORCH_CHECK_VALUE(
       rank >= 0 && rank < size, op, ": ", argument, " ", rank, " is not a rank of this group (size ", size, ")");

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "comm/communicator.h"
+#include "strategies/strategy.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -22,6 +23,9 @@ at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>
 
 // `tensor` has the dtype and number of elements of `like`.
 void checkSameKind(const char* op, const char* argument, const at::Tensor& tensor, const at::Tensor& like);
+
+// The group's allreduce strategy can reduce this tensor (pure_nccl refuses CPU tensors).
+void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Tensor& tensor);
 
 void checkRank(const char* op, const char* argument, int64_t rank, int size);
 void checkTag(const char* op, int tag);

@@ -85,4 +85,12 @@ class Communicator {
 
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 
+// The communicators of one process group. When a level is the whole group (one node, or one rank
+// per node) it is the world communicator itself.
+struct CommunicatorSet {
+  CommunicatorPtr world;  // every rank of the group
+  CommunicatorPtr intra;  // the ranks of this node, ordered by rank
+  CommunicatorPtr inter;  // the ranks with this intra rank, one per node that has one
+};
+
 } // namespace chainermn

@@ -425,7 +425,7 @@ void noteAbandonedRequest() {
   gAbandoned.store(true);
 }
 
-CommunicatorPtr createCommunicator(const std::vector<int64_t>& worldRanks) {
+CommunicatorSet createCommunicators(const std::vector<int64_t>& worldRanks, const Topology& topology) {
   initialize();
   TORCH_CHECK(threadMultiple(), "chainermn: the MPI transport needs MPI_THREAD_MULTIPLE");
   MPI_Group world;
@@ -433,12 +433,24 @@ CommunicatorPtr createCommunicator(const std::vector<int64_t>& worldRanks) {
   std::vector<int> ranks(worldRanks.begin(), worldRanks.end());
   MPI_Group group;
   check(MPI_Group_incl(world, static_cast<int>(ranks.size()), ranks.data(), &group), "Group_incl");
-  MPI_Comm comm;
+  MPI_Comm groupComm;
   // Collective over the group's members only, as torch creates a backend on members only.
-  check(MPI_Comm_create_group(MPI_COMM_WORLD, group, /*tag=*/0, &comm), "Comm_create_group");
+  check(MPI_Comm_create_group(MPI_COMM_WORLD, group, /*tag=*/0, &groupComm), "Comm_create_group");
   MPI_Group_free(&group);
   MPI_Group_free(&world);
-  return std::make_shared<MpiCommunicator>(comm);
+
+  CommunicatorSet comms;
+  comms.world = std::make_shared<MpiCommunicator>(groupComm);
+  // Every rank takes the same branches: they depend on the whole group's topology only.
+  const bool oneRankPerNode = topology.interSize == topology.size;
+  auto split = [&](int color) {
+    MPI_Comm part;
+    check(MPI_Comm_split(groupComm, color, topology.rank, &part), "Comm_split");
+    return std::make_shared<MpiCommunicator>(part);
+  };
+  comms.intra = topology.interSize == 1 ? comms.world : split(topology.interRank);
+  comms.inter = oneRankPerNode ? comms.world : split(topology.intraRank);
+  return comms;
 }
 
 } // namespace chainermn::mpi

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "comm/communicator.h"
+#include "topology.h"
 
 #include <string>
 #include <vector>
@@ -34,7 +35,8 @@ void finalize();
 // Marks that an operation was left in flight after a timeout; see finalize().
 void noteAbandonedRequest();
 
-// A communicator over the given MPI_COMM_WORLD ranks, in that order. Collective over those ranks only.
-CommunicatorPtr createCommunicator(const std::vector<int64_t>& worldRanks);
+// The world, intra-node and inter-node communicators of a group over the given MPI_COMM_WORLD ranks
+// (in that order). Collective over those ranks only.
+CommunicatorSet createCommunicators(const std::vector<int64_t>& worldRanks, const Topology& topology);
 
 } // namespace chainermn::mpi

@@ -2,6 +2,7 @@
 // MPI runtime helpers the launcher needs.
 #include "backend/process_group.h"
 #include "comm/gloo.h"
+#include "strategies/strategy.h"
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
 #include "comm/mpi.h"
@@ -17,16 +18,33 @@ using chainermn::Topology;
 
 namespace {
 
+using chainermn::CommunicatorSet;
+using chainermn::GroupOptions;
+
+GroupOptions groupOptions(std::string communicator, std::string allreduceGradDtype) {
+  return GroupOptions{std::move(communicator), std::move(allreduceGradDtype)};
+}
+
 c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
     const c10::intrusive_ptr<c10d::Store>& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    int globalRank,
     std::string groupName,
-    c10::intrusive_ptr<c10d::Backend> gloo) {
+    Topology topology,
+    c10::intrusive_ptr<c10d::Backend> world,
+    c10::intrusive_ptr<c10d::Backend> intra,
+    c10::intrusive_ptr<c10d::Backend> inter,
+    std::string communicator,
+    std::string allreduceGradDtype) {
+  // One Gloo group serves every level it spans (the world is also the intra level on one node).
+  CommunicatorSet comms;
+  comms.world = chainermn::gloo::createCommunicator(world);
+  comms.intra = intra == world ? comms.world : chainermn::gloo::createCommunicator(intra);
+  comms.inter = inter == world ? comms.world : chainermn::gloo::createCommunicator(inter);
   return c10::make_intrusive<ProcessGroupChainerMN>(
-      store, rank, size, timeout, globalRank, std::move(groupName), chainermn::gloo::createCommunicator(std::move(gloo)));
+      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
+      groupOptions(std::move(communicator), std::move(allreduceGradDtype)));
 }
 
 #ifdef CHAINERMN_WITH_MPI
@@ -35,12 +53,15 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    int globalRank,
     std::string groupName,
-    const std::vector<int64_t>& worldRanks) {
-  auto comm = chainermn::mpi::createCommunicator(worldRanks);
+    Topology topology,
+    const std::vector<int64_t>& worldRanks,
+    std::string communicator,
+    std::string allreduceGradDtype) {
+  auto comms = chainermn::mpi::createCommunicators(worldRanks, topology);
   return c10::make_intrusive<ProcessGroupChainerMN>(
-      store, rank, size, timeout, globalRank, std::move(groupName), std::move(comm));
+      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
+      groupOptions(std::move(communicator), std::move(allreduceGradDtype)));
 }
 #endif
 
@@ -68,6 +89,17 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("topology_from_names", &chainermn::topologyFromNames, py::arg("names"), py::arg("rank"));
   m.def("local_node_name", &chainermn::localNodeName, py::arg("global_rank"));
+  m.def(
+      "discover_topology",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int globalRank) {
+        return chainermn::discoverTopology(*store, rank, size, globalRank);
+      },
+      py::arg("store"),
+      py::arg("rank"),
+      py::arg("size"),
+      py::arg("global_rank"),
+      py::call_guard<py::gil_scoped_release>());
+  m.attr("communicator_names") = chainermn::strategyNames();
 
   py::class_<ProcessGroupChainerMN, c10d::Backend, c10::intrusive_ptr<ProcessGroupChainerMN>>(
       m, "ProcessGroupChainerMN")
@@ -78,9 +110,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("rank"),
           py::arg("size"),
           py::arg("timeout"),
-          py::arg("global_rank"),
           py::arg("group_name"),
-          py::arg("gloo"),
+          py::arg("topology"),
+          py::arg("world"),
+          py::arg("intra"),
+          py::arg("inter"),
+          py::arg("communicator"),
+          py::arg("allreduce_grad_dtype"),
           py::call_guard<py::gil_scoped_release>())
 #ifdef CHAINERMN_WITH_MPI
       .def_static(
@@ -90,13 +126,19 @@ PYBIND11_MODULE(_C, m) {
           py::arg("rank"),
           py::arg("size"),
           py::arg("timeout"),
-          py::arg("global_rank"),
           py::arg("group_name"),
+          py::arg("topology"),
           py::arg("world_ranks"),
+          py::arg("communicator"),
+          py::arg("allreduce_grad_dtype"),
           py::call_guard<py::gil_scoped_release>())
 #endif
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
       .def_property_readonly("transport", &ProcessGroupChainerMN::transport)
+      .def_property_readonly("communicator", [](const ProcessGroupChainerMN& pg) { return pg.options().communicator; })
+      .def_property_readonly(
+          "allreduce_grad_dtype", [](const ProcessGroupChainerMN& pg) { return pg.options().allreduceGradDtype; })
+      .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
 
 #ifdef CHAINERMN_WITH_MPI

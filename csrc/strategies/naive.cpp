@@ -1,0 +1,29 @@
+// naive: every tensor is reduced on its own over all ranks. No packing, one call per tensor.
+#include "strategies/all.h"
+
+namespace chainermn {
+namespace {
+
+class Naive : public Strategy {
+ public:
+  const char* name() const override {
+    return "naive";
+  }
+  void allreduce(CommunicatorSet& comms, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
+    comms.world->allreduce(buf.data, buf.count, buf.dtype, op);
+  }
+  void allreduceMany(CommunicatorSet& comms, Scratch& scratch, const std::vector<FlatBuffer>& bufs, ReduceKind op)
+      override {
+    for (const auto& buf : bufs) {
+      allreduce(comms, scratch, buf, op);
+    }
+  }
+};
+
+} // namespace
+
+std::unique_ptr<Strategy> makeNaive() {
+  return std::make_unique<Naive>();
+}
+
+} // namespace chainermn

@@ -1,0 +1,82 @@
+#include "strategies/strategy.h"
+
+#include "strategies/all.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+namespace chainermn {
+
+void Strategy::allreduceMany(
+    CommunicatorSet& comms,
+    Scratch& scratch,
+    const std::vector<FlatBuffer>& bufs,
+    ReduceKind op) {
+  if (bufs.empty()) {
+    return;
+  }
+  const auto dtype = bufs[0].dtype;
+  const size_t width = c10::elementSize(dtype);
+  int64_t total = 0;
+  for (const auto& buf : bufs) {
+    total += buf.count;
+  }
+  // Slot 0 holds the pack; strategies use slot 1 for their own staging.
+  auto* packed = static_cast<char*>(scratch.get(0, total * width));
+  char* cursor = packed;
+  for (const auto& buf : bufs) {
+    std::memcpy(cursor, buf.data, buf.count * width);
+    cursor += buf.count * width;
+  }
+  allreduce(comms, scratch, FlatBuffer{packed, total, dtype}, op);
+  cursor = packed;
+  for (const auto& buf : bufs) {
+    std::memcpy(buf.data, cursor, buf.count * width);
+    cursor += buf.count * width;
+  }
+}
+
+bool singleLevel(CommunicatorSet& comms, const FlatBuffer& buf, ReduceKind op) {
+  // One node, or one rank per node: one of the two levels is a single rank, so the whole reduction
+  // is one allreduce on the other level.
+  if (comms.inter->size() == comms.world->size() || comms.intra->size() == comms.world->size()) {
+    comms.world->allreduce(buf.data, buf.count, buf.dtype, op);
+    return true;
+  }
+  return false;
+}
+
+const std::vector<std::string>& strategyNames() {
+  static const std::vector<std::string> names{
+      "naive", "flat", "hierarchical", "two_dimensional", "single_node", "pure_nccl"};
+  return names;
+}
+
+std::unique_ptr<Strategy> makeStrategy(const std::string& name, const Topology& topology) {
+  if (name == "naive") {
+    return makeNaive();
+  }
+  if (name == "flat") {
+    return makeFlat();
+  }
+  if (name == "hierarchical") {
+    return makeHierarchical();
+  }
+  if (name == "two_dimensional") {
+    return makeTwoDimensional(topology);
+  }
+  if (name == "single_node") {
+    return makeSingleNode(topology);
+  }
+  if (name == "pure_nccl") {
+    return makePureNccl();
+  }
+  std::string allowed;
+  for (const auto& known : strategyNames()) {
+    allowed += (allowed.empty() ? "" : ", ") + known;
+  }
+  TORCH_CHECK_VALUE(false, "unknown chainermn communicator '", name, "' (choose from: ", allowed, ")");
+}
+
+} // namespace chainermn

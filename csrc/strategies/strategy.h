@@ -1,0 +1,54 @@
+// ChainerMN's allreduce communicators, each written once against Communicator.
+//
+// A strategy reduces one flat buffer in place across the group by composing collectives on the
+// group's `world`, `intra` (ranks of this node) and `inter` (ranks of the same intra rank on every
+// node) communicators. It never names a library, so every strategy runs over MPI, Gloo, and later
+// shared memory and NCCL alike, and is tested on the CPU.
+#pragma once
+
+#include "backend/scratch.h"
+#include "comm/communicator.h"
+#include "topology.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+// One flat buffer to reduce in place: `count` elements of `dtype` at `data`.
+struct FlatBuffer {
+  void* data;
+  int64_t count;
+  c10::ScalarType dtype;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual const char* name() const = 0;
+  // False for strategies that only exist for CUDA tensors (pure_nccl).
+  virtual bool supportsCpu() const {
+    return true;
+  }
+
+  // buf becomes the reduction of every rank's buf (every rank passes the same count and dtype).
+  virtual void allreduce(CommunicatorSet& comms, Scratch& scratch, const FlatBuffer& buf, ReduceKind op) = 0;
+
+  // Many tensors of one dtype: by default packed into one buffer and reduced in one call; `naive`
+  // reduces them one by one instead.
+  virtual void allreduceMany(
+      CommunicatorSet& comms,
+      Scratch& scratch,
+      const std::vector<FlatBuffer>& bufs,
+      ReduceKind op);
+};
+
+// The communicator names users choose from.
+const std::vector<std::string>& strategyNames();
+
+// The named strategy for a group with this topology; throws ValueError for an unknown name or a
+// topology the strategy cannot serve (single_node over several nodes).
+std::unique_ptr<Strategy> makeStrategy(const std::string& name, const Topology& topology);
+
+} // namespace chainermn

@@ -1,0 +1,79 @@
+"""ChainerMN's allreduce strategies on simulated topologies, over Gloo (spawn) and MPI (mpiexec)."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_chainermn
+from tests import strategy_cases
+from tests.harness import run_mpiexec, run_spawn
+
+# (name, world size, per-process env, expected (intra_size of rank 0, inter_size))
+TOPOLOGIES = {
+    "1x4": (4, {"CHAINERMN_RANKS_PER_NODE": "4"}, None, (4, 1)),
+    "2x2": (4, {"CHAINERMN_RANKS_PER_NODE": "2"}, None, (2, 2)),
+    "4x1": (4, {"CHAINERMN_RANKS_PER_NODE": "1"}, None, (1, 4)),
+    "3x2": (6, {"CHAINERMN_RANKS_PER_NODE": "2"}, None, (2, 3)),
+    "2+2+1": (5, {"CHAINERMN_RANKS_PER_NODE": "2"}, None, (2, 3)),  # nodes of unequal size
+    "1+2": (3, {}, {0: {"CHAINERMN_HOSTNAME": "a"}, 1: {"CHAINERMN_HOSTNAME": "b"},
+                    2: {"CHAINERMN_HOSTNAME": "b"}}, (1, 2)),
+}
+CONFIGS = [("gloo", t) for t in TOPOLOGIES] + [("mpi", t) for t in ("2x2", "4x1", "3x2", "2+2+1")]
+
+
+@functools.lru_cache(maxsize=None)
+def outcomes(transport, topology):
+    size, env, rank_env, _ = TOPOLOGIES[topology]
+    if transport == "gloo":
+        return run_spawn(strategy_cases.run_strategy_cases, size, env=env, rank_env=rank_env, timeout=600)
+    return run_mpiexec(strategy_cases.run_strategy_cases, size, env=env, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "transport,topology",
+    [pytest.param(t, top, id=f"{t}-{top}", marks=[pytest.mark.mpi] if t == "mpi" else []) for t, top in CONFIGS],
+)
+@pytest.mark.parametrize("case", strategy_cases.case_names())
+def test_strategy(transport, topology, case):
+    results = outcomes(transport, topology)
+    assert results[0]["__topology__"] == TOPOLOGIES[topology][3]
+    assert all(r["__transport__"] == transport for r in results)
+    if case.startswith("single_node") and TOPOLOGIES[topology][3][1] > 1:
+        assert all(case not in r for r in results)  # not created on several nodes
+        return
+    failures = [f"rank {rank}:\n{r[case]}" for rank, r in enumerate(results) if r[case]]
+    assert not failures, "\n".join(failures)
+
+
+def single_node_on_two_nodes():
+    try:
+        dist.new_group([0, 1], backend="chainermn", pg_options=torch_chainermn.Options(communicator="single_node"))
+    except ValueError as error:
+        return str(error)
+    return "created"
+
+
+def test_single_node_refuses_several_nodes():
+    messages = run_spawn(single_node_on_two_nodes, 2, env={"CHAINERMN_RANKS_PER_NODE": "1"})
+    assert all("single_node" in m and "2 nodes" in m for m in messages), messages
+
+
+def options_from_environment():
+    return torch_chainermn.get_options(), torch_chainermn.topology().inter_size
+
+
+def test_environment_chooses_the_communicator_without_code_changes():
+    results = run_spawn(options_from_environment, 2, env={
+        "CHAINERMN_COMMUNICATOR": "two_dimensional", "CHAINERMN_ALLREDUCE_GRAD_DTYPE": "bfloat16"})
+    assert results[0][0] == torch_chainermn.Options("two_dimensional", torch.bfloat16)
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="hierarchical.*two_dimensional"):
+        torch_chainermn.Options(communicator="ring")
+    with pytest.raises(ValueError, match="float16"):
+        torch_chainermn.Options(allreduce_grad_dtype=torch.int32)
+    with pytest.raises(ValueError, match="allreduce_grad_dtype"):
+        torch_chainermn.Options(allreduce_grad_dtype="int8")
+    assert torch_chainermn.Options(allreduce_grad_dtype="half").allreduce_grad_dtype == torch.float16
