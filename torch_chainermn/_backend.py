@@ -31,6 +31,14 @@ def _mpi_usable(world_size: int, global_rank: int) -> tuple[bool, str]:
     return True, ""
 
 
+def _shared_memory_enabled() -> bool:
+    """CHAINERMN_SHM=0 turns the intra-node shared-memory path off (it is on by default)."""
+    value = os.environ.get("CHAINERMN_SHM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"CHAINERMN_SHM must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _agree_on_transport(store, rank: int, size: int, mine: str) -> str:
     """Every rank of a group must use the same transport: MPI only if all ranks can."""
     store.set(f"chainermn/transport/{rank}", mine)
@@ -70,6 +78,7 @@ def create_backend(dist_options, pg_options=None):
     group_name = dist_options.group_id
     communicator = pg_options.communicator
     wire_dtype = _dtype_name(pg_options.allreduce_grad_dtype)
+    shared_memory = _shared_memory_enabled()
 
     requested = _requested_transport()
     usable, why_not = _mpi_usable(world_size, global_rank) if requested != "gloo" else (False, "")
@@ -80,10 +89,11 @@ def create_backend(dist_options, pg_options=None):
 
     if transport == "mpi":
         return _C.ProcessGroupChainerMN.with_mpi(
-            store, rank, size, timeout, group_name, topology, global_ranks, communicator, wire_dtype)
+            store, rank, size, timeout, group_name, topology, global_ranks, communicator, wire_dtype, shared_memory)
     world, intra, inter = _gloo_levels(store, topology, timeout)
     return _C.ProcessGroupChainerMN.with_gloo(
-        store, rank, size, timeout, group_name, topology, world, intra, inter, communicator, wire_dtype)
+        store, rank, size, timeout, group_name, topology, world, intra, inter, communicator, wire_dtype,
+        shared_memory)
 
 
 def get_options(group=None) -> Options:

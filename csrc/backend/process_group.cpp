@@ -1,6 +1,7 @@
 #include "backend/process_group.h"
 
 #include "backend/validate.h"
+#include "comm/shm.h"
 
 #include <c10/util/Exception.h>
 
@@ -157,6 +158,17 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(
       " of ",
       size);
   context_->strategy = makeStrategy(options_.communicator, topology_);
+  transport_ = comms.world->library();
+  if (options_.sharedMemory && topology_.intraSize > 1) {
+    // The node's ranks reduce through shared memory; on a single node that is the whole group.
+    auto shared = shm::createCommunicator(
+        *store, "chainermn/shm/" + std::to_string(topology_.interRank), comms.intra, timeout);
+    if (comms.world == comms.intra) {
+      comms.world = shared;
+    }
+    comms.intra = shared;
+    sharedMemory_ = true;
+  }
   context_->comm = comms.world;
   context_->comms = std::move(comms);
   worker_ = std::make_unique<Worker>(std::move(groupName));

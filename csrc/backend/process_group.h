@@ -32,6 +32,7 @@ struct GroupContext {
 struct GroupOptions {
   std::string communicator = "hierarchical";
   std::string allreduceGradDtype;  // "" for the gradients' own dtype
+  bool sharedMemory = true;        // intra-node CPU collectives through shared memory
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -120,8 +121,12 @@ class ProcessGroupChainerMN : public c10d::Backend {
   const Topology& topology() const {
     return topology_;
   }
-  const char* transport() const {
-    return context_->comm->library();
+  // The library between ranks ("mpi" or "gloo"), whether or not shared memory serves the node.
+  const std::string& transport() const {
+    return transport_;
+  }
+  bool sharedMemory() const {
+    return sharedMemory_;
   }
   const GroupOptions& options() const {
     return options_;
@@ -150,6 +155,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::unique_ptr<Worker> worker_;
   Topology topology_;
   GroupOptions options_;
+  std::string transport_;
+  bool sharedMemory_ = false;
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};
 };

@@ -21,8 +21,8 @@ namespace {
 using chainermn::CommunicatorSet;
 using chainermn::GroupOptions;
 
-GroupOptions groupOptions(std::string communicator, std::string allreduceGradDtype) {
-  return GroupOptions{std::move(communicator), std::move(allreduceGradDtype)};
+GroupOptions groupOptions(std::string communicator, std::string allreduceGradDtype, bool sharedMemory) {
+  return GroupOptions{std::move(communicator), std::move(allreduceGradDtype), sharedMemory};
 }
 
 c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
@@ -36,7 +36,8 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
     c10::intrusive_ptr<c10d::Backend> intra,
     c10::intrusive_ptr<c10d::Backend> inter,
     std::string communicator,
-    std::string allreduceGradDtype) {
+    std::string allreduceGradDtype,
+    bool sharedMemory) {
   // One Gloo group serves every level it spans (the world is also the intra level on one node).
   CommunicatorSet comms;
   comms.world = chainermn::gloo::createCommunicator(world);
@@ -44,7 +45,7 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
   comms.inter = inter == world ? comms.world : chainermn::gloo::createCommunicator(inter);
   return c10::make_intrusive<ProcessGroupChainerMN>(
       store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
-      groupOptions(std::move(communicator), std::move(allreduceGradDtype)));
+      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory));
 }
 
 #ifdef CHAINERMN_WITH_MPI
@@ -57,11 +58,12 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
     Topology topology,
     const std::vector<int64_t>& worldRanks,
     std::string communicator,
-    std::string allreduceGradDtype) {
+    std::string allreduceGradDtype,
+    bool sharedMemory) {
   auto comms = chainermn::mpi::createCommunicators(worldRanks, topology);
   return c10::make_intrusive<ProcessGroupChainerMN>(
       store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
-      groupOptions(std::move(communicator), std::move(allreduceGradDtype)));
+      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory));
 }
 #endif
 
@@ -117,6 +119,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("inter"),
           py::arg("communicator"),
           py::arg("allreduce_grad_dtype"),
+          py::arg("shared_memory"),
           py::call_guard<py::gil_scoped_release>())
 #ifdef CHAINERMN_WITH_MPI
       .def_static(
@@ -131,6 +134,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("world_ranks"),
           py::arg("communicator"),
           py::arg("allreduce_grad_dtype"),
+          py::arg("shared_memory"),
           py::call_guard<py::gil_scoped_release>())
 #endif
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
@@ -139,6 +143,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly(
           "allreduce_grad_dtype", [](const ProcessGroupChainerMN& pg) { return pg.options().allreduceGradDtype; })
       .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
+      .def_property_readonly("shared_memory", &ProcessGroupChainerMN::sharedMemory)
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
 
 #ifdef CHAINERMN_WITH_MPI

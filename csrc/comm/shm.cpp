@@ -1,0 +1,306 @@
+#include "comm/shm.h"
+
+#include "kernels/reduce.h"
+
+#include <c10/util/Exception.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <immintrin.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+namespace chainermn::shm {
+namespace {
+
+constexpr const char* kNamePrefix = "chainermn-";
+
+// One cache line per rank, so ranks publishing their flags do not slow each other down.
+struct alignas(64) Flag {
+  std::atomic<uint64_t> sequence;
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "flags must be lock-free to live in shared memory");
+
+size_t roundUp(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
+}
+
+// Segments are named chainermn-<creator pid>-<n>: one whose creator is gone was left by a crash
+// between creation and unlinking, and nobody else can ever open it.
+void reclaimOrphans() {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) {
+    return;
+  }
+  while (dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(kNamePrefix, 0) != 0) {
+      continue;
+    }
+    const long pid = std::strtol(name.c_str() + std::strlen(kNamePrefix), nullptr, 10);
+    if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      shm_unlink(("/" + name).c_str());
+    }
+  }
+  closedir(dir);
+}
+
+class ShmCommunicator : public Communicator {
+ public:
+  ShmCommunicator(CommunicatorPtr fallback, void* base, size_t mappedBytes, size_t chunk, std::chrono::milliseconds timeout)
+      : fallback_(std::move(fallback)),
+        rank_(fallback_->rank()),
+        size_(fallback_->size()),
+        base_(static_cast<char*>(base)),
+        mappedBytes_(mappedBytes),
+        chunk_(chunk),
+        timeout_(timeout) {
+    flags_ = reinterpret_cast<Flag*>(base_);
+    char* data = base_ + roundUp(sizeof(Flag) * size_, 4096);
+    for (int r = 0; r < size_; ++r) {
+      slots_.push_back(data + r * chunk_);
+    }
+    results_[0] = data + size_ * chunk_;
+    results_[1] = results_[0] + chunk_;
+    sources_.resize(size_);
+  }
+
+  ~ShmCommunicator() override {
+    munmap(base_, mappedBytes_);
+  }
+
+  int rank() const override {
+    return rank_;
+  }
+  int size() const override {
+    return size_;
+  }
+  const char* library() const override {
+    return "shm";
+  }
+
+  void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    reduceChunks(buf, buf, count, dtype, op, /*root=*/-1);
+  }
+
+  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
+      override {
+    reduceChunks(send, recv, count, dtype, op, root);
+  }
+
+  void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
+    const size_t width = c10::elementSize(dtype);
+    const int64_t step = chunk_ / width;
+    auto* data = static_cast<char*>(buf);
+    for (int64_t offset = 0; offset < count; offset += step) {
+      const size_t bytes = std::min(step, count - offset) * width;
+      if (rank_ == root) {
+        std::memcpy(slots_[root], data + offset * width, bytes);
+      }
+      sync();
+      if (rank_ != root) {
+        std::memcpy(data + offset * width, slots_[root], bytes);
+      }
+      sync();  // the root may not refill its slot while others still read it
+    }
+  }
+
+  void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
+    const size_t width = c10::elementSize(dtype);
+    const int64_t step = chunk_ / width;
+    for (int64_t offset = 0; offset < count; offset += step) {
+      const size_t bytes = std::min(step, count - offset) * width;
+      std::memcpy(slots_[rank_], static_cast<const char*>(send) + offset * width, bytes);
+      sync();
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(static_cast<char*>(recv) + (r * count + offset) * width, slots_[r], bytes);
+      }
+      sync();
+    }
+  }
+
+  void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    // Each slot holds one piece of every block; rank r reduces block r's pieces into its output.
+    const size_t width = c10::elementSize(dtype);
+    const int64_t step = std::max<int64_t>(1, chunk_ / width / size_);
+    for (int64_t offset = 0; offset < count; offset += step) {
+      const int64_t n = std::min(step, count - offset);
+      for (int block = 0; block < size_; ++block) {
+        std::memcpy(
+            slots_[rank_] + block * n * width,
+            static_cast<const char*>(send) + (block * count + offset) * width,
+            n * width);
+      }
+      sync();
+      for (int r = 0; r < size_; ++r) {
+        sources_[r] = slots_[r] + rank_ * n * width;
+      }
+      reduceBuffers(static_cast<char*>(recv) + offset * width, sources_.data(), size_, n, dtype, op);
+      sync();
+    }
+  }
+
+  void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    fallback_->gather(send, recv, count, dtype, root);
+  }
+  void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    fallback_->scatter(send, recv, count, dtype, root);
+  }
+  void alltoallv(
+      const void* send,
+      const std::vector<int64_t>& sendCounts,
+      void* recv,
+      const std::vector<int64_t>& recvCounts,
+      c10::ScalarType dtype) override {
+    fallback_->alltoallv(send, sendCounts, recv, recvCounts, dtype);
+  }
+  RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    return fallback_->send(buf, count, dtype, peer, tag);
+  }
+  RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    return fallback_->recv(buf, count, dtype, peer, tag);
+  }
+  void barrier() override {
+    sync();
+  }
+
+ private:
+  // allreduce (root < 0: everyone gets the result) or reduce to root. Every rank reduces its own
+  // slice of each chunk from all slots into a result buffer; the two result buffers alternate, so a
+  // rank may start the next chunk while others still copy the last result out.
+  void reduceChunks(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) {
+    const size_t width = c10::elementSize(dtype);
+    const int64_t step = chunk_ / width;
+    for (int64_t offset = 0; offset < count; offset += step) {
+      const int64_t n = std::min(step, count - offset);
+      std::memcpy(slots_[rank_], static_cast<const char*>(send) + offset * width, n * width);
+      sync();
+      const int64_t slice = (n + size_ - 1) / size_;
+      const int64_t begin = std::min(n, rank_ * slice);
+      const int64_t end = std::min(n, begin + slice);
+      char* result = results_[parity_];
+      if (end > begin) {
+        for (int r = 0; r < size_; ++r) {
+          sources_[r] = slots_[r] + begin * width;
+        }
+        reduceBuffers(result + begin * width, sources_.data(), size_, end - begin, dtype, op);
+      }
+      sync();
+      if (root < 0 || rank_ == root) {
+        std::memcpy(static_cast<char*>(recv) + offset * width, result, n * width);
+      }
+      parity_ ^= 1;
+    }
+  }
+
+  // A barrier of this node's ranks: publish our sequence number, wait for everyone's.
+  void sync() {
+    const uint64_t target = ++sequence_;
+    flags_[rank_].sequence.store(target, std::memory_order_release);
+    for (int r = 0; r < size_; ++r) {
+      waitFor(r, target);
+    }
+  }
+
+  void waitFor(int r, uint64_t target) {
+    uint64_t spins = 0;
+    const auto start = std::chrono::steady_clock::now();
+    while (flags_[r].sequence.load(std::memory_order_acquire) < target) {
+      // Spin briefly, then give the core away: ranks may outnumber cores.
+      if (++spins < 64) {
+        _mm_pause();
+        continue;
+      }
+      sched_yield();
+      if (spins % 1024 == 0 && std::chrono::steady_clock::now() - start > timeout_) {
+        C10_THROW_ERROR(
+            DistBackendError,
+            "shared memory: local rank " + std::to_string(r) + " of this node did not arrive within " +
+                std::to_string(timeout_.count()) + " ms");
+      }
+    }
+  }
+
+  CommunicatorPtr fallback_;
+  const int rank_;
+  const int size_;
+  char* base_;
+  const size_t mappedBytes_;
+  const size_t chunk_;
+  const std::chrono::milliseconds timeout_;
+  Flag* flags_ = nullptr;
+  std::vector<char*> slots_;
+  char* results_[2] = {nullptr, nullptr};
+  std::vector<const void*> sources_;  // reused: no allocation per chunk
+  uint64_t sequence_ = 0;
+  int parity_ = 0;
+};
+
+} // namespace
+
+size_t chunkBytes() {
+  if (const char* text = std::getenv("CHAINERMN_SHM_CHUNK_BYTES"); text != nullptr && *text != '\0') {
+    const long long bytes = std::atoll(text);
+    TORCH_CHECK_VALUE(bytes >= 4096, "CHAINERMN_SHM_CHUNK_BYTES must be at least 4096, got '", text, "'");
+    return roundUp(static_cast<size_t>(bytes), 64);
+  }
+  return size_t{1} << 20;
+}
+
+CommunicatorPtr createCommunicator(
+    c10d::Store& store,
+    const std::string& key,
+    CommunicatorPtr fallback,
+    std::chrono::milliseconds timeout) {
+  static std::atomic<int> created{0};
+  const int size = fallback->size();
+  const size_t chunk = chunkBytes();
+  const size_t bytes = roundUp(sizeof(Flag) * size, 4096) + (size + 2) * chunk;
+
+  std::string name;
+  int fd = -1;
+  if (fallback->rank() == 0) {
+    reclaimOrphans();
+    name = "/" + std::string(kNamePrefix) + std::to_string(getpid()) + "-" + std::to_string(created++);
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    TORCH_CHECK(fd >= 0, "chainermn: shm_open(", name, ") failed: ", std::strerror(errno));
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int error = errno;
+      close(fd);
+      shm_unlink(name.c_str());
+      TORCH_CHECK(false, "chainermn: cannot size the shared-memory segment to ", bytes, " bytes: ", std::strerror(error));
+    }
+    store.set(key, std::vector<uint8_t>(name.begin(), name.end()));
+  } else {
+    const auto value = store.get(key);
+    name.assign(value.begin(), value.end());
+    fd = shm_open(name.c_str(), O_RDWR, 0600);
+    TORCH_CHECK(
+        fd >= 0,
+        "chainermn: cannot open the shared-memory segment ",
+        name,
+        " of this node (",
+        std::strerror(errno),
+        "); are all the ranks that report the same host name really on one host?");
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int mapError = errno;
+  close(fd);
+  TORCH_CHECK(base != MAP_FAILED, "chainermn: mmap of ", name, " failed: ", std::strerror(mapError));
+  auto comm = std::make_shared<ShmCommunicator>(std::move(fallback), base, bytes, chunk, timeout);
+  // Once every rank has mapped the segment its name is no longer needed: unlinking it now means the
+  // memory goes away with the last process, however the processes end.
+  comm->barrier();
+  if (comm->rank() == 0) {
+    shm_unlink(name.c_str());
+  }
+  return comm;
+}
+
+} // namespace chainermn::shm

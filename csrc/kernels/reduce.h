@@ -1,0 +1,20 @@
+// Element-wise reduction of several equally long buffers into one, on the CPU: the inner step of
+// every shared-memory reduction. Each pass is a simple loop the compiler vectorises.
+#pragma once
+
+#include "comm/communicator.h"
+
+#include <c10/core/ScalarType.h>
+
+namespace chainermn {
+
+// dst[i] = sources[0][i] op sources[1][i] op ... for i < count. dst may be one of the sources.
+void reduceBuffers(
+    void* dst,
+    const void* const* sources,
+    int numSources,
+    int64_t count,
+    c10::ScalarType dtype,
+    ReduceKind op);
+
+} // namespace chainermn
