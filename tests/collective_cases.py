@@ -524,5 +524,7 @@ def run_cases(names=None) -> dict:
             outcome[name] = None
         except Exception:  # noqa: BLE001  each case's failure is reported on its own
             outcome[name] = traceback.format_exc()
-    outcome["__transport__"] = __import__("torch_chainermn").transport()
+    import torch_chainermn
+
+    outcome["__transport__"] = (torch_chainermn.transport(), torch_chainermn._backend.backend_of().shared_memory)
     return outcome

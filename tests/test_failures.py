@@ -72,6 +72,10 @@ def dying_peer():
         return str(error)
 
 
-def test_dead_peer_gives_an_error():
-    outcomes = run_spawn(dying_peer, 2, timeout=90, op_timeout=30, may_exit=(1,))
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_dead_peer_gives_an_error(shm):
+    # Well before the 60 s group timeout: the transport notices the death, and says which rank.
+    outcomes = run_spawn(dying_peer, 2, timeout=50, op_timeout=60, may_exit=(1,), env={"CHAINERMN_SHM": shm})
     assert "all_reduce" in outcomes[0], outcomes[0]
+    if shm == "1":
+        assert "local rank 1" in outcomes[0] and "died" in outcomes[0], outcomes[0]

@@ -12,11 +12,12 @@ import torch.distributed  # noqa: F401
 from . import _C, _backend, _launch
 from ._C import Topology
 from ._backend import get_options
+from .gradients import mean_coalesced
 from .options import Options
 from .topology import topology
 
 __version__ = "0.1.0"
-__all__ = ["Options", "Topology", "get_options", "topology", "transport"]
+__all__ = ["Options", "Topology", "get_options", "mean_coalesced", "topology", "transport"]
 
 
 def transport(group=None) -> str:

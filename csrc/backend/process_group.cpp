@@ -2,6 +2,7 @@
 
 #include "backend/validate.h"
 #include "comm/shm.h"
+#include "kernels/cast.h"
 
 #include <c10/util/Exception.h>
 
@@ -202,7 +203,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueue(
   }
   auto work = c10::make_intrusive<WorkChainerMN>(
       type,
-      WorkChainerMN::Label{name, context_->comm->library(), rank_, size_, timeout},
+      WorkChainerMN::Label{name, transport_, rank_, size_, timeout},
       sequence,
       std::move(outputs),
       Clock::now() + timeout);
@@ -652,6 +653,53 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::Barrie
     ctx.comm->barrier();
     return RequestPtr();
   });
+}
+
+// ---- ChainerMN's gradient mean -----------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
+    std::vector<at::Tensor>& tensors,
+    std::optional<at::ScalarType> wireDtype) {
+  const char* op = "mean_coalesced";
+  checkTensors(op, "tensors", tensors);
+  at::ScalarType widest = at::kHalf;
+  int64_t total = 0;
+  for (const auto& tensor : tensors) {
+    TORCH_CHECK_VALUE(
+        at::isFloatingType(tensor.scalar_type()), op, ": gradients must be floating point, got ", tensor.scalar_type());
+    checkStrategyHandles(op, *context_->strategy, tensor);
+    widest = at::promoteTypes(widest, tensor.scalar_type());
+    total += tensor.numel();
+  }
+  const at::ScalarType wire = wireDtype.value_or(widest);
+  TORCH_CHECK_VALUE(at::isFloatingType(wire), op, ": the wire dtype must be floating point, got ", wire);
+  // ChainerMN's mean: 16-bit sums could overflow before the division, so they are scaled first.
+  const bool prescale = wire == at::kHalf || wire == at::kBFloat16;
+  const double scale = 1.0 / size_;
+  return enqueue(
+      c10d::OpType::ALLREDUCE_COALESCED,
+      op,
+      tensors,
+      c10d::kUnsetTimeout,
+      [tensors, wire, total, prescale, scale](GroupContext& ctx) mutable {
+        if (total == 0) {
+          return RequestPtr();
+        }
+        const size_t wireWidth = c10::elementSize(wire);
+        auto* packed = static_cast<char*>(ctx.scratch.get(0, total * wireWidth));
+        char* cursor = packed;
+        for (auto& tensor : tensors) {
+          castScale(cursor, wire, tensor.data_ptr(), tensor.scalar_type(), tensor.numel(), prescale ? scale : 1.0);
+          cursor += tensor.numel() * wireWidth;
+        }
+        ctx.strategy->allreduce(ctx.comms, ctx.scratch, FlatBuffer{packed, total, wire}, ReduceKind::Sum);
+        cursor = packed;
+        for (auto& tensor : tensors) {
+          castScale(tensor.data_ptr(), tensor.scalar_type(), cursor, wire, tensor.numel(), prescale ? 1.0 : scale);
+          cursor += tensor.numel() * wireWidth;
+        }
+        return RequestPtr();
+      });
 }
 
 // ---- point to point: the worker starts the transfer in issue order and completes it later ---------

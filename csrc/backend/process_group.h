@@ -118,11 +118,20 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
+  // ChainerMN's mean of gradients: every tensor becomes its mean over the group. The tensors are
+  // packed into one reused buffer of `wireDtype` (cast, and for 16-bit wire dtypes scaled by 1/size,
+  // in the same pass), reduced by the group's strategy, and unpacked with the cast back (and the
+  // 1/size scale of wider dtypes) in one pass. Tensors may mix floating dtypes; std::nullopt means the
+  // widest of their dtypes.
+  c10::intrusive_ptr<c10d::Work> meanCoalesced(
+      std::vector<at::Tensor>& tensors,
+      std::optional<at::ScalarType> wireDtype);
+
   const Topology& topology() const {
     return topology_;
   }
   // The library between ranks ("mpi" or "gloo"), whether or not shared memory serves the node.
-  const std::string& transport() const {
+  const char* transport() const {
     return transport_;
   }
   bool sharedMemory() const {
@@ -155,7 +164,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::unique_ptr<Worker> worker_;
   Topology topology_;
   GroupOptions options_;
-  std::string transport_;
+  const char* transport_ = "";  // a library's static name, so Works may outlive the group
   bool sharedMemory_ = false;
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};

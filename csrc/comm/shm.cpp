@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -24,8 +25,26 @@ constexpr const char* kNamePrefix = "chainermn-";
 // One cache line per rank, so ranks publishing their flags do not slow each other down.
 struct alignas(64) Flag {
   std::atomic<uint64_t> sequence;
+  std::atomic<int64_t> pid;  // lets a waiting rank tell a slow peer from a dead one
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "flags must be lock-free to live in shared memory");
+
+// Alive and not a zombie (an exited child its parent has not reaped yet still answers kill(pid, 0)).
+bool processAlive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    return false;
+  }
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* file = std::fopen(path, "r");
+  if (file == nullptr) {
+    return true;  // no /proc: trust kill()
+  }
+  char state = '?';
+  const int matched = std::fscanf(file, "%*d (%*[^)]) %c", &state);
+  std::fclose(file);
+  return matched != 1 || (state != 'Z' && state != 'X');
+}
 
 size_t roundUp(size_t n, size_t to) {
   return (n + to - 1) / to * to;
@@ -69,6 +88,7 @@ class ShmCommunicator : public Communicator {
     results_[0] = data + size_ * chunk_;
     results_[1] = results_[0] + chunk_;
     sources_.resize(size_);
+    flags_[rank_].pid.store(getpid(), std::memory_order_release);
   }
 
   ~ShmCommunicator() override {
@@ -218,15 +238,45 @@ class ShmCommunicator : public Communicator {
         continue;
       }
       sched_yield();
-      if (spins % 1024 == 0 && std::chrono::steady_clock::now() - start > timeout_) {
-        C10_THROW_ERROR(
-            DistBackendError,
-            "shared memory: local rank " + std::to_string(r) + " of this node did not arrive within " +
-                std::to_string(timeout_.count()) + " ms");
+      if (spins % 1024 == 0) {
+        checkPeer(r, start);
       }
     }
   }
 
+  // Fails fast when the peer's process is gone, and at the timeout when it is only absent.
+  void checkPeer(int r, std::chrono::steady_clock::time_point start) {
+    const auto now = std::chrono::steady_clock::now();
+    if (watchPids_ && now - lastLivenessCheck_ > std::chrono::milliseconds(50)) {
+      lastLivenessCheck_ = now;
+      const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
+      if (pid > 0 && !processAlive(pid)) {
+        C10_THROW_ERROR(
+            DistBackendError,
+            "shared memory: local rank " + std::to_string(r) + " of this node (pid " + std::to_string(pid) +
+                ") died");
+      }
+    }
+    if (now - start > timeout_) {
+      C10_THROW_ERROR(
+          DistBackendError,
+          "shared memory: local rank " + std::to_string(r) + " of this node did not arrive within " +
+              std::to_string(timeout_.count()) + " ms");
+    }
+  }
+
+ public:
+  // After every rank has published its pid: watch them only if this process can see them all (ranks
+  // in other PID namespaces would look dead).
+  void startWatchingPeers() {
+    watchPids_ = true;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
+      watchPids_ = watchPids_ && pid > 0 && kill(static_cast<pid_t>(pid), 0) == 0;
+    }
+  }
+
+ private:
   CommunicatorPtr fallback_;
   const int rank_;
   const int size_;
@@ -240,6 +290,8 @@ class ShmCommunicator : public Communicator {
   std::vector<const void*> sources_;  // reused: no allocation per chunk
   uint64_t sequence_ = 0;
   int parity_ = 0;
+  bool watchPids_ = false;
+  std::chrono::steady_clock::time_point lastLivenessCheck_{};
 };
 
 } // namespace
@@ -297,6 +349,7 @@ CommunicatorPtr createCommunicator(
   // Once every rank has mapped the segment its name is no longer needed: unlinking it now means the
   // memory goes away with the last process, however the processes end.
   comm->barrier();
+  comm->startWatchingPeers();
   if (comm->rank() == 0) {
     shm_unlink(name.c_str());
   }

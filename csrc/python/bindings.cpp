@@ -144,6 +144,14 @@ PYBIND11_MODULE(_C, m) {
           "allreduce_grad_dtype", [](const ProcessGroupChainerMN& pg) { return pg.options().allreduceGradDtype; })
       .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
       .def_property_readonly("shared_memory", &ProcessGroupChainerMN::sharedMemory)
+      .def(
+          "mean_coalesced",
+          [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::ScalarType> wireDtype) {
+            return pg.meanCoalesced(tensors, wireDtype);
+          },
+          py::arg("tensors"),
+          py::arg("wire_dtype") = std::nullopt,
+          py::call_guard<py::gil_scoped_release>())
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
 
 #ifdef CHAINERMN_WITH_MPI
