@@ -5,7 +5,6 @@
 #include <c10/util/Exception.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <immintrin.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -21,6 +20,15 @@ namespace chainermn::shm {
 namespace {
 
 constexpr const char* kNamePrefix = "chainermn-";
+
+// A hint to the core that this is a spin-wait (lets the sibling hyperthread run).
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 
 // One cache line per rank, so ranks publishing their flags do not slow each other down.
 struct alignas(64) Flag {
@@ -234,7 +242,7 @@ class ShmCommunicator : public Communicator {
     while (flags_[r].sequence.load(std::memory_order_acquire) < target) {
       // Spin briefly, then give the core away: ranks may outnumber cores.
       if (++spins < 64) {
-        _mm_pause();
+        cpuRelax();
         continue;
       }
       sched_yield();
