@@ -205,17 +205,22 @@ class ShmCommunicator : public Communicator {
   void reduceChunks(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) {
     const size_t width = c10::elementSize(dtype);
     const int64_t step = chunk_ / width;
+    const auto* input = static_cast<const char*>(send);
     for (int64_t offset = 0; offset < count; offset += step) {
       const int64_t n = std::min(step, count - offset);
-      std::memcpy(slots_[rank_], static_cast<const char*>(send) + offset * width, n * width);
-      sync();
       const int64_t slice = (n + size_ - 1) / size_;
       const int64_t begin = std::min(n, rank_ * slice);
       const int64_t end = std::min(n, begin + slice);
+      const char* mine = input + offset * width;
+      // Only the peers read this rank's slot, and none of them reads its own slice: that part stays
+      // where it is, and is reduced straight from the input.
+      std::memcpy(slots_[rank_], mine, begin * width);
+      std::memcpy(slots_[rank_] + end * width, mine + end * width, (n - end) * width);
+      sync();
       char* result = results_[parity_];
       if (end > begin) {
         for (int r = 0; r < size_; ++r) {
-          sources_[r] = slots_[r] + begin * width;
+          sources_[r] = (r == rank_ ? mine : slots_[r]) + begin * width;
         }
         reduceBuffers(result + begin * width, sources_.data(), size_, end - begin, dtype, op);
       }
