@@ -107,13 +107,22 @@ void Worker::State::run(Op& op) {
   }
   wakeWatchdog.notify_one();
   RequestPtr request;
+  std::exception_ptr error;
   try {
     request = op.body();
-    if (!request) {
-      op.work->complete();
-    }
   } catch (const std::exception& e) {
-    op.work->fail(backendError("chainermn " + op.work->description() + " failed: " + describeError(e)));
+    error = backendError("chainermn " + op.work->description() + " failed: " + describeError(e));
+  }
+  if (!request) {
+    // Let go of the op's tensors before anyone can see it finish: a tensor whose Python object is gone
+    // needs the GIL to be freed, and once the caller has moved on the interpreter may be finalising,
+    // when a thread that asks for the GIL is killed (terminate). The caller still holds them now.
+    op.body = nullptr;
+  }
+  if (error) {
+    op.work->fail(error);
+  } else if (!request) {
+    op.work->complete();
   }
   {
     std::lock_guard<std::mutex> lock(mutex);
@@ -150,6 +159,7 @@ bool Worker::State::progressInFlight() {
     }
   }
   for (size_t i = 0; i < finished.size(); ++i) {
+    finished[i].body = nullptr;  // release the tensors before completing (see run())
     if (errors[i]) {
       finished[i].work->fail(errors[i]);
     } else {
