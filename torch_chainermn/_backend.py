@@ -119,3 +119,23 @@ def backend_of(group=None, op: str = "chainermn"):
     if not isinstance(backend, _C.ProcessGroupChainerMN):
         raise ValueError(f"{op}: the group does not use the chainermn backend (it uses {backend.name()})")
     return backend
+
+
+def group_of(comm=None, op: str = "chainermn"):
+    """The process group a toolkit call works on.
+
+    `comm` may be None (the default group), a ProcessGroup, or a torch_chainermn communicator
+    (anything with a `group` attribute holding its ProcessGroup), as ChainerMN's functions take
+    a communicator where torch's take a group.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"{op}: torch.distributed is not initialized; call dist.init_process_group first")
+    if comm is None:
+        return dist.distributed_c10d._get_default_group()
+    if isinstance(comm, dist.ProcessGroup):
+        return comm
+    group = getattr(comm, "group", None)
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise ValueError(f"{op}: comm must be None, a ProcessGroup or a torch_chainermn communicator, "
+                     f"got {type(comm).__name__}")
