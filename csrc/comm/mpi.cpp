@@ -421,6 +421,15 @@ void finalize() {
   }
 }
 
+void abortJob(int code) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) {
+    MPI_Abort(MPI_COMM_WORLD, code);
+  }
+  std::_Exit(code);
+}
+
 void noteAbandonedRequest() {
   gAbandoned.store(true);
 }

@@ -32,6 +32,9 @@ std::string broadcastString(const std::string& text, int root);
 // (finalising with operations in flight could block the exit forever).
 void finalize();
 
+// Ends every process of the MPI job (MPI_Abort on MPI_COMM_WORLD): the global except hook's last word.
+[[noreturn]] void abortJob(int code);
+
 // Marks that an operation was left in flight after a timeout; see finalize().
 void noteAbandonedRequest();
 

@@ -168,6 +168,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("root") = 0,
       py::call_guard<py::gil_scoped_release>());
   m.def("mpi_finalize", &chainermn::mpi::finalize, py::call_guard<py::gil_scoped_release>());
+  m.def("mpi_abort", &chainermn::mpi::abortJob, py::arg("code") = 1, py::call_guard<py::gil_scoped_release>());
 #else
   m.attr("mpi_built") = false;
 #endif
