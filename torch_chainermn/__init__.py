@@ -9,15 +9,25 @@ Importing this package registers the torch.distributed backend "chainermn":
 import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed  # noqa: F401
 
-from . import _C, _backend, _launch
+from . import _C, _backend, _launch, extensions, global_except_hook, hooks, nn
 from ._C import Topology
 from ._backend import get_options
+from .extensions import (AllreducePersistent, create_multi_node_checkpoint, create_multi_node_checkpointer,
+                         create_multi_node_evaluator)
 from .gradients import mean_coalesced
+from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, convert_mnbn_model,
+                 create_mnbn_model)
+from .optimizers import create_multi_node_optimizer
 from .options import Options
 from .topology import topology
 
 __version__ = "0.1.0"
-__all__ = ["Options", "Topology", "get_options", "mean_coalesced", "topology", "transport"]
+__all__ = [
+    "AllreducePersistent", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d", "Options",
+    "Topology", "convert_mnbn_model", "create_mnbn_model", "create_multi_node_checkpoint",
+    "create_multi_node_checkpointer", "create_multi_node_evaluator", "create_multi_node_optimizer", "extensions",
+    "get_options", "global_except_hook", "hooks", "mean_coalesced", "nn", "topology", "transport",
+]
 
 
 def transport(group=None) -> str:
@@ -27,3 +37,4 @@ def transport(group=None) -> str:
 
 _launch.prepare_mpiexec_environment()
 _backend.register()
+global_except_hook._install_from_environment()  # CHAINERMN_FORCE_ABORT_ON_EXCEPTION

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._launch import mpi_launched
-from .options import Options, _dtype_name
+from .options import Options, _dtype_name, _wire_dtype
 
 TRANSPORTS = ("auto", "mpi", "gloo")
 
@@ -100,6 +100,11 @@ def get_options(group=None) -> Options:
     """The Options a chainermn group was created with."""
     backend = backend_of(group, "get_options")
     return Options(backend.communicator, backend.allreduce_grad_dtype or None)
+
+
+def wire_dtype_of(group=None, op: str = "chainermn"):
+    """The group's allreduce_grad_dtype as a torch.dtype, or None (each gradient's own dtype)."""
+    return _wire_dtype(backend_of(group, op).allreduce_grad_dtype)
 
 
 def register() -> None:

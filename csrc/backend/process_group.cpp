@@ -676,26 +676,42 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
   // ChainerMN's mean: 16-bit sums could overflow before the division, so they are scaled first.
   const bool prescale = wire == at::kHalf || wire == at::kBFloat16;
   const double scale = 1.0 / size_;
+  // One tensor already in the wire dtype (a DDP bucket with no compression) is reduced where it
+  // lies: packing it would be a copy for nothing.
+  const bool inPlace = tensors.size() == 1 && tensors[0].scalar_type() == wire;
   return enqueue(
       c10d::OpType::ALLREDUCE_COALESCED,
       op,
       tensors,
       c10d::kUnsetTimeout,
-      [tensors, wire, total, prescale, scale](GroupContext& ctx) mutable {
+      [tensors, wire, total, prescale, scale, inPlace](GroupContext& ctx) mutable {
         if (total == 0) {
+          return RequestPtr();
+        }
+        const double before = prescale ? scale : 1.0;
+        const double after = prescale ? 1.0 : scale;
+        if (inPlace) {
+          void* data = tensors[0].data_ptr();
+          if (before != 1.0) {
+            castScale(data, wire, data, wire, total, before);
+          }
+          ctx.strategy->allreduce(ctx.comms, ctx.scratch, FlatBuffer{data, total, wire}, ReduceKind::Sum);
+          if (after != 1.0) {
+            castScale(data, wire, data, wire, total, after);
+          }
           return RequestPtr();
         }
         const size_t wireWidth = c10::elementSize(wire);
         auto* packed = static_cast<char*>(ctx.scratch.get(0, total * wireWidth));
         char* cursor = packed;
         for (auto& tensor : tensors) {
-          castScale(cursor, wire, tensor.data_ptr(), tensor.scalar_type(), tensor.numel(), prescale ? scale : 1.0);
+          castScale(cursor, wire, tensor.data_ptr(), tensor.scalar_type(), tensor.numel(), before);
           cursor += tensor.numel() * wireWidth;
         }
         ctx.strategy->allreduce(ctx.comms, ctx.scratch, FlatBuffer{packed, total, wire}, ReduceKind::Sum);
         cursor = packed;
         for (auto& tensor : tensors) {
-          castScale(tensor.data_ptr(), tensor.scalar_type(), cursor, wire, tensor.numel(), prescale ? 1.0 : scale);
+          castScale(tensor.data_ptr(), tensor.scalar_type(), cursor, wire, tensor.numel(), after);
           cursor += tensor.numel() * wireWidth;
         }
         return RequestPtr();

@@ -1,0 +1,326 @@
+#!/usr/bin/env python
+"""ChainerMN's slow-network experiment on one machine: DDP step time per allreduce mode and link rate.
+
+For every link rate (--rates; `none` = no shaping), the simulated cluster of netns.py is shaped to
+that rate, and for every mode (--modes, see train.py) one job is run: K torchruns, one per node
+namespace, M ranks each,
+
+    ip netns exec cmnI env CHAINERMN_HOSTNAME=nodeI GLOO_SOCKET_IFNAME=eth0 \\
+        .venv/bin/torchrun --nnodes K --node-rank I --nproc-per-node M \\
+        --master-addr 10.77.0.1 --master-port P benchmarks/cluster/train.py --mode MODE ...
+
+The runs are interleaved (repeat r: every rate, every mode) and each cell is the median of its
+--repeats runs, so a slow minute of a busy machine does not land on one mode alone. The table gives
+per mode and rate: the step time, the throughput (samples/s over all ranks), the compute-only time
+of a step (no communication), the efficiency against the same mode with no limit, and the ratio to
+the unlimited time of the fastest mode. Written to --out-dir (default benchmarks/results/):
+cluster.json (every run and the table), cluster.md and cluster.png.
+
+The namespaces are created at the start and removed at the end, on errors and on Ctrl-C too
+(--keep-up leaves them). Needs root.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+import netns  # noqa: E402
+
+TORCHRUN = REPO / ".venv" / "bin" / "torchrun"
+TRAIN = HERE / "train.py"
+DEFAULT_MODES = "gloo,flat,hierarchical,two_dimensional,hierarchical+fp16,hierarchical+db,hierarchical+fp16+db"
+HOOK_FLAGS = ("fp16", "bf16", "db")  # modes that need torch_chainermn.hooks
+# Variables that would steer the children somewhere else than the simulated node they run on.
+SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+         "CHAINERMN_HOSTNAME", "CHAINERMN_RANKS_PER_NODE", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--rates", default="none,1gbit", help="comma-separated tc rates; none = no shaping")
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated train.py modes")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--compute-steps", type=int, default=2)
+    p.add_argument("--params", type=float, default=25.0, help="million parameters")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--repeats", type=int, default=1, help="runs per (mode, rate); the median is reported")
+    p.add_argument("--run-timeout", type=float, default=240.0, help="seconds before a run is killed")
+    p.add_argument("--port", type=int, default=29500, help="first master port (one per run)")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--name", default="cluster", help="stem of the output files")
+    p.add_argument("--keep-up", action="store_true", help="leave the namespaces up at the end")
+    return p.parse_args(argv)
+
+
+def hooks_available() -> bool:
+    return (REPO / "torch_chainermn" / "hooks.py").exists()
+
+
+# ---------------------------------------------------------------------------------------- one run
+
+def child_env(node: int) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in SCRUB and not k.startswith(("OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_"))}
+    env.update(CHAINERMN_HOSTNAME=f"node{node}", GLOO_SOCKET_IFNAME=netns.IFNAME, OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def kill_job(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def run_one(args, mode: str, rate: str, port: int, log_dir: Path, live: list) -> dict:
+    tag = f"{mode.replace('+', '_')}-{netns.rate_label(rate)}-p{port}"
+    result_path = log_dir / f"{tag}.json"
+    result_path.unlink(missing_ok=True)
+    train_args = ["--mode", mode, "--params", str(args.params), "--layers", str(args.layers),
+                  "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                  "--compute-steps", str(args.compute_steps), "--timeout", str(int(args.run_timeout)),
+                  "--json", str(result_path)]
+    procs, logs = [], []
+    t0 = time.time()
+    try:
+        for i in range(args.nodes):
+            log = open(log_dir / f"{tag}-node{i}.log", "w")
+            logs.append(log)
+            cmd = ["ip", "netns", "exec", netns.node_ns(i), str(TORCHRUN),
+                   "--nnodes", str(args.nodes), "--node-rank", str(i),
+                   "--nproc-per-node", str(args.ranks_per_node),
+                   "--master-addr", netns.node_addr(0), "--master-port", str(port),
+                   str(TRAIN), *train_args]
+            p = subprocess.Popen(cmd, cwd=REPO, env=child_env(i), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            procs.append(p)
+            live.append(p)
+        failed = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                failed = f"node {codes.index(next(c for c in codes if c not in (None, 0)))} exited with " \
+                         f"{next(c for c in codes if c not in (None, 0))}"
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.time() - t0 > args.run_timeout:
+                failed = f"timed out after {args.run_timeout:.0f} s"
+                break
+            time.sleep(0.2)
+    finally:
+        kill_job(procs)
+        for p in procs:
+            if p in live:
+                live.remove(p)
+        for log in logs:
+            log.close()
+    elapsed = time.time() - t0
+    if failed is None and not result_path.exists():
+        failed = "no result written"
+    if failed:
+        tails = []
+        for i in range(args.nodes):
+            text = (log_dir / f"{tag}-node{i}.log").read_text(errors="replace").strip().splitlines()
+            tails.append(f"--- node{i} ---\n" + "\n".join(text[-15:]))
+        return {"mode": mode, "rate": netns.rate_label(rate), "error": failed, "elapsed_s": elapsed,
+                "log_tail": "\n".join(tails)}
+    res = json.loads(result_path.read_text())
+    res.update(rate=netns.rate_label(rate), elapsed_s=elapsed)
+    return res
+
+
+# ---------------------------------------------------------------------------------------- table
+
+def summarise(runs: list, modes: list, rates: list) -> list:
+    cells = {}
+    for r in runs:
+        if "error" not in r:
+            cells.setdefault((r["mode"], r["rate"]), []).append(r)
+    base_rate = "none" if "none" in rates else rates[0]
+    rows = []
+    for mode in modes:
+        for rate in rates:
+            got = cells.get((mode, rate), [])
+            errs = [r["error"] for r in runs if r["mode"] == mode and r["rate"] == rate and "error" in r]
+            row = {"mode": mode, "rate": rate, "runs": len(got), "errors": errs}
+            if got:
+                row["step_s"] = statistics.median(r["step_s"] for r in got)
+                row["compute_s"] = statistics.median(r["compute_s"] for r in got if r.get("compute_s") is not None) \
+                    if any(r.get("compute_s") is not None for r in got) else None
+                row["samples_per_s"] = got[0]["world_size"] * got[0]["batch"] / row["step_s"]
+                row["all_step_s"] = [r["step_s"] for r in got]
+            rows.append(row)
+    by = {(r["mode"], r["rate"]): r for r in rows}
+    base_steps = [by[(m, base_rate)]["step_s"] for m in modes if "step_s" in by.get((m, base_rate), {})]
+    best_base = min(base_steps) if base_steps else None
+    best_mode = next((m for m in modes if by.get((m, base_rate), {}).get("step_s") == best_base), None)
+    for row in rows:
+        if "step_s" not in row:
+            continue
+        own = by.get((row["mode"], base_rate), {}).get("step_s")
+        row["efficiency"] = own / row["step_s"] if own else None
+        row["vs_best_unlimited"] = row["step_s"] / best_base if best_base else None
+    return rows, base_rate, best_base, best_mode
+
+
+def markdown(rows, base_rate, best_base, best_mode, meta) -> str:
+    out = [f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.1f}M parameters "
+           f"({meta['grad_mb']:.0f} MB fp32 gradient), batch {meta['batch']} per rank, median of "
+           f"{meta['repeats']} run(s) x {meta['steps']} steps; best with no limit ({base_rate}): "
+           f"{best_mode} {best_base:.3f} s" if best_base else "no successful baseline run", "",
+           f"| mode | link | step (s) | compute only (s) | samples/s | efficiency vs same mode at {base_rate} "
+           f"| x best at {base_rate} |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "step_s" not in r:
+            out.append(f"| {r['mode']} | {r['rate']} | FAILED: {'; '.join(r['errors']) or 'not run'} | | | | |")
+            continue
+        comp = f"{r['compute_s']:.3f}" if r.get("compute_s") is not None else "-"
+        eff = f"{r['efficiency']:.0%}" if r.get("efficiency") else "-"
+        vs = f"{r['vs_best_unlimited']:.2f}x" if r.get("vs_best_unlimited") else "-"
+        out.append(f"| {r['mode']} | {r['rate']} | {r['step_s']:.3f} | {comp} | {r['samples_per_s']:.1f} "
+                   f"| {eff} | {vs} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (.venv/bin/pip install matplotlib): no plot"
+    by = {(r["mode"], r["rate"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(modes) + 2), 4.5))
+    width = 0.8 / max(1, len(rates))
+    for j, rate in enumerate(rates):
+        xs = [i + (j - (len(rates) - 1) / 2) * width for i in range(len(modes))]
+        ys = [by.get((m, rate), {}).get("step_s", 0.0) for m in modes]
+        ax.bar(xs, ys, width, label=f"link {rate}")
+    if best_base:
+        ax.axhline(best_base, color="k", lw=0.8, ls="--", label="best, no limit")
+        ax.axhline(1.25 * best_base, color="gray", lw=0.8, ls=":", label="1.25 x best, no limit")
+    ax.set_xticks(range(len(modes)))
+    ax.set_xticklabels(modes, rotation=20, ha="right")
+    ax.set_ylabel("step time (s), lower is better")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print("run.py needs root: it creates network namespaces (ip netns) and tc qdiscs", file=sys.stderr)
+        return 2
+    rates = [netns.rate_label(r) for r in args.rates.split(",") if r.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not hooks_available():
+        skipped = [m for m in modes if m != "gloo" and any(f in m.split("+")[1:] for f in HOOK_FLAGS)]
+        if skipped:
+            print(f"torch_chainermn/hooks.py does not exist yet: skipping {', '.join(skipped)}", flush=True)
+            modes = [m for m in modes if m not in skipped]
+    out_dir = Path(args.out_dir)
+    log_dir = out_dir / f"{args.name}-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def on_term(signum, frame):
+        raise Interrupted(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+
+    live: list = []
+    runs: list = []
+    port = args.port
+    started = time.time()
+    status = 0
+    try:
+        netns.up(args.nodes, None)
+        print(f"cluster up: {args.nodes} nodes x {args.ranks_per_node} ranks; rates {rates}; modes {modes}",
+              flush=True)
+        for rep in range(args.repeats):
+            for rate in rates:
+                netns.set_rate(rate)
+                for mode in modes:
+                    res = run_one(args, mode, rate, port, log_dir, live)
+                    port += 1
+                    runs.append(res)
+                    if "error" in res:
+                        print(f"[{rep}] {mode:>28} @ {rate:>7}: FAILED ({res['error']}) after "
+                              f"{res['elapsed_s']:.0f} s\n{res['log_tail']}", flush=True)
+                        status = 1
+                    else:
+                        print(f"[{rep}] {mode:>28} @ {rate:>7}: step {res['step_s']:.3f} s "
+                              f"(min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute "
+                              f"{res['compute_s']:.3f} s, {res['samples_per_s']:.1f} samples/s "
+                              f"[{res['elapsed_s']:.0f} s]", flush=True)
+    except (KeyboardInterrupt, Interrupted) as e:
+        print(f"\ninterrupted ({e or 'Ctrl-C'}): stopping the jobs and removing the namespaces", flush=True)
+        status = 130
+    finally:
+        kill_job(list(live))
+        if not args.keep_up:
+            netns.down()
+
+    if not runs:
+        return status or 1
+    rows, base_rate, best_base, best_mode = summarise(runs, modes, rates)
+    ok = [r for r in runs if "error" not in r]
+    meta = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "batch": args.batch,
+            "params_m": (ok[0]["params"] / 1e6) if ok else args.params,
+            "grad_mb": (ok[0]["grad_mb"]) if ok else args.params * 4,
+            "layers": args.layers, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+            "rates": rates, "modes": modes, "command": " ".join([sys.executable] + sys.argv),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "total_s": time.time() - started}
+    table = markdown(rows, base_rate, best_base, best_mode, meta)
+    print("\n" + table)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": runs}, indent=1))
+    (out_dir / f"{args.name}.md").write_text(f"`{meta['command']}`\n\n{table}")
+    title = (f"{args.nodes} nodes x {args.ranks_per_node} ranks, {meta['params_m']:.0f}M params, "
+             f"batch {args.batch}/rank (simulated cluster, 2-core host)")
+    note = plot(rows, modes, rates, best_base, out_dir / f"{args.name}.png", title)
+    print(note or f"wrote {out_dir}/{args.name}.{{json,md,png}} (logs in {log_dir}) in {meta['total_s']:.0f} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

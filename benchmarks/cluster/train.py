@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Data-parallel training step time: a model with a large gradient and cheap compute, under DDP.
+
+Launched by torchrun (run.py starts one torchrun per simulated node). The model is a stack of
+square Linear layers (--params million parameters in all, --layers of them) fed a small random batch,
+so the gradient is large (4 bytes per parameter) while the compute stays modest; SGD updates it.
+
+--mode picks how gradients are averaged:
+
+    gloo                     plain DDP on torch's "gloo" backend (the reference)
+    gloo+fp16                the same with torch's own fp16_compress_hook
+    <strategy>               DDP on the "chainermn" backend with that allreduce communicator
+                             (flat, hierarchical, two_dimensional, naive, ...), default hook
+    <strategy>+fp16          ... with torch_chainermn.hooks.fp16_compress_hook
+    <strategy>+bf16          ... with torch_chainermn.hooks.bf16_compress_hook
+    <strategy>+db            ... with double buffering (torch_chainermn.hooks.double_buffering_hook,
+                             DoubleBufferingState(compress=None))
+    <strategy>+fp16+db       ... double buffering with float16 on the wire
+    ...+noshm                (chainermn modes) CHAINERMN_SHM=0: a node's ranks meet over Gloo on the
+                             node's loopback instead of shared memory
+
+Timing: --warmup steps, a barrier, then --steps timed steps (forward, backward with DDP's
+allreduce, optimizer.step). A step's time is measured on every rank; the reported step time is the
+median over steps of the slowest rank's time. Afterwards --compute-steps steps run under no_sync()
+(no communication at all) to measure the compute alone. Rank 0 prints one JSON line and, with
+--json, writes it to that file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+T_START = time.time()
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="hierarchical")
+    p.add_argument("--params", type=float, default=25.0, help="million parameters (all in the Linear layers)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compute-steps", type=int, default=3, help="steps without communication (0: skip)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
+    p.add_argument("--json", default=None, help="rank 0 writes its result here")
+    return p.parse_args(argv)
+
+
+def parse_mode(mode: str):
+    parts = mode.split("+")
+    base, flags = parts[0], set(parts[1:])
+    unknown = flags - {"fp16", "bf16", "db", "noshm"}
+    if unknown or ("fp16" in flags and "bf16" in flags):
+        raise SystemExit(f"bad mode {mode!r}: flags are +fp16, +bf16, +db, +noshm")
+    if base == "gloo" and "noshm" in flags:
+        raise SystemExit("+noshm is a chainermn setting (CHAINERMN_SHM=0)")
+    if base == "gloo" and "db" in flags:
+        raise SystemExit("double buffering (+db) is a torch_chainermn hook: use a chainermn strategy")
+    return base, flags
+
+
+def build_model(params_m: float, layers: int) -> tuple[nn.Module, int]:
+    width = int(math.sqrt(params_m * 1e6 / layers))
+    mods = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods), width
+
+
+def install_hook(model, base: str, flags: set):
+    """Register the comm hook of the mode; returns the double-buffering state (or None)."""
+    if base == "gloo":
+        if "fp16" in flags or "bf16" in flags:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            hook = default_hooks.fp16_compress_hook if "fp16" in flags else default_hooks.bf16_compress_hook
+            model.register_comm_hook(None, hook)
+        return None
+    if not flags - {"noshm"}:
+        return None                                  # DDP's own allreduce on the chainermn group
+    import torch_chainermn.hooks as hooks
+    wire = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else None
+    if "db" in flags:
+        state = hooks.DoubleBufferingState(process_group=None, compress=wire)
+        model.register_comm_hook(state, hooks.double_buffering_hook)
+        return state
+    model.register_comm_hook(None, hooks.fp16_compress_hook if wire == torch.float16 else hooks.bf16_compress_hook)
+    return None
+
+
+def main(argv=None) -> int:
+    global T_IMPORTED
+    T_IMPORTED = time.time()
+    args = parse_args(argv)
+    base, flags = parse_mode(args.mode)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    from datetime import timedelta
+    timeout = timedelta(seconds=args.timeout)
+    if base == "gloo":
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        if "noshm" in flags:
+            os.environ["CHAINERMN_SHM"] = "0"        # the node's ranks meet over Gloo, not shared memory
+        import torch_chainermn
+        dist.init_process_group("chainermn", timeout=timeout,
+                                pg_options=torch_chainermn.Options(communicator=base))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    phases = {"import": T_IMPORTED - T_START, "init": time.time() - T_IMPORTED}
+    t_phase = time.time()
+
+    model, width = build_model(args.params, args.layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    # Every rank built the same parameters from seed 0, so DDP's start-up broadcast of 4 bytes per
+    # parameter (seconds on a slow link, and not part of a training step) is skipped.
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, init_sync=False)
+    db_state = install_hook(ddp, base, flags)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, width, generator=gen)
+    y = torch.randn(args.batch, width, generator=gen)
+    loss_fn = nn.MSELoss()
+
+    def step(model_ctx=None):
+        opt.zero_grad(set_to_none=False)
+        if model_ctx is None:
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+        else:
+            with model_ctx():
+                loss = loss_fn(ddp(x), y)
+                loss.backward()
+        opt.step()
+        return loss
+
+    phases["model"] = time.time() - t_phase
+    t_phase = time.time()
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    phases["warmup"] = time.time() - t_phase
+    times = []
+    t_start = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_start
+    if db_state is not None:
+        db_state.flush()
+    dist.barrier()
+
+    phases["timed"] = time.perf_counter() - t_start
+    t_phase = time.time()
+    compute = []
+    for _ in range(args.compute_steps):
+        t0 = time.perf_counter()
+        step(ddp.no_sync)
+        compute.append(time.perf_counter() - t0)
+    dist.barrier()
+    phases["compute"] = time.time() - t_phase
+
+    mine = {"rank": rank, "host": os.environ.get("CHAINERMN_HOSTNAME", socket.gethostname()),
+            "times": times, "wall": wall, "compute": compute, "loss": float(loss.detach())}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        slowest = [max(r["times"][i] for r in everyone) for i in range(args.steps)]
+        step_s = statistics.median(slowest)
+        compute_s = (statistics.median([max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)])
+                     if args.compute_steps else None)
+        transport = None
+        if base != "gloo":
+            import torch_chainermn
+            transport = torch_chainermn.transport()
+        result = {
+            "mode": args.mode, "world_size": world,
+            "nodes": len({r["host"] for r in everyone}),
+            "params": n_params, "grad_mb": n_params * 4 / 1e6, "width": width, "layers": args.layers,
+            "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "transport": transport,
+            "step_s": step_s, "step_min_s": min(slowest), "step_max_s": max(slowest),
+            "wall_per_step_s": max(r["wall"] for r in everyone) / args.steps,
+            "compute_s": compute_s,
+            "samples_per_s": world * args.batch / step_s,
+            "loss": float(loss.detach()),
+            "phases_s": {k: round(v, 2) for k, v in phases.items()},
+        }
+        line = json.dumps(result)
+        print("RESULT " + line, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(line + "\n")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

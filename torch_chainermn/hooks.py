@@ -1,0 +1,205 @@
+"""DDP communication hooks: ChainerMN's gradient averaging, FP16/BF16 compression and double buffering.
+
+Every hook has torch's signature `hook(state, bucket) -> Future[Tensor]` and is registered with
+`ddp_model.register_comm_hook(state, hook)`. For the stateless hooks the state is a chainermn process
+group, or None for the default group, as for torch's own hooks:
+
+    model.register_comm_hook(None, torch_chainermn.hooks.fp16_compress_hook)
+
+    state = torch_chainermn.hooks.DoubleBufferingState(compress=torch.float16)
+    model.register_comm_hook(state, torch_chainermn.hooks.double_buffering_hook)
+    ...
+    state.flush()   # before a checkpoint and at the end of training
+
+The averaging goes through the group's allreduce strategy (Options.communicator). Casting to the wire
+dtype and the 1/world_size scaling are fused into the backend's packing pass (`mean_coalesced`), and
+16-bit wire dtypes are scaled before the sum so it cannot overflow where the mean fits.
+"""
+# No `from __future__ import annotations` here: DDP checks the hooks' annotations as objects.
+import torch
+import torch.distributed as dist
+
+from ._backend import group_of, wire_dtype_of
+from .gradients import mean_coalesced
+
+__all__ = [
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "DoubleBufferingState",
+    "double_buffering_hook",
+]
+
+_GROUP_DEFAULT = object()
+
+
+def _mean_bucket(process_group, bucket: dist.GradBucket, dtype) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's buffer in place over the group, travelling as `dtype`."""
+    if dtype is _GROUP_DEFAULT:
+        work = mean_coalesced([bucket.buffer()], group=process_group, async_op=True)
+    else:
+        work = mean_coalesced([bucket.buffer()], group=process_group, dtype=dtype, async_op=True)
+    # The Work's future holds [buffer]; DDP wants the tensor itself.
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The mean of the bucket over the group, with the group's strategy and its allreduce_grad_dtype.
+
+    With the default Options this gives the same gradients as DDP without a hook.
+    """
+    return _mean_bucket(process_group, bucket, _GROUP_DEFAULT)
+
+
+def fp16_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """As allreduce_hook, with float16 on the wire: half the bytes of float32 gradients.
+
+    The cast and the 1/world_size prescale happen in the packing pass and the result is cast back
+    into the bucket in the unpacking pass; no full-size temporary is made.
+    """
+    return _mean_bucket(process_group, bucket, torch.float16)
+
+
+def bf16_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """As fp16_compress_hook, with bfloat16 on the wire (float32's range, fewer mantissa bits)."""
+    return _mean_bucket(process_group, bucket, torch.bfloat16)
+
+
+# DDP refuses any hook *named* bf16_compress_hook unless torch has CUDA and NCCL (a check meant for
+# torch's own NCCL hook). This one packs bfloat16 on the CPU too, so it goes by a name of its own.
+bf16_compress_hook.__name__ = "chainermn_bf16_compress_hook"
+
+
+class _Snapshot:
+    """One bucket's gradients of one step, averaging in the background.
+
+    `param_ids` (id() of each parameter, in bucket order) and `offsets` record which parameter lies
+    where in `buffer`, so that the mean can still be found parameter by parameter after DDP has
+    regrouped its buckets. Ids, not the tensors: comparing tensors with == compares their values.
+    """
+
+    __slots__ = ("param_ids", "offsets", "buffer", "work")
+
+    def __init__(self, param_ids, offsets, buffer, work):
+        self.param_ids = param_ids
+        self.offsets = offsets
+        self.buffer = buffer
+        self.work = work
+
+    def mean(self) -> torch.Tensor:
+        """The averaged buffer, once its allreduce has finished."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.buffer
+
+
+class DoubleBufferingState:
+    """State of `double_buffering_hook` (ChainerMN's double buffering, for DDP).
+
+    At step k each bucket's gradient g_k is copied aside and its allreduce started in the background,
+    while the optimizer applies mean(g_{k-1}), whose allreduce ran during step k. Step 1 applies a
+    zero gradient (`ready` is False until step 1 ends); every later step is exactly one step stale.
+    The communication overlaps the next forward and backward instead of stalling the step.
+
+    process_group: a chainermn group (default: the default group).
+    compress: the wire dtype (torch.float16 or torch.bfloat16); None takes the group's
+        allreduce_grad_dtype, and when that is None too, the gradients' own dtype.
+    """
+
+    def __init__(self, process_group=None, compress=None):
+        self.process_group = group_of(process_group, "DoubleBufferingState")
+        group_dtype = wire_dtype_of(self.process_group, "DoubleBufferingState")
+        if compress is None:
+            compress = group_dtype
+        if compress is not None and compress not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError("DoubleBufferingState: compress must be None, torch.float16 or torch.bfloat16 "
+                             f"(or a wider float dtype), got {compress}")
+        self.compress = compress
+        self.world_size = self.process_group.size()
+        self.ready = False
+        self.steps = 0
+        self._previous: dict[int, _Snapshot] = {}  # bucket index -> last step's snapshot
+        self._current: dict[int, _Snapshot] = {}   # bucket index -> this step's snapshot
+        self._spare: dict[int, torch.Tensor] = {}  # bucket index -> a buffer free for reuse
+        self._by_param = None                      # id(param) -> (snapshot, offset), after a regrouping
+
+    def flush(self) -> None:
+        """Wait for every allreduce in flight (before saving a checkpoint, or at the end of training).
+
+        The gradients stay pending: the next step still applies them, so flushing changes no result.
+        """
+        for snapshot in (*self._previous.values(), *self._current.values()):
+            snapshot.mean()
+
+    # ---- called by the hook ------------------------------------------------------------------------
+
+    def _buffer_for(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        dtype = self.compress or like.dtype
+        spare = self._spare.pop(index, None)
+        if spare is not None and spare.numel() == like.numel() and spare.dtype == dtype:
+            return spare
+        return torch.empty(like.numel(), dtype=dtype, device=like.device)
+
+    def _launch(self, bucket: dist.GradBucket) -> _Snapshot:
+        """Copy this step's gradients aside (cast and prescaled in one pass) and start their sum."""
+        grads = bucket.buffer()
+        snapshot_buffer = self._buffer_for(bucket.index(), grads)
+        # Prescale by 1/S as DDP does: the 16-bit sum cannot overflow where the mean fits.
+        torch.mul(grads, 1.0 / self.world_size, out=snapshot_buffer)
+        work = dist.all_reduce(snapshot_buffer, group=self.process_group, async_op=True)
+        param_ids = tuple(id(p) for p in bucket.parameters())
+        base = grads.data_ptr()
+        offsets = tuple((g.data_ptr() - base) // grads.element_size() for g in bucket.gradients())
+        return _Snapshot(param_ids, offsets, snapshot_buffer, work)
+
+    def _apply_previous(self, bucket: dist.GradBucket, launched: _Snapshot) -> None:
+        """Write mean(g_{k-1}) for this bucket's parameters into the bucket."""
+        grads = bucket.buffer()
+        previous = self._previous.get(bucket.index())
+        if previous is not None and previous.param_ids == launched.param_ids:
+            grads.copy_(previous.mean())
+            self._spare[bucket.index()] = previous.buffer
+            return
+        if not self._previous:
+            grads.zero_()  # step 1: nothing averaged yet
+            return
+        # DDP regrouped its buckets (it does once, after the first step): gather parameter by parameter.
+        if self._by_param is None:
+            self._by_param = {}
+            for snapshot in self._previous.values():
+                for param_id, offset in zip(snapshot.param_ids, snapshot.offsets):
+                    self._by_param[param_id] = (snapshot, offset)
+        for param_id, view in zip(launched.param_ids, bucket.gradients()):
+            found = self._by_param.get(param_id)
+            if found is None:
+                view.zero_()  # a parameter that had no gradient bucket last step
+                continue
+            snapshot, offset = found
+            view.copy_(snapshot.mean()[offset:offset + view.numel()].view_as(view))
+
+    def _end_step(self) -> None:
+        self._previous, self._current = self._current, {}
+        self._by_param = None
+        self.ready = True
+        self.steps += 1
+
+
+def double_buffering_hook(state: DoubleBufferingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Start this step's allreduce in the background and hand DDP the previous step's mean.
+
+    Register with `model.register_comm_hook(DoubleBufferingState(...), double_buffering_hook)`.
+    """
+    if not isinstance(state, DoubleBufferingState):
+        raise ValueError("double_buffering_hook: state must be a torch_chainermn.hooks.DoubleBufferingState, "
+                         f"got {type(state).__name__}")
+    # The snapshot is taken before the bucket is overwritten: with gradient_as_bucket_view the bucket
+    # is the parameters' .grad itself.
+    launched = state._launch(bucket)
+    state._apply_previous(bucket, launched)
+    state._current[bucket.index()] = launched
+    if bucket.is_last():
+        state._end_step()
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
