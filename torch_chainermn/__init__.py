@@ -9,12 +9,15 @@ Importing this package registers the torch.distributed backend "chainermn":
 import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed  # noqa: F401
 
-from . import _C, _backend, _launch, extensions, global_except_hook, hooks, nn
+from . import _C, _backend, _launch, communicator, datasets, extensions, global_except_hook, hooks, iterators, nn
 from ._C import Topology
 from ._backend import get_options
+from .communicator import Communicator, create_communicator
+from .datasets import create_empty_dataset, scatter_dataset
 from .extensions import (AllreducePersistent, create_multi_node_checkpoint, create_multi_node_checkpointer,
                          create_multi_node_evaluator)
 from .gradients import mean_coalesced
+from .iterators import create_multi_node_iterator, create_synchronized_iterator
 from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, convert_mnbn_model,
                  create_mnbn_model)
 from .optimizers import create_multi_node_optimizer
@@ -23,10 +26,12 @@ from .topology import topology
 
 __version__ = "0.1.0"
 __all__ = [
-    "AllreducePersistent", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d", "Options",
-    "Topology", "convert_mnbn_model", "create_mnbn_model", "create_multi_node_checkpoint",
-    "create_multi_node_checkpointer", "create_multi_node_evaluator", "create_multi_node_optimizer", "extensions",
-    "get_options", "global_except_hook", "hooks", "mean_coalesced", "nn", "topology", "transport",
+    "AllreducePersistent", "Communicator", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
+    "Options", "Topology", "communicator", "convert_mnbn_model", "create_communicator", "create_empty_dataset",
+    "create_mnbn_model", "create_multi_node_checkpoint", "create_multi_node_checkpointer",
+    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
+    "create_synchronized_iterator", "datasets", "extensions", "get_options", "global_except_hook", "hooks",
+    "iterators", "mean_coalesced", "nn", "scatter_dataset", "topology", "transport",
 ]
 
 

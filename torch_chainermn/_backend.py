@@ -99,7 +99,10 @@ def create_backend(dist_options, pg_options=None):
 def get_options(group=None) -> Options:
     """The Options a chainermn group was created with."""
     backend = backend_of(group, "get_options")
-    return Options(backend.communicator, backend.allreduce_grad_dtype or None)
+    options = Options(backend.communicator)
+    # Set directly: Options() would read CHAINERMN_ALLREDUCE_GRAD_DTYPE for a group created without one.
+    options._allreduce_grad_dtype = _wire_dtype(backend.allreduce_grad_dtype)
+    return options
 
 
 def wire_dtype_of(group=None, op: str = "chainermn"):

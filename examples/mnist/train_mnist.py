@@ -13,7 +13,9 @@ MPI, so both launches use the same `dist.init_process_group` call.
 
 With --data-dir DIR the script reads the standard MNIST IDX files from DIR (optionally gzipped).
 Without it, it uses scikit-learn's bundled 8x8 handwritten digits, so it runs with no download.
-Pass --backend gloo to compare against torch's own backend.
+Pass --backend gloo to compare against torch's own backend. With the chainermn backend,
+--compress fp16|bf16 sends the gradients in 16 bits and --double-buffering overlaps each step's
+allreduce with the next step (ChainerMN's double buffering: the update is one step stale).
 """
 import argparse
 import gzip
@@ -32,6 +34,9 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torch_chainermn  # registers the "chainermn" backend
+from torch_chainermn import hooks
+
+WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args():
@@ -44,6 +49,10 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, the shuffling and the digits split")
     parser.add_argument("--data-dir", type=Path, help="directory holding the MNIST IDX files (default: sklearn digits)")
     parser.add_argument("--out", type=Path, help="rank 0 writes a JSON summary of the run here")
+    parser.add_argument("--compress", choices=sorted(WIRE_DTYPES), default="none",
+                        help="dtype of the gradients on the wire (chainermn backend only)")
+    parser.add_argument("--double-buffering", action="store_true",
+                        help="apply the previous step's mean gradient while this step's allreduce runs")
     return parser.parse_args()
 
 
@@ -150,6 +159,21 @@ def write_json_atomically(path: Path, payload) -> None:
     os.replace(temporary, path)
 
 
+def register_comm_hook(model, args):
+    """The chainermn DDP hook the flags ask for; returns the double-buffering state, if any."""
+    wire_dtype = WIRE_DTYPES[args.compress]
+    if (wire_dtype is not None or args.double_buffering) and args.backend != "chainermn":
+        raise SystemExit("--compress and --double-buffering need --backend chainermn")
+    if args.double_buffering:
+        state = hooks.DoubleBufferingState(compress=wire_dtype)
+        model.register_comm_hook(state, hooks.double_buffering_hook)
+        return state
+    if wire_dtype is not None:
+        hook = hooks.fp16_compress_hook if wire_dtype == torch.float16 else hooks.bf16_compress_hook
+        model.register_comm_hook(None, hook)
+    return None
+
+
 def main():
     args = parse_args()
     # Several ranks share few cores: one intra-op thread each avoids oversubscribing them.
@@ -185,6 +209,7 @@ def main():
     torch.manual_seed(args.seed)
     model = DistributedDataParallel(MLP(train_set.tensors[0].shape[1], args.unit))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    double_buffering = register_comm_hook(model, args)
 
     history = []
     start = time.perf_counter()
@@ -199,6 +224,8 @@ def main():
             print(f"epoch {epoch}  train/loss {train_loss:.4f}  test/loss {test_loss:.4f}  "
                   f"test/accuracy {test_accuracy:.4f}  elapsed {elapsed:.1f}s", flush=True)
 
+    if double_buffering is not None:
+        double_buffering.flush()
     final_accuracy = history[-1]["test/accuracy"] if history else float("nan")
     if rank == 0:
         print(f"final test accuracy: {final_accuracy:.4f}", flush=True)
@@ -208,6 +235,8 @@ def main():
                 "backend": args.backend,
                 "transport": transport,
                 "epochs": args.epoch,
+                "compress": args.compress,
+                "double_buffering": args.double_buffering,
                 "final_accuracy": final_accuracy,
                 "history": history,
             })
