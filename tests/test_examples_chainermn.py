@@ -2,14 +2,13 @@
 the multi-node optimizer, evaluator and checkpointer (killed and restarted, it resumes), under torchrun
 and mpiexec; the ImageNet ResNet with multi-node BatchNorm, fp16 gradients and double buffering."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, free_port
+from tests.harness import MPIEXEC, REPO, free_port, launcher_free_environment
 
 MNIST = REPO / "examples" / "mnist" / "train_mnist_chainermn.py"
 IMAGENET = REPO / "examples" / "imagenet" / "train_imagenet.py"
@@ -21,9 +20,7 @@ EPOCHS = ("--epoch", "6")
 
 def launch(command, script: Path, *flags, env=None) -> subprocess.CompletedProcess:
     # No rendezvous variables (mpiexec must need none) and no CHAINERMN_* defaults from the caller.
-    child_env = {k: v for k, v in os.environ.items()
-                 if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-                 and not k.startswith("CHAINERMN_")}
+    child_env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
     child_env["OMP_NUM_THREADS"] = "1"
     child_env.update(env or {})
     return subprocess.run(command + [str(script), *map(str, flags)], cwd=REPO, env=child_env,
@@ -96,8 +93,7 @@ def test_mnist_chainermn_killed_and_restarted_resumes(tmp_path):
 
 @pytest.mark.mpi
 def test_mnist_chainermn_under_mpiexec_flat_double_buffering(tmp_path):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec is not installed (make install sets up Open MPI)")
+    assert MPIEXEC is not None, "mpiexec is not installed (make install sets up Open MPI)"
     checkpoints, summary = tmp_path / "checkpoints", tmp_path / "summary.json"
     mpiexec = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable]
     result = launch(mpiexec, MNIST, "--communicator", "flat", "--double-buffering", "--batchsize", "50",
