@@ -5,9 +5,11 @@
 #include <c10/util/Exception.h>
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -32,10 +34,40 @@ inline void cpuRelax() {
 
 // One cache line per rank, so ranks publishing their flags do not slow each other down.
 struct alignas(64) Flag {
-  std::atomic<uint64_t> sequence;
-  std::atomic<int64_t> pid;  // lets a waiting rank tell a slow peer from a dead one
+  // The number of barriers this rank has entered. 32 bits, so that a waiter can sleep on it with a
+  // futex; it wraps (after 2^32 barriers, hours of small collectives), hence reached() below.
+  std::atomic<uint32_t> sequence;
+  std::atomic<uint32_t> sleepers;  // ranks inside futexWait on `sequence`: the publisher must wake them
+  std::atomic<int64_t> pid;        // lets a waiting rank tell a slow peer from a dead one
 };
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "flags must be lock-free to live in shared memory");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "flags must be lock-free to live in shared memory");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
+
+// Whether a sequence number has reached `target`, across wrap-around (ranks are never more than a
+// couple of barriers apart).
+inline bool reached(uint32_t sequence, uint32_t target) {
+  return static_cast<int32_t>(sequence - target) >= 0;
+}
+
+// The futex is shared between processes (no FUTEX_PRIVATE_FLAG). Spurious and early returns are
+// fine: the caller re-checks the word.
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  timespec relative{static_cast<time_t>(seconds.count()), static_cast<long>((timeout - seconds).count() * 1000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &relative, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// How a rank waits for a peer at a barrier. Peers usually arrive within microseconds (they run the
+// same copies), so it spins first; ranks may outnumber cores, so then it yields; and a peer may be
+// busy for seconds (a node leader inside an inter-node allreduce on a slow network), so in the end
+// it sleeps on the peer's futex rather than burn a core the leader's network stack needs.
+constexpr int kSpins = 256;
+constexpr auto kYieldFor = std::chrono::microseconds(500);
+constexpr auto kSleepSlice = std::chrono::milliseconds(20);  // re-check liveness and the timeout this often
 
 // Alive and not a zombie (an exited child its parent has not reaped yet still answers kill(pid, 0)).
 bool processAlive(int64_t pid) {
@@ -234,32 +266,51 @@ class ShmCommunicator : public Communicator {
 
   // A barrier of this node's ranks: publish our sequence number, wait for everyone's.
   void sync() {
-    const uint64_t target = ++sequence_;
-    flags_[rank_].sequence.store(target, std::memory_order_release);
+    const uint32_t target = ++sequence_;
+    Flag& mine = flags_[rank_];
+    // seq_cst on both sides (here and in waitFor): either the sleeper sees the new sequence before
+    // it sleeps, or this rank sees the sleeper and wakes it.
+    mine.sequence.store(target, std::memory_order_seq_cst);
+    if (mine.sleepers.load(std::memory_order_seq_cst) != 0) {
+      futexWakeAll(&mine.sequence);
+    }
     for (int r = 0; r < size_; ++r) {
-      waitFor(r, target);
+      if (r != rank_) {
+        waitFor(r, target);
+      }
     }
   }
 
-  void waitFor(int r, uint64_t target) {
-    uint64_t spins = 0;
+  void waitFor(int r, uint32_t target) {
+    Flag& peer = flags_[r];
+    for (int spin = 0; spin < kSpins; ++spin) {
+      if (reached(peer.sequence.load(std::memory_order_acquire), target)) {
+        return;
+      }
+      cpuRelax();
+    }
     const auto start = std::chrono::steady_clock::now();
-    while (flags_[r].sequence.load(std::memory_order_acquire) < target) {
-      // Spin briefly, then give the core away: ranks may outnumber cores.
-      if (++spins < 64) {
-        cpuRelax();
+    while (true) {
+      const uint32_t seen = peer.sequence.load(std::memory_order_acquire);
+      if (reached(seen, target)) {
+        return;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      checkPeer(r, start, now);
+      if (now - start < kYieldFor) {
+        sched_yield();
         continue;
       }
-      sched_yield();
-      if (spins % 1024 == 0) {
-        checkPeer(r, start);
+      peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (!reached(peer.sequence.load(std::memory_order_seq_cst), target)) {
+        futexWait(&peer.sequence, seen, kSleepSlice);
       }
+      peer.sleepers.fetch_sub(1, std::memory_order_relaxed);
     }
   }
 
   // Fails fast when the peer's process is gone, and at the timeout when it is only absent.
-  void checkPeer(int r, std::chrono::steady_clock::time_point start) {
-    const auto now = std::chrono::steady_clock::now();
+  void checkPeer(int r, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point now) {
     if (watchPids_ && now - lastLivenessCheck_ > std::chrono::milliseconds(50)) {
       lastLivenessCheck_ = now;
       const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
@@ -301,7 +352,7 @@ class ShmCommunicator : public Communicator {
   std::vector<char*> slots_;
   char* results_[2] = {nullptr, nullptr};
   std::vector<const void*> sources_;  // reused: no allocation per chunk
-  uint64_t sequence_ = 0;
+  uint32_t sequence_ = 0;
   int parity_ = 0;
   bool watchPids_ = false;
   std::chrono::steady_clock::time_point lastLivenessCheck_{};
@@ -340,6 +391,17 @@ CommunicatorPtr createCommunicator(
       close(fd);
       shm_unlink(name.c_str());
       TORCH_CHECK(false, "chainermn: cannot size the shared-memory segment to ", bytes, " bytes: ", std::strerror(error));
+    }
+    // tmpfs hands out pages on first touch, and a full /dev/shm then kills the process with SIGBUS in
+    // the middle of a collective. Reserving them now turns that into an error here.
+    const int reserve = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (reserve != 0 && reserve != EOPNOTSUPP && reserve != EINVAL) {
+      close(fd);
+      shm_unlink(name.c_str());
+      TORCH_CHECK(
+          false, "chainermn: /dev/shm has no room for the ", bytes, "-byte shared-memory segment of this node (",
+          std::strerror(reserve), "); enlarge /dev/shm (docker run --shm-size), lower CHAINERMN_SHM_CHUNK_BYTES, "
+          "or set CHAINERMN_SHM=0");
     }
     store.set(key, std::vector<uint8_t>(name.begin(), name.end()));
   } else {
