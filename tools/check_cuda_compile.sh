@@ -21,6 +21,7 @@
 #   TORCH_INCLUDE=/tmp/cudatorch/torch/include NCCL_INCLUDE=/tmp/cudatorch/nccl/nvidia/nccl/include \
 #       tools/check_cuda_compile.sh
 # Objects go to build/cuda-check/ (ignored); the script exits non-zero if any file fails.
+# ONLY="csrc/a.cpp csrc/b.cu" compiles just those files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +33,7 @@ CXX=${CXX:-g++}
 JOBS=${JOBS:-$(nproc)}
 OUT=build/cuda-check
 mkdir -p "$OUT"
+rm -f "$OUT"/*.log
 
 test -f "$TORCH_INCLUDE/c10/cuda/CUDAStream.h" || { echo "no c10/cuda headers under $TORCH_INCLUDE"; exit 2; }
 test -f "$NCCL_INCLUDE/nccl.h" || { echo "no nccl.h under $NCCL_INCLUDE"; exit 2; }
@@ -54,15 +56,20 @@ nvccflags=(-O3 -std=c++17 -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSI
 
 mapfile -t cpp < <(find csrc -name '*.cpp' | sort | grep -Ev "$exclude")
 mapfile -t cu < <(find csrc -name '*.cu' | sort)
+if [[ -n "${ONLY:-}" ]]; then
+  read -r -a cpp <<< "$ONLY"
+  cu=()
+fi
 
 compile() {
   local src=$1 obj="$OUT/$(echo "$1" | tr / _).o"
+  local rc=0
+  # (|| rc=$?: under set -e a failing compiler would otherwise end this subshell without a word)
   if [[ $src == *.cu ]]; then
-    "$CUDA_HOME/bin/nvcc" -c "$src" -o "$obj" "${defines[@]}" "${includes[@]}" "${nvccflags[@]}" 2> "$obj.log"
+    "$CUDA_HOME/bin/nvcc" -c "$src" -o "$obj" "${defines[@]}" "${includes[@]}" "${nvccflags[@]}" 2> "$obj.log" || rc=$?
   else
-    "$CXX" -c "$src" -o "$obj" "${defines[@]}" "${includes[@]}" "${mpi_flags[@]}" "${cxxflags[@]}" 2> "$obj.log"
+    "$CXX" -c "$src" -o "$obj" "${defines[@]}" "${includes[@]}" "${mpi_flags[@]}" "${cxxflags[@]}" 2> "$obj.log" || rc=$?
   fi
-  local rc=$?
   if [[ $rc == 0 ]]; then
     if [[ -s "$obj.log" ]]; then echo "ok (warnings) $src"; else echo "ok   $src"; fi
   else

@@ -6,9 +6,11 @@
 #include "comm/nccl.h"
 #include "comm/staged.h"
 
-#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #endif
@@ -43,6 +45,21 @@ DeviceContext& enterCuda(
 #else
 
 namespace {
+
+// An event on the caller's stream (ATen's CUDAEvent would pull in cuBLAS/cuSPARSE headers).
+// TODO: pool these; one cudaEventCreate per CUDA op is cheap but not free.
+struct CallerEvent {
+  explicit CallerEvent(cudaStream_t stream) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event, stream));
+  }
+  ~CallerEvent() {
+    cudaEventDestroy(event);
+  }
+  CallerEvent(const CallerEvent&) = delete;
+  CallerEvent& operator=(const CallerEvent&) = delete;
+  cudaEvent_t event = nullptr;
+};
 
 struct CudaContext : DeviceContext {
   CudaContext(at::Device device, c10::cuda::CUDAStream stream) : DeviceContext(device), stream(stream) {}
@@ -109,9 +126,7 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
   if (!tensor.device().is_cuda()) {
     return nullptr;
   }
-  auto event = std::make_shared<at::cuda::CUDAEvent>(cudaEventDisableTiming);
-  event->record(c10::cuda::getCurrentCUDAStream(tensor.device().index()));
-  return event;
+  return std::make_shared<CallerEvent>(c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream());
 }
 
 DeviceContext& enterCuda(
@@ -139,7 +154,7 @@ DeviceContext& enterCuda(
       "chainermn: the group works on ", context.scratch.device(), " and cannot also use ", device);
   c10::cuda::setCurrentCUDAStream(context.stream);
   if (callerMark) {
-    static_cast<at::cuda::CUDAEvent*>(callerMark.get())->block(context.stream);
+    C10_CUDA_CHECK(cudaStreamWaitEvent(context.stream.stream(), static_cast<CallerEvent*>(callerMark.get())->event, 0));
   }
   return context;
 }
