@@ -6,6 +6,7 @@
 #include "comm/nccl.h"
 #include "comm/staged.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -41,6 +42,8 @@ DeviceContext& enterCuda(
     std::unique_ptr<DeviceContext>&, const CudaSetup&, const CommunicatorSet&, at::Device device, const std::shared_ptr<void>&) {
   TORCH_CHECK(false, "chainermn: this build handles CPU tensors only, got one on ", device);
 }
+
+void keepUntilDone(DeviceContext&, const std::vector<at::Tensor>&) {}
 
 #else
 
@@ -157,6 +160,15 @@ DeviceContext& enterCuda(
     C10_CUDA_CHECK(cudaStreamWaitEvent(context.stream.stream(), static_cast<CallerEvent*>(callerMark.get())->event, 0));
   }
   return context;
+}
+
+void keepUntilDone(DeviceContext& context, const std::vector<at::Tensor>& tensors) {
+  auto& cuda = static_cast<CudaContext&>(context);
+  for (const auto& tensor : tensors) {
+    if (tensor.defined() && tensor.is_cuda() && tensor.storage().data_ptr()) {
+      c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), cuda.stream);
+    }
+  }
 }
 
 #endif

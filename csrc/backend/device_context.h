@@ -58,4 +58,9 @@ DeviceContext& enterCuda(
     at::Device device,
     const std::shared_ptr<void>& callerMark);
 
+// Worker thread, after a CUDA op's body queued its work: the tensors' memory is marked as in use by
+// the group's stream, so the caching allocator does not hand it out again before that work is done
+// even if the caller drops the tensors at once (as ProcessGroupNCCL does with recordStream).
+void keepUntilDone(DeviceContext& context, const std::vector<at::Tensor>& tensors);
+
 } // namespace chainermn

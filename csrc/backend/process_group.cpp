@@ -254,10 +254,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueueOn(
       Clock::now() + timeout,
       std::vector<c10::Device>{device.device()});
   auto mark = markCallerStream(device);
+  std::vector<at::Tensor> used = work->result();
+  used.push_back(device);
   worker_->enqueue(
-      work, [context = context_, body = std::move(body), mark = std::move(mark), where = device.device()]() {
+      work,
+      [context = context_, body = std::move(body), mark = std::move(mark), where = device.device(), used]() {
         auto& cuda = enterCuda(context->cuda, context->cudaSetup, context->comms, where, mark);
-        return body(*context, Target{cuda.comms, cuda.scratch});
+        RequestPtr request = body(*context, Target{cuda.comms, cuda.scratch});
+        keepUntilDone(cuda, used);
+        return request;
       });
   return work;
 }
