@@ -113,6 +113,16 @@ def _write_args(tmp: Path, args, kwargs) -> str:
     return str(path)
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def launcher_free_environment(drop_prefixes: tuple = ()) -> dict:
+    """This process's environment without the rendezvous variables (and any `drop_prefixes`), so a
+    job started from a test takes its ranks from its own launcher, not from this one."""
+    return {k: v for k, v in os.environ.items()
+            if k not in RENDEZVOUS_VARIABLES and not (drop_prefixes and k.startswith(drop_prefixes))}
+
+
 def _base_env(extra: dict | None) -> dict:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     env["OMP_NUM_THREADS"] = "1"
@@ -171,8 +181,7 @@ def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=
     with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
         tmp = Path(tmp_name)
         args_path = _write_args(tmp, args, kwargs)
-        child_env = {k: v for k, v in os.environ.items()
-                     if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+        child_env = launcher_free_environment()
         child_env.update(_base_env(env))
         command = [
             MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(world_size),

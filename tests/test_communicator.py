@@ -1,6 +1,5 @@
 """The ChainerMN communicator object: arrays and objects point to point and collectively, model
 gradients and parameters, split and finalize. Each run packs many checks, as processes are costly."""
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 from torch_chainermn.communicator import Communicator, create_communicator
-from tests.harness import REPO, run_mpiexec, run_spawn
+from tests.harness import REPO, launcher_free_environment, run_mpiexec, run_spawn
 
 TORCH_DTYPES = [torch.int32, torch.int64, torch.float32, torch.float64]
 EXTRA_DTYPES = [torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.complex64]
@@ -430,9 +429,7 @@ print("ok")
 
 
 def test_a_process_nobody_launched_is_a_world_of_one():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-           and not k.startswith(("OMPI_", "PMI"))}
+    env = launcher_free_environment(drop_prefixes=("OMPI_", "PMI"))
     env["PYTHONPATH"] = str(REPO)
     done = subprocess.run([sys.executable, "-c", SINGLE_PROCESS], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=180)

@@ -1,20 +1,19 @@
 """The MNIST example, launched as users launch it: torchrun, and mpiexec with no extra environment."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, free_port
+from tests.harness import MPIEXEC, REPO, free_port, launcher_free_environment
 
 SCRIPT = REPO / "examples" / "mnist" / "train_mnist.py"
 
 
 def launch(command, tmp_path: Path, *flags) -> dict:
     out = tmp_path / f"summary{'-'.join(flags)}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = launcher_free_environment()
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(command + [str(SCRIPT), "--out", str(out), *flags], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)

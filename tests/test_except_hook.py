@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import torch_chainermn.global_except_hook as global_except_hook
-from tests.harness import MPIEXEC, REPO
+from tests.harness import MPIEXEC, REPO, launcher_free_environment
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 JOB_TIMEOUT_S = 90  # generous for a loaded machine; the group timeout (600 s) is far beyond it
@@ -54,8 +54,7 @@ SCRIPT = textwrap.dedent('''
 def run_job(tmp_path, command, env):
     script = tmp_path / "fail_on_rank_1.py"
     script.write_text(SCRIPT)
-    child_env = {k: v for k, v in os.environ.items()
-                 if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    child_env = launcher_free_environment()
     child_env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env})
     job = subprocess.Popen(command + [str(script)], cwd=tmp_path, env=child_env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, start_new_session=True)

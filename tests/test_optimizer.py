@@ -141,11 +141,16 @@ def check_zero_fill(outcomes):
         assert d == [5.0] * 4 and a_unchanged
 
 
+def all_cases():
+    return first_step_broadcast_then_mean(), zero_fill_and_new_parameters()
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_multi_node_optimizer(size):
     env = {"CHAINERMN_RANKS_PER_NODE": "2"} if size == 4 else None
-    check_training(run_spawn(first_step_broadcast_then_mean, size, env=env, timeout=300))
-    check_zero_fill(run_spawn(zero_fill_and_new_parameters, size, env=env))
+    training, zero_fill = zip(*run_spawn(all_cases, size, env=env, timeout=300))
+    check_training(training)
+    check_zero_fill(zero_fill)
 
 
 @pytest.mark.mpi

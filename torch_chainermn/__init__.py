@@ -6,6 +6,8 @@ Importing this package registers the torch.distributed backend "chainermn":
     import torch_chainermn
     dist.init_process_group("chainermn")   # under torchrun, or mpiexec with no extra environment
 """
+import atexit
+
 import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed  # noqa: F401
 
@@ -43,3 +45,6 @@ def transport(group=None) -> str:
 _launch.prepare_mpiexec_environment()
 _backend.register()
 global_except_hook._install_from_environment()  # CHAINERMN_FORCE_ABORT_ON_EXCEPTION
+# Finish and stop the groups' worker threads while the interpreter can still serve them (see
+# stopWorkersAtExit in csrc/backend/worker.h). Registered last, so it runs before MPI_Finalize.
+atexit.register(_C.stop_workers_at_exit)

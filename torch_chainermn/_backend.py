@@ -1,6 +1,7 @@
 """The `chainermn` backend's creator, called by torch.distributed for every group that uses it."""
 import os
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -125,14 +126,8 @@ def register() -> None:
 
 
 def backend_of(group=None, op: str = "chainermn"):
-    """The ProcessGroupChainerMN behind `group` (default: the default group), or a clear error."""
-    if not dist.is_initialized():
-        raise RuntimeError(f"{op}: torch.distributed is not initialized; call dist.init_process_group first")
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(f"{op}: this rank is not a member of the given group")
-    import torch
-
+    """The ProcessGroupChainerMN behind `group` (None, a ProcessGroup or a communicator), or a clear error."""
+    group = group_of(group, op)
     backend = group._get_backend(torch.device("cpu"))
     if not isinstance(backend, _C.ProcessGroupChainerMN):
         raise ValueError(f"{op}: the group does not use the chainermn backend (it uses {backend.name()})")
@@ -150,6 +145,8 @@ def group_of(comm=None, op: str = "chainermn"):
         raise RuntimeError(f"{op}: torch.distributed is not initialized; call dist.init_process_group first")
     if comm is None:
         return dist.distributed_c10d._get_default_group()
+    if comm is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{op}: this rank is not a member of the given group")
     if isinstance(comm, dist.ProcessGroup):
         return comm
     group = getattr(comm, "group", None)

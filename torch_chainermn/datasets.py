@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import group_of
-from .communicator import (
+from ._messages import (
     DEFAULT_MAX_BUF_LEN, TAG_SCATTER_DATASET, bcast_structured, check_max_buf_len, check_rank, recv_structured,
     send_failure, send_structured,
 )

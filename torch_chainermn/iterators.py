@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from ._backend import group_of
-from .communicator import DEFAULT_MAX_BUF_LEN, agree, bcast_structured, check_rank
+from ._messages import DEFAULT_MAX_BUF_LEN, agree, bcast_structured, check_rank
 
 __all__ = ["MultiNodeIterator", "create_multi_node_iterator", "create_synchronized_iterator"]
 

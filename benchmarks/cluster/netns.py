@@ -15,6 +15,7 @@ ranks of one real host; only traffic between nodes crosses the shaped links.
     netns.py up --nodes 2 --rate 1gbit     # (re)create; idempotent: tears down what exists first
     netns.py rate --rate 500mbit           # change the shaping of every node in place (none: remove)
     netns.py status                        # namespaces, addresses and qdiscs
+    netns.py bw                            # one TCP stream node1 -> node0, to check the shaping
     netns.py down                          # remove everything this script made; safe to repeat
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`). The same functions are used by run.py.
@@ -203,6 +204,46 @@ def check_connectivity(k: int, port: int = 29399) -> None:
                 p.wait()
 
 
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(); s.settimeout(30)
+print("ready", flush=True)
+c, _ = s.accept(); buf = bytearray(1 << 20); mv = memoryview(buf); got = 0; t0 = None
+while True:
+    n = c.recv_into(mv)
+    if not n:
+        break
+    if t0 is None:
+        t0 = time.perf_counter()
+    got += n
+print(got / (time.perf_counter() - t0), flush=True)
+"""
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+buf = bytes(1 << 20); end = time.perf_counter() + float(sys.argv[3])
+while time.perf_counter() < end:
+    c.sendall(buf)
+c.close()
+"""
+
+
+def measure_bandwidth(src: int = 1, dst: int = 0, seconds: float = 2.0, port: int = 29398) -> float:
+    """TCP throughput of one stream from node src to node dst, in bits per second."""
+    sink = subprocess.Popen(["ip", "netns", "exec", node_ns(dst), sys.executable, "-c", _SINK,
+                             node_addr(dst), str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "ready":
+            raise RuntimeError("bandwidth sink did not start")
+        _ns(node_ns(src), sys.executable, "-c", _SOURCE, node_addr(dst), str(port), str(seconds))
+        return float(sink.stdout.readline()) * 8
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+        sink.wait()
+
+
 def status() -> str:
     lines = []
     for ns in sorted(existing()):
@@ -222,6 +263,8 @@ def main(argv=None) -> int:
     p_rate.add_argument("--rate", required=True)
     sub.add_parser("down", help="remove the namespaces")
     sub.add_parser("status", help="show the namespaces, addresses and qdiscs")
+    p_bw = sub.add_parser("bw", help="measure one TCP stream from node 1 to node 0 (a check of the shaping)")
+    p_bw.add_argument("--seconds", type=float, default=2.0)
     args = parser.parse_args(argv)
     if args.cmd == "up":
         up(args.nodes, args.rate)
@@ -230,6 +273,8 @@ def main(argv=None) -> int:
     elif args.cmd == "rate":
         set_rate(args.rate)
         print(f"rate: {rate_label(args.rate)} on {nodes()} nodes")
+    elif args.cmd == "bw":
+        print(f"node1 -> node0: {measure_bandwidth(1, 0, args.seconds) / 1e9:.3f} Gbit/s (one TCP stream)")
     elif args.cmd == "down":
         down()
         print("down")

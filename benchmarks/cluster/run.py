@@ -9,11 +9,12 @@ namespace, M ranks each,
         .venv/bin/torchrun --nnodes K --node-rank I --nproc-per-node M \\
         --master-addr 10.77.0.1 --master-port P benchmarks/cluster/train.py --mode MODE ...
 
-The runs are interleaved (repeat r: every rate, every mode) and each cell is the median of its
---repeats runs, so a slow minute of a busy machine does not land on one mode alone. The table gives
-per mode and rate: the step time, the throughput (samples/s over all ranks), the compute-only time
-of a step (no communication), the efficiency against the same mode with no limit, and the ratio to
-the unlimited time of the fastest mode. Written to --out-dir (default benchmarks/results/):
+The runs go mode by mode, each mode at every rate back to back (repeat r: every mode, every rate),
+and each cell is the median of its --repeats runs, so a slow minute of a busy machine does not land
+between a mode's runs or on one mode alone. The table gives per mode and rate: the step time, the
+throughput (samples/s over all ranks), the efficiency against the same mode with no limit, the
+ratio to the unlimited time of the fastest mode, the compute alone, the communication alone and the
+CPU cores the job kept busy; below it, the issue's target is checked for every shaped rate. Written to --out-dir (default benchmarks/results/):
 cluster.json (every run and the table), cluster.md and cluster.png.
 
 The namespaces are created at the start and removed at the end, on errors and on Ctrl-C too
@@ -39,7 +40,7 @@ import netns  # noqa: E402
 
 TORCHRUN = REPO / ".venv" / "bin" / "torchrun"
 TRAIN = HERE / "train.py"
-DEFAULT_MODES = "gloo,flat,hierarchical,two_dimensional,hierarchical+fp16,hierarchical+db,hierarchical+fp16+db"
+DEFAULT_MODES = "gloo,flat,hierarchical,two_dimensional,flat+fp16,flat+db,flat+fp16+db,two_dimensional+fp16+db"
 HOOK_FLAGS = ("fp16", "bf16", "db")  # modes that need torch_chainermn.hooks
 # Variables that would steer the children somewhere else than the simulated node they run on.
 SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -54,20 +55,25 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rates", default="none,1gbit", help="comma-separated tc rates; none = no shaping")
+    p.add_argument("--rates", default="none,1gbit,500mbit", help="comma-separated tc rates; none = no shaping")
     p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated train.py modes")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--compute-steps", type=int, default=2)
+    p.add_argument("--compute-steps", type=int, default=1, help="steps without communication (compute only)")
+    p.add_argument("--comm-steps", type=int, default=1, help="rounds of allreduce without compute (comm only)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for every rank (repeatable), e.g. CHAINERMN_SHM_CHUNK_BYTES=16777216")
     p.add_argument("--params", type=float, default=25.0, help="million parameters")
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     p.add_argument("--repeats", type=int, default=1, help="runs per (mode, rate); the median is reported")
     p.add_argument("--run-timeout", type=float, default=240.0, help="seconds before a run is killed")
     p.add_argument("--port", type=int, default=29500, help="first master port (one per run)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--name", default="cluster", help="stem of the output files")
     p.add_argument("--keep-up", action="store_true", help="leave the namespaces up at the end")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: one table from earlier results "
+                   "(their runs pooled, medians per cell), written as --name")
     return p.parse_args(argv)
 
 
@@ -77,11 +83,14 @@ def hooks_available() -> bool:
 
 # ---------------------------------------------------------------------------------------- one run
 
-def child_env(node: int) -> dict:
+def child_env(node: int, extra=()) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in SCRUB and not k.startswith(("OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_"))}
     env.update(CHAINERMN_HOSTNAME=f"node{node}", GLOO_SOCKET_IFNAME=netns.IFNAME, OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    for item in extra:
+        key, _, value = item.partition("=")
+        env[key] = value
     return env
 
 
@@ -110,7 +119,7 @@ def run_one(args, mode: str, rate: str, port: int, log_dir: Path, live: list) ->
     result_path.unlink(missing_ok=True)
     train_args = ["--mode", mode, "--params", str(args.params), "--layers", str(args.layers),
                   "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                  "--compute-steps", str(args.compute_steps), "--timeout", str(int(args.run_timeout)),
+                  "--compute-steps", str(args.compute_steps), "--comm-steps", str(args.comm_steps), "--timeout", str(int(args.run_timeout)),
                   "--json", str(result_path)]
     procs, logs = [], []
     t0 = time.time()
@@ -123,7 +132,7 @@ def run_one(args, mode: str, rate: str, port: int, log_dir: Path, live: list) ->
                    "--nproc-per-node", str(args.ranks_per_node),
                    "--master-addr", netns.node_addr(0), "--master-port", str(port),
                    str(TRAIN), *train_args]
-            p = subprocess.Popen(cmd, cwd=REPO, env=child_env(i), stdout=log, stderr=subprocess.STDOUT,
+            p = subprocess.Popen(cmd, cwd=REPO, env=child_env(i, args.env), stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
             procs.append(p)
             live.append(p)
@@ -181,6 +190,9 @@ def summarise(runs: list, modes: list, rates: list) -> list:
                 row["compute_s"] = statistics.median(r["compute_s"] for r in got if r.get("compute_s") is not None) \
                     if any(r.get("compute_s") is not None for r in got) else None
                 row["samples_per_s"] = got[0]["world_size"] * got[0]["batch"] / row["step_s"]
+                for key in ("comm_s", "cpu_per_step_s"):
+                    vals = [r[key] for r in got if r.get(key) is not None]
+                    row[key] = statistics.median(vals) if vals else None
                 row["all_step_s"] = [r["step_s"] for r in got]
             rows.append(row)
     by = {(r["mode"], r["rate"]): r for r in rows}
@@ -199,21 +211,58 @@ def summarise(runs: list, modes: list, rates: list) -> list:
 def markdown(rows, base_rate, best_base, best_mode, meta) -> str:
     out = [f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.1f}M parameters "
            f"({meta['grad_mb']:.0f} MB fp32 gradient), batch {meta['batch']} per rank, median of "
-           f"{meta['repeats']} run(s) x {meta['steps']} steps; best with no limit ({base_rate}): "
+           f"{meta['repeats']} run(s) x {meta['steps']} steps"
+           f"{'; environment ' + ' '.join(meta['env']) if meta.get('env') else ''}; best with no limit ({base_rate}): "
            f"{best_mode} {best_base:.3f} s" if best_base else "no successful baseline run", "",
-           f"| mode | link | step (s) | compute only (s) | samples/s | efficiency vs same mode at {base_rate} "
-           f"| x best at {base_rate} |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+           f"| mode | link | step (s) | samples/s | efficiency vs same mode at {base_rate} "
+           f"| x best at {base_rate} | compute only (s) | comm only (s) | CPU cores busy |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "step_s" not in r:
-            out.append(f"| {r['mode']} | {r['rate']} | FAILED: {'; '.join(r['errors']) or 'not run'} | | | | |")
+            out.append(f"| {r['mode']} | {r['rate']} | FAILED: {'; '.join(r['errors']) or 'not run'} | | | | | | |")
             continue
         comp = f"{r['compute_s']:.3f}" if r.get("compute_s") is not None else "-"
         eff = f"{r['efficiency']:.0%}" if r.get("efficiency") else "-"
         vs = f"{r['vs_best_unlimited']:.2f}x" if r.get("vs_best_unlimited") else "-"
-        out.append(f"| {r['mode']} | {r['rate']} | {r['step_s']:.3f} | {comp} | {r['samples_per_s']:.1f} "
-                   f"| {eff} | {vs} |")
+        comm = f"{r['comm_s']:.3f}" if r.get("comm_s") is not None else "-"
+        cores = f"{r['cpu_per_step_s'] / r['step_s']:.2f}" if r.get("cpu_per_step_s") is not None else "-"
+        out.append(f"| {r['mode']} | {r['rate']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {eff} | {vs} "
+                   f"| {comp} | {comm} | {cores} |")
     return "\n".join(out) + "\n"
+
+
+def verdict(rows, base_rate) -> list:
+    """The issue's target, per shaped rate: where gloo DDP is at least 2x its unlimited time, does the
+    best chainermn mode with fp16 and double buffering come within 1.25x of the unlimited time?"""
+    by = {(r["mode"], r["rate"]): r for r in rows if "step_s" in r}
+    base = {m: r["step_s"] for (m, rate), r in by.items() if rate == base_rate}
+    if not base:
+        return []
+    best_base_mode = min(base, key=base.get)
+    lines = []
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        if rate == base_rate:
+            continue
+        gloo = by.get(("gloo", rate))
+        gloo_ratio = gloo["step_s"] / base["gloo"] if gloo and "gloo" in base else None
+        hooked = [r for (m, rt), r in by.items() if rt == rate and m != "gloo"
+                  and "db" in m.split("+") and ("fp16" in m.split("+") or "bf16" in m.split("+"))]
+        if not hooked:
+            lines.append(f"- {rate}: no chainermn mode with fp16 and double buffering was measured")
+            continue
+        best = min(hooked, key=lambda r: r["step_s"])
+        vs_best = best["step_s"] / base[best_base_mode]
+        vs_own = best["step_s"] / base[best["mode"]] if best["mode"] in base else None
+        gloo_text = f"gloo {gloo_ratio:.3f}x its unlimited time" if gloo_ratio else "gloo not measured"
+        qualifies = gloo_ratio is not None and gloo_ratio >= 2.0
+        met = qualifies and vs_best <= 1.25
+        own = f", {vs_own:.3f}x its own unlimited time" if vs_own else ""
+        lines.append(
+            f"- {rate}: {gloo_text}{'' if qualifies else ' (< 2x: this link does not qualify)'}; best with fp16 + "
+            f"double buffering: {best['mode']} {best['step_s']:.3f} s = {vs_best:.3f}x the best unlimited time "
+            f"({best_base_mode} {base[best_base_mode]:.3f} s){own} -> target "
+            f"{'MET' if met else 'not met' if qualifies else 'n/a'}")
+    return lines
 
 
 def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
@@ -248,6 +297,8 @@ def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out_dir), args.name)
     if os.geteuid() != 0:
         print("run.py needs root: it creates network namespaces (ip netns) and tc qdiscs", file=sys.stderr)
         return 2
@@ -275,10 +326,12 @@ def main(argv=None) -> int:
         netns.up(args.nodes, None)
         print(f"cluster up: {args.nodes} nodes x {args.ranks_per_node} ranks; rates {rates}; modes {modes}",
               flush=True)
+        # Mode by mode, each mode at every rate back to back: a mode's runs at the different rates
+        # are minutes apart at most, so a change of the machine's load does not fall between them.
         for rep in range(args.repeats):
-            for rate in rates:
-                netns.set_rate(rate)
-                for mode in modes:
+            for mode in modes:
+                for rate in rates:
+                    netns.set_rate(rate)
                     res = run_one(args, mode, rate, port, log_dir, live)
                     port += 1
                     runs.append(res)
@@ -287,12 +340,14 @@ def main(argv=None) -> int:
                               f"{res['elapsed_s']:.0f} s\n{res['log_tail']}", flush=True)
                         status = 1
                     else:
+                        fmt = lambda v: f"{v:.3f} s" if v is not None else "-"  # noqa: E731
                         print(f"[{rep}] {mode:>28} @ {rate:>7}: step {res['step_s']:.3f} s "
-                              f"(min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute "
-                              f"{res['compute_s']:.3f} s, {res['samples_per_s']:.1f} samples/s "
-                              f"[{res['elapsed_s']:.0f} s]", flush=True)
+                              f"(min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute only "
+                              f"{fmt(res.get('compute_s'))}, comm only {fmt(res.get('comm_s'))}, "
+                              f"{res['cpu_per_step_s'] / res['step_s']:.2f} cores busy, "
+                              f"{res['samples_per_s']:.1f} samples/s [{res['elapsed_s']:.0f} s]", flush=True)
     except (KeyboardInterrupt, Interrupted) as e:
-        print(f"\ninterrupted ({e or 'Ctrl-C'}): stopping the jobs and removing the namespaces", flush=True)
+        print(f"\ninterrupted ({str(e) or 'Ctrl-C'}): stopping the jobs and removing the namespaces", flush=True)
         status = 130
     finally:
         kill_job(list(live))
@@ -301,25 +356,57 @@ def main(argv=None) -> int:
 
     if not runs:
         return status or 1
-    rows, base_rate, best_base, best_mode = summarise(runs, modes, rates)
     ok = [r for r in runs if "error" not in r]
-    meta = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "batch": args.batch,
+    meta = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "batch": args.batch, "env": args.env,
             "params_m": (ok[0]["params"] / 1e6) if ok else args.params,
             "grad_mb": (ok[0]["grad_mb"]) if ok else args.params * 4,
             "layers": args.layers, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "rates": rates, "modes": modes, "command": " ".join([sys.executable] + sys.argv),
+            "rates": rates, "modes": modes, "command": " ".join(["benchmarks/cluster/run.py"] + sys.argv[1:]),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "total_s": time.time() - started}
+    report(runs, meta, out_dir, args.name)
+    return status
+
+
+def report(runs: list, meta: dict, out_dir: Path, name: str) -> None:
+    """Print the table and write NAME.json, NAME.md and NAME.png into out_dir."""
+    modes, rates = meta["modes"], meta["rates"]
+    rows, base_rate, best_base, best_mode = summarise(runs, modes, rates)
     table = markdown(rows, base_rate, best_base, best_mode, meta)
+    checks = verdict(rows, base_rate)
+    if checks:
+        table += "\nTarget (gloo >= 2x slower on the link; best fp16 + double buffering within 1.25x of the " \
+                 "unlimited time):\n" + "\n".join(checks) + "\n"
     print("\n" + table)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": runs}, indent=1))
-    (out_dir / f"{args.name}.md").write_text(f"`{meta['command']}`\n\n{table}")
-    title = (f"{args.nodes} nodes x {args.ranks_per_node} ranks, {meta['params_m']:.0f}M params, "
-             f"batch {args.batch}/rank (simulated cluster, 2-core host)")
-    note = plot(rows, modes, rates, best_base, out_dir / f"{args.name}.png", title)
-    print(note or f"wrote {out_dir}/{args.name}.{{json,md,png}} (logs in {log_dir}) in {meta['total_s']:.0f} s")
-    return status
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": runs}, indent=1))
+    (out_dir / f"{name}.md").write_text(f"`{meta['command']}`\n\n{table}")
+    title = (f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.0f}M params, "
+             f"batch {meta['batch']}/rank (simulated cluster, 2-core host)")
+    note = plot(rows, modes, rates, best_base, out_dir / f"{name}.png", title)
+    print(note or f"wrote {out_dir}/{name}.{{json,md,png}} ({meta.get('total_s', 0):.0f} s of runs)")
+
+
+def merge(paths: list, out_dir: Path, name: str) -> int:
+    """One table from the runs of several earlier run.py results (same configuration)."""
+    runs, metas = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        runs += data["runs"]
+        metas.append(data["meta"])
+    meta = dict(metas[0])
+    key = ("nodes", "ranks_per_node", "batch", "params_m", "layers", "env")
+    if any(tuple(m.get(k) for k in key) != tuple(meta.get(k) for k in key) for m in metas):
+        print("merge: the files were measured with different --nodes/--ranks-per-node/--batch/--params/--layers",
+              file=sys.stderr)
+        return 2
+    meta["modes"] = list(dict.fromkeys(mo for m in metas for mo in m["modes"]))
+    meta["rates"] = list(dict.fromkeys(r for m in metas for r in m["rates"]))
+    meta["repeats"] = sum(m["repeats"] for m in metas)
+    meta["total_s"] = sum(m.get("total_s", 0) for m in metas)
+    meta["command"] = "; ".join(m["command"] for m in metas) + f" (merged: {', '.join(map(str, paths))})"
+    report(runs, meta, out_dir, name)
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ so the gradient is large (4 bytes per parameter) while the compute stays modest;
 Timing: --warmup steps, a barrier, then --steps timed steps (forward, backward with DDP's
 allreduce, optimizer.step). A step's time is measured on every rank; the reported step time is the
 median over steps of the slowest rank's time. Afterwards --compute-steps steps run under no_sync()
-(no communication at all) to measure the compute alone. Rank 0 prints one JSON line and, with
---json, writes it to that file.
+(no communication at all) to measure the compute alone, and --comm-steps rounds of all_reduce of
+the gradient's buckets in the wire dtype (no compute) measure the communication alone; the CPU time
+of every rank process during the timed steps is reported too (cpu_per_step_s, summed over ranks).
+Rank 0 prints one JSON line and, with --json, writes it to that file.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compute-steps", type=int, default=3, help="steps without communication (0: skip)")
+    p.add_argument("--comm-steps", type=int, default=1,
+                   help="rounds of allreduce alone (the gradient's buckets, wire dtype; 0: skip)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
@@ -65,6 +69,8 @@ def parse_mode(mode: str):
     unknown = flags - {"fp16", "bf16", "db", "noshm"}
     if unknown or ("fp16" in flags and "bf16" in flags):
         raise SystemExit(f"bad mode {mode!r}: flags are +fp16, +bf16, +db, +noshm")
+    if base == "gloo" and "bf16" in flags:
+        raise SystemExit("gloo+bf16: torch's bf16_compress_hook needs CUDA and NCCL; use gloo+fp16")
     if base == "gloo" and "noshm" in flags:
         raise SystemExit("+noshm is a chainermn setting (CHAINERMN_SHM=0)")
     if base == "gloo" and "db" in flags:
@@ -85,10 +91,9 @@ def build_model(params_m: float, layers: int) -> tuple[nn.Module, int]:
 def install_hook(model, base: str, flags: set):
     """Register the comm hook of the mode; returns the double-buffering state (or None)."""
     if base == "gloo":
-        if "fp16" in flags or "bf16" in flags:
+        if "fp16" in flags:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            hook = default_hooks.fp16_compress_hook if "fp16" in flags else default_hooks.bf16_compress_hook
-            model.register_comm_hook(None, hook)
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
     if not flags - {"noshm"}:
         return None                                  # DDP's own allreduce on the chainermn group
@@ -156,11 +161,13 @@ def main(argv=None) -> int:
     phases["warmup"] = time.time() - t_phase
     times = []
     t_start = time.perf_counter()
+    cpu_start = time.process_time()          # this process, every thread (the backend's workers too)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
     wall = time.perf_counter() - t_start
+    cpu = time.process_time() - cpu_start
     if db_state is not None:
         db_state.flush()
     dist.barrier()
@@ -168,15 +175,36 @@ def main(argv=None) -> int:
     phases["timed"] = time.perf_counter() - t_start
     t_phase = time.time()
     compute = []
+    cpu_start = time.process_time()
     for _ in range(args.compute_steps):
         t0 = time.perf_counter()
         step(ddp.no_sync)
         compute.append(time.perf_counter() - t0)
+    compute_cpu = time.process_time() - cpu_start
     dist.barrier()
     phases["compute"] = time.time() - t_phase
 
+    # The communication alone: the gradient's size in buckets, in the wire dtype, no compute.
+    t_phase = time.time()
+    wire = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else torch.float32
+    per_bucket = int(args.bucket_cap_mb * 2**20 / 4)
+    bufs = [torch.zeros(min(per_bucket, n_params - i), dtype=wire) for i in range(0, n_params, per_bucket)]
+    comm = []
+    comm_cpu = 0.0
+    dist.barrier()                            # the connections and buffers are warm from training
+    for i in range(args.comm_steps):
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
+            w.wait()
+        comm.append(time.perf_counter() - t0)
+        comm_cpu += time.process_time() - c0
+    dist.barrier()
+    phases["comm"] = time.time() - t_phase
+
     mine = {"rank": rank, "host": os.environ.get("CHAINERMN_HOSTNAME", socket.gethostname()),
-            "times": times, "wall": wall, "compute": compute, "loss": float(loss.detach())}
+            "times": times, "wall": wall, "cpu": cpu, "compute": compute, "comm": comm,
+            "compute_cpu": compute_cpu, "comm_cpu": comm_cpu, "loss": float(loss.detach())}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -184,6 +212,8 @@ def main(argv=None) -> int:
         step_s = statistics.median(slowest)
         compute_s = (statistics.median([max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)])
                      if args.compute_steps else None)
+        comm_s = (statistics.median([max(r["comm"][i] for r in everyone) for i in range(args.comm_steps)])
+                  if args.comm_steps else None)
         transport = None
         if base != "gloo":
             import torch_chainermn
@@ -195,7 +225,13 @@ def main(argv=None) -> int:
             "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "transport": transport,
             "step_s": step_s, "step_min_s": min(slowest), "step_max_s": max(slowest),
             "wall_per_step_s": max(r["wall"] for r in everyone) / args.steps,
-            "compute_s": compute_s,
+            "compute_s": compute_s, "comm_s": comm_s,
+            # CPU seconds per step, summed over the ranks: how many cores the job kept busy
+            "cpu_per_step_s": sum(r["cpu"] for r in everyone) / args.steps,
+            "compute_cpu_per_step_s": (sum(r["compute_cpu"] for r in everyone) / args.compute_steps
+                                       if args.compute_steps else None),
+            "comm_cpu_per_round_s": sum(r["comm_cpu"] for r in everyone) / args.comm_steps if args.comm_steps else None,
+            "step_times_s": [round(t, 3) for t in slowest],
             "samples_per_s": world * args.batch / step_s,
             "loss": float(loss.detach()),
             "phases_s": {k: round(v, 2) for k, v in phases.items()},

@@ -275,7 +275,7 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_VALUE(floating, op, ": ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtypeName(dtype));
-      // NCCLPreMulSumSupplement: torch 2.11's name, kept as an alias of PreMulSumSupplement in 2.13.
+      // NCCLPreMulSumSupplement: torch 2.11 knows only this name; 2.13 keeps it as an alias.
       auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduceOp.supplement_.get());
       TORCH_CHECK_VALUE(supplement != nullptr, op, ": ReduceOp.PREMUL_SUM without a factor");
       plan.kind = ReduceKind::Sum;

@@ -65,7 +65,8 @@ struct Worker::State {
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
   std::vector<InFlight> inFlight;
   std::string brokenReason;
-  bool stopping = false;
+  bool closed = false;    // stop() began: enqueue refuses
+  bool stopping = false;  // the threads should leave
 
   void workerLoop();
   void watchdogLoop();
@@ -77,6 +78,14 @@ struct Worker::State {
 // Completing or failing a Work runs its future's callbacks, which may issue more operations on this
 // group: it is never done with the mutex held.
 void failAll(std::deque<Op>& ops, const std::string& why);
+
+// Every live Worker, for stopWorkersAtExit(). Its mutex is held while that function stops them, so a
+// Worker being destroyed meanwhile waits, and is never freed while it is being stopped.
+std::mutex gLiveMutex;
+std::vector<Worker*>& liveWorkers() {
+  static auto* workers = new std::vector<Worker*>();  // never destroyed: used until the process ends
+  return *workers;
+}
 
 std::deque<Op> Worker::State::takeQueued() {
   std::deque<Op> taken;
@@ -253,51 +262,67 @@ Worker::Worker(std::string groupName) : state_(std::make_shared<State>(std::move
   // detached without leaving it pointing at freed memory.
   worker_ = std::thread([state = state_] { state->workerLoop(); });
   watchdog_ = std::thread([state = state_] { state->watchdogLoop(); });
+  std::lock_guard<std::mutex> lock(gLiveMutex);
+  liveWorkers().push_back(this);
 }
 
 Worker::~Worker() {
-  bool stuck = false;
-  std::deque<Op> queued;
-  std::vector<c10::intrusive_ptr<WorkChainerMN>> unfinished;
   {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    queued = state_->takeQueued();
-    lock.unlock();
-    failAll(queued, "not run: the process group was destroyed");
-    lock.lock();
-    // Let an operation inside the transport finish, up to its deadline.
-    const auto deadline = state_->current ? state_->current->deadline() : Clock::now();
-    state_->idle.wait_until(lock, deadline, [this] { return !state_->current; });
-    stuck = static_cast<bool>(state_->current);
-    for (auto& entry : state_->inFlight) {
-      unfinished.push_back(entry.work);
+    std::lock_guard<std::mutex> lock(gLiveMutex);
+    auto& live = liveWorkers();
+    live.erase(std::remove(live.begin(), live.end(), this), live.end());
+  }
+  stop();
+}
+
+void Worker::stop() {
+  std::call_once(stopped_, [this] {
+    bool stuck = false;
+    std::deque<Op> queued;
+    std::vector<c10::intrusive_ptr<WorkChainerMN>> unfinished;
+    {
+      std::unique_lock<std::mutex> lock(state_->mutex);
+      state_->closed = true;
+      queued = state_->takeQueued();
+      lock.unlock();
+      failAll(queued, "not run: the process group was destroyed");
+      lock.lock();
+      // Let an operation inside the transport finish, up to its deadline.
+      const auto deadline = state_->current ? state_->current->deadline() : Clock::now();
+      state_->idle.wait_until(lock, deadline, [this] { return !state_->current; });
+      stuck = static_cast<bool>(state_->current);
+      for (auto& entry : state_->inFlight) {
+        unfinished.push_back(entry.work);
+      }
+      state_->stopping = true;
     }
-    state_->stopping = true;
-  }
-  for (auto& work : unfinished) {
-    work->fail(backendError("chainermn " + work->description() + ": not completed before the process group was destroyed"));
-  }
-  state_->wakeWorker.notify_all();
-  state_->wakeWatchdog.notify_all();
-  watchdog_.join();
-  if (stuck) {
-    worker_.detach();
-  } else {
-    worker_.join();
-  }
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  if (!state_->inFlight.empty()) {
-    // Transfers the transport has not released may still write into their buffers: keep the
-    // buffers alive for the life of the process rather than free memory under it.
-    new std::vector<InFlight>(std::move(state_->inFlight));
-  }
+    for (auto& work : unfinished) {
+      work->fail(backendError("chainermn " + work->description() + ": not completed before the process group was destroyed"));
+    }
+    state_->wakeWorker.notify_all();
+    state_->wakeWatchdog.notify_all();
+    watchdog_.join();
+    if (stuck) {
+      worker_.detach();
+    } else {
+      worker_.join();
+    }
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!state_->inFlight.empty()) {
+      // Transfers the transport has not released may still write into their buffers: keep the
+      // buffers alive for the life of the process rather than free memory under it.
+      new std::vector<InFlight>(std::move(state_->inFlight));
+    }
+  });
 }
 
 void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
   std::string notRun;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->brokenReason.empty()) {
+    if (state_->closed) {
+      notRun = "the process group was destroyed (or the process is exiting)";
+    } else if (state_->brokenReason.empty()) {
       state_->queue.push_back({work, std::move(body)});
     } else {
       notRun = state_->brokenReason;
@@ -321,6 +346,14 @@ void Worker::drain() {
       return entry.work->isCompleted();
     });
   });
+}
+
+void stopWorkersAtExit() {
+  std::lock_guard<std::mutex> lock(gLiveMutex);
+  for (Worker* worker : liveWorkers()) {
+    worker->drain();
+    worker->stop();
+  }
 }
 
 std::string Worker::brokenReason() const {

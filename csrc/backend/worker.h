@@ -16,6 +16,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 namespace chainermn {
@@ -25,7 +26,7 @@ class Worker {
   using Body = std::function<RequestPtr()>;
 
   explicit Worker(std::string groupName);
-  // Fails what is still queued and stops both threads.
+  // stop(), unless stopWorkersAtExit() already did.
   ~Worker();
 
   Worker(const Worker&) = delete;
@@ -42,9 +43,22 @@ class Worker {
   struct State;
 
  private:
+  // Fails what is still queued, lets the operation inside the transport finish (up to its deadline),
+  // and stops both threads. Later enqueues fail at once. Runs once.
+  void stop();
+
+  friend void stopWorkersAtExit();
+
   std::shared_ptr<State> state_;
   std::thread worker_;
   std::thread watchdog_;
+  std::once_flag stopped_;
 };
+
+// Runs what every live worker has queued (bounded by the deadlines), then stops them all. Called when
+// the interpreter exits, before it finalises: a worker thread that drops the last reference to a
+// tensor with a Python object needs the GIL, and a thread asking for the GIL during finalisation is
+// killed by forced unwinding, which aborts the process when it crosses a destructor. Call without the GIL.
+void stopWorkersAtExit();
 
 } // namespace chainermn

@@ -1,6 +1,7 @@
 // torch_chainermn._C: the backend class for torch.distributed, its transports' factories, and the
 // MPI runtime helpers the launcher needs.
 #include "backend/process_group.h"
+#include "backend/worker.h"
 #include "comm/gloo.h"
 #include "strategies/strategy.h"
 #include "topology.h"
@@ -97,6 +98,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("topology_from_names", &chainermn::topologyFromNames, py::arg("names"), py::arg("rank"));
   m.def("local_node_name", &chainermn::localNodeName, py::arg("global_rank"));
+  m.def("stop_workers_at_exit", &chainermn::stopWorkersAtExit, py::call_guard<py::gil_scoped_release>());
   m.def(
       "discover_topology",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int globalRank) {

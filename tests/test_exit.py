@@ -1,0 +1,49 @@
+"""A script that ends with operations still queued or running exits cleanly: its operations finish
+(peers are not left waiting for them), their callbacks run, and the process does not abort.
+
+The hazard: the worker thread drops the last reference to a tensor whose Python object is gone, which
+needs the GIL; during interpreter finalisation a thread asking for the GIL is killed by forced
+unwinding, and that aborts the process ("terminate called without an active exception")."""
+import subprocess
+import sys
+import textwrap
+
+from tests.harness import REPO, free_port, launcher_free_environment
+
+OPS = 24
+
+SCRIPT = textwrap.dedent(f"""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch_chainermn
+
+    dist.init_process_group("chainermn")
+    log = open(sys.argv[1] + f".{{dist.get_rank()}}", "w", buffering=1)
+
+    def finished(future):
+        log.write(f"{{float(future.value()[0][0])}}\\n")
+
+    for _ in range({OPS}):
+        # 16 MiB each, created here and dropped at once: only the queued op holds the tensor.
+        work = dist.all_reduce(torch.ones(1 << 22), async_op=True)
+        work.get_future().then(finished)
+    del work
+    # No wait, no destroy_process_group: the interpreter exits with the queue full.
+""")
+
+
+def test_exit_with_operations_in_flight(tmp_path):
+    script, log = tmp_path / "exit_early.py", tmp_path / "finished"
+    script.write_text(SCRIPT)
+    env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(script), str(log)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    report = f"exit status {result.returncode}\nstderr:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, report
+    assert "terminate called" not in result.stderr, report
+    for rank in (0, 1):
+        sums = (tmp_path / f"finished.{rank}").read_text().split()
+        assert sums == ["2.0"] * OPS, report
