@@ -2,14 +2,24 @@
 
 MPI support is compiled in when `mpicc` is found (Open MPI's wrapper tells us its flags);
 without it the backend still builds and runs on Gloo.
+
+CUDA support (CUDA tensors, the NCCL transport, the pack kernels in csrc/**/*.cu) is compiled in
+when the installed torch has CUDA (torch.version.cuda is set) and a CUDA toolkit is found
+(CUDA_HOME); CHAINERMN_NO_CUDA=1 turns it off. NCCL is the one torch loads: the `nvidia/nccl`
+package in site-packages (nvidia-nccl-cu13/-cu12), or NCCL_HOME / a system NCCL otherwise.
 """
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
 
+import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+# Files that exist only for CUDA builds (everything else compiles in both).
+CUDA_ONLY = ("comm/nccl.cpp", "comm/staged.cpp")
 
 
 def mpi_flags():
@@ -24,10 +34,32 @@ def mpi_flags():
     return compile_args, link_args
 
 
+def with_cuda():
+    return (os.environ.get("CHAINERMN_NO_CUDA") != "1" and torch.version.cuda is not None
+            and CUDA_HOME is not None)
+
+
+def nccl_paths():
+    """(include dir, lib dir) of the NCCL torch uses: nvidia/nccl in site-packages first."""
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except ModuleNotFoundError:
+        spec = None
+    roots = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
+    if os.environ.get("NCCL_HOME"):
+        roots.insert(0, os.environ["NCCL_HOME"])
+    for root in roots:
+        if os.path.exists(os.path.join(root, "include", "nccl.h")):
+            return os.path.join(root, "include"), os.path.join(root, "lib")
+    return None, None  # a system NCCL (nccl.h on the default include path, libnccl.so.2 linkable)
+
+
 sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 define_macros = []
 extra_compile_args = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
 extra_link_args = []
+include_dirs = [os.path.abspath("csrc")]
+cuda = with_cuda()
 
 flags = mpi_flags()
 if flags is None:
@@ -39,6 +71,23 @@ else:
     extra_compile_args += flags[0]
     extra_link_args += flags[1]
 
+if cuda:
+    sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    define_macros.append(("CHAINERMN_WITH_CUDA", "1"))
+    nccl_include, nccl_lib = nccl_paths()
+    if nccl_include:
+        include_dirs.append(nccl_include)
+        # Link the very libnccl.so.2 torch loads (same soname, so the process holds one NCCL).
+        extra_link_args += [f"-L{nccl_lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{nccl_lib}"]
+    else:
+        extra_link_args += ["-l:libnccl.so.2"]
+    extension = CUDAExtension
+    compile_args = {"cxx": extra_compile_args, "nvcc": ["-O3", "-std=c++17"]}
+else:
+    sources = [s for s in sources if not s.replace(os.sep, "/").endswith(CUDA_ONLY)]
+    extension = CppExtension
+    compile_args = extra_compile_args
+
 setup(
     name="torch-chainermn",
     version="0.1.0",
@@ -47,12 +96,12 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     ext_modules=[
-        CppExtension(
+        extension(
             name="torch_chainermn._C",
             sources=sources,
-            include_dirs=[os.path.abspath("csrc")],
+            include_dirs=include_dirs,
             define_macros=define_macros,
-            extra_compile_args=extra_compile_args,
+            extra_compile_args=compile_args,
             extra_link_args=extra_link_args,
         )
     ],

@@ -1,27 +1,318 @@
-"""CUDA tensors on a GPU machine. This build handles CPU tensors; CUDA ones must be refused cleanly."""
+"""CUDA tensors on a GPU machine (marked `cuda`: skipped without a GPU, see conftest.py).
+
+Every rank of these runs shares the machine's one GPU. NCCL refuses two ranks on one GPU of one host
+("Duplicate GPU detected") unless each rank reports a different host: NCCL hashes NCCL_HOSTID, so
+each rank gets its own, and the ranks talk over sockets on loopback (NCCL_SOCKET_IFNAME=lo,
+NCCL_IB_DISABLE=1). `cuda_configurations()` probes that once; if NCCL still refuses, the multi-rank
+tests run instead with single-rank NCCL groups (every rank its own simulated node, NCCL within it)
+and the host transport staged through pinned memory between them (CHAINERMN_CUDA_TRANSPORT=
+nccl_intra). The all-staged transport is tested either way.
+"""
+import functools
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_spawn
+import torch_chainermn
+from tests.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
+from tests.harness import RankFailure, run_spawn
+
+pytestmark = pytest.mark.cuda
+
+STRATEGIES = ["naive", "flat", "hierarchical", "two_dimensional", "single_node", "pure_nccl"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SIZES = [0, 1, 7, 1000, 1 << 20]
 
 
-def cuda_tensor_is_refused():
-    tensor = torch.ones(4, device="cuda")
+def nccl_one_gpu_env(world_size: int) -> dict:
+    """Per-rank environment that lets NCCL put several ranks on one GPU (one simulated host each)."""
+    return {rank: {"NCCL_HOSTID": f"chainermn-test-host-{rank}", "NCCL_SOCKET_IFNAME": "lo",
+                   "NCCL_IB_DISABLE": "1"} for rank in range(world_size)}
+
+
+def probe_all_reduce():
+    tensor = torch.full((1000,), float(dist.get_rank() + 1), device="cuda")
+    dist.all_reduce(tensor)
+    torch.cuda.synchronize()
+    return tensor[0].item()
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_configurations():
+    """(name, env, rank_env) triples for the multi-rank CUDA tests on this machine."""
+    configs = [("staged", {"CHAINERMN_CUDA_TRANSPORT": "staged"}, None)]
     try:
-        dist.all_reduce(tensor)
-    except ValueError as error:
-        message = str(error)
+        values = run_spawn(probe_all_reduce, 2, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
+                           rank_env=nccl_one_gpu_env(2), timeout=120, op_timeout=60)
+        nccl_works = values == [3.0, 3.0]
+    except RankFailure:
+        nccl_works = False
+    if nccl_works:
+        configs.append(("nccl", {"CHAINERMN_CUDA_TRANSPORT": "nccl"}, "hostid"))
     else:
-        message = "accepted"
-    check = torch.ones(2)
-    dist.all_reduce(check)  # the group is still usable
-    return message, check.tolist()
+        # Each rank a node of its own: NCCL groups of one rank within the node, staged host transport across.
+        configs.append(("nccl-single-rank-groups", {"CHAINERMN_CUDA_TRANSPORT": "nccl_intra",
+                                                    "CHAINERMN_RANKS_PER_NODE": "1"}, None))
+    return configs
 
 
-@pytest.mark.cuda
-def test_cuda_tensor_gets_a_clear_error():
-    outcomes = run_spawn(cuda_tensor_is_refused, 2)
-    for message, check in outcomes:
-        assert "all_reduce" in message and "cuda" in message, message
-        assert check == [2.0, 2.0]
+def run_cuda(fn, world_size, config_name, extra_env=None, **kwargs):
+    config = {name: (env, rank_env) for name, env, rank_env in cuda_configurations()}
+    if config_name not in config:
+        pytest.skip(f"{config_name} is not usable on this machine (see cuda_configurations)")
+    env, rank_env = config[config_name]
+    env = {**env, **(extra_env or {})}
+    rank_env = nccl_one_gpu_env(world_size) if rank_env == "hostid" else None
+    return run_spawn(fn, world_size, env=env, rank_env=rank_env, **kwargs)
+
+
+def config_names():
+    return ["staged", "nccl", "nccl-single-rank-groups"]
+
+
+# ---- every strategy x dtype x size on CUDA tensors --------------------------------------------------
+
+def cuda_strategy_cases():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    topology = torch_chainermn.topology()
+    outcome = {}
+    for name in STRATEGIES:
+        if name == "single_node" and topology.inter_size > 1:
+            continue
+        group = dist.new_group(list(range(size)), backend="chainermn",
+                               pg_options=torch_chainermn.Options(communicator=name))
+        for dtype_name, dtype in DTYPES.items():
+            case = f"{name}-{dtype_name}"
+            try:
+                for n in SIZES:
+                    for op in ("SUM", "AVG", "MAX"):
+                        tensor = small_values(rank, (n,), dtype).cuda()
+                        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+                        expected = reference_reduce([small_values(r, (n,), dtype) for r in range(size)], op)
+                        assert_same(tensor.cpu(), expected, f"{case} all_reduce {op} of {n}")
+                tensors = [small_values(rank + i, (n,), dtype).cuda() for i, n in enumerate(SIZES)]
+                dist.all_reduce_coalesced(tensors, group=group)
+                for i, (n, tensor) in enumerate(zip(SIZES, tensors)):
+                    expected = reference_reduce([small_values(r + i, (n,), dtype) for r in range(size)], "SUM")
+                    assert_same(tensor.cpu(), expected, f"{case} all_reduce_coalesced block {i}")
+                outcome[case] = None
+            except Exception:  # noqa: BLE001
+                outcome[case] = traceback.format_exc()
+        # Staging buffers and the pack table stop growing once warmed up.
+        try:
+            backend = torch_chainermn._backend.backend_of(group)
+            for _ in range(2):
+                dist.all_reduce_coalesced([torch.ones(n, device="cuda") for n in (1000, 77, 5000)], group=group)
+            warmed = backend.scratch_bytes()
+            dist.all_reduce_coalesced([torch.ones(n, device="cuda") for n in (1000, 77, 5000)], group=group)
+            assert backend.scratch_bytes() == warmed
+            outcome[f"{name}-buffers"] = None
+        except Exception:  # noqa: BLE001
+            outcome[f"{name}-buffers"] = traceback.format_exc()
+    return outcome
+
+
+def check_outcomes(outcomes):
+    failures = [f"rank {r} {case}:\n{error}" for r, outcome in enumerate(outcomes)
+                for case, error in outcome.items() if error]
+    assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_strategies_on_cuda_two_simulated_nodes_of_two(config):
+    extra = {} if config == "nccl-single-rank-groups" else {"CHAINERMN_RANKS_PER_NODE": "2"}
+    check_outcomes(run_cuda(cuda_strategy_cases, 4, config, extra, timeout=600))
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_strategies_on_cuda_one_node(config):
+    if config == "nccl-single-rank-groups":
+        pytest.skip("covered by the simulated nodes test")
+    check_outcomes(run_cuda(cuda_strategy_cases, 2, config, timeout=600))
+
+
+# ---- mean_coalesced: one-kernel pack/unpack with cast and scale ------------------------------------
+
+def mean_cases():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    shapes = [(3, 5), (1,), (1000,), (0,), (257, 3)]
+    mixes = {"float32": [torch.float32] * 5,
+             "mixed": [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float32]}
+    for mix_name, dtypes in mixes.items():
+        for wire in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            case = f"{mix_name}-{wire}"
+            try:
+                def values(r):
+                    return [small_values(r + i, shape, dtype) * (i + 1) for i, (shape, dtype) in enumerate(zip(shapes, dtypes))]
+                tensors = [t.cuda() for t in values(rank)]
+                torch_chainermn.mean_coalesced(tensors, dtype=wire)
+                per_rank = [values(r) for r in range(size)]
+                for i, tensor in enumerate(tensors):
+                    expected = sum(p[i].double() for p in per_rank) / size
+                    assert tensor.dtype == dtypes[i] and tensor.is_cuda
+                    tolerance = 2e-2 if wire in (torch.float16, torch.bfloat16) or dtypes[i] in (torch.float16, torch.bfloat16) else 1e-6
+                    torch.testing.assert_close(tensor.cpu().double(), expected, rtol=tolerance, atol=tolerance)
+                outcome[case] = None
+            except Exception:  # noqa: BLE001
+                outcome[case] = traceback.format_exc()
+    return outcome
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_mean_coalesced_on_cuda(config):
+    check_outcomes(run_cuda(mean_cases, 2, config, timeout=300))
+
+
+# ---- stream ordering, futures, refusals -----------------------------------------------------------
+
+def stream_and_future_cases():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    try:
+        # Produced by a kernel on a side stream the caller made current: the op must wait for it.
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before the value is written
+            tensor = torch.full((1 << 16,), float(rank + 1), device="cuda")
+            work = dist.all_reduce(tensor, async_op=True)
+            doubled = work.get_future().then(lambda fut: fut.value()[0] * 2)
+            work.wait()  # orders `side` after the op; does not block the host on the GPU
+            after = tensor + 0
+        side.synchronize()
+        total = size * (size + 1) / 2
+        assert after[0].item() == total and after[-1].item() == total
+        assert doubled.wait()[0].item() == 2 * total
+        outcome["stream order"] = None
+    except Exception:  # noqa: BLE001
+        outcome["stream order"] = traceback.format_exc()
+    try:
+        # A callback issuing the next collective stays ordered too.
+        tensor = torch.ones(10, device="cuda")
+        fut = dist.all_reduce(tensor, async_op=True).get_future()
+        chained = fut.then(lambda f: dist.all_reduce(f.value()[0], async_op=True).get_future().wait()[0])
+        assert chained.wait()[0].item() == size * size
+        outcome["chained callback"] = None
+    except Exception:  # noqa: BLE001
+        outcome["chained callback"] = traceback.format_exc()
+    try:
+        # DDP's setup collectives on CUDA: broadcast and all_gather.
+        tensor = torch.full((5,), float(rank), device="cuda")
+        dist.broadcast(tensor, src=size - 1)
+        assert tensor.cpu().tolist() == [float(size - 1)] * 5
+        gathered = [torch.empty(3, device="cuda") for _ in range(size)]
+        dist.all_gather(gathered, torch.full((3,), float(rank), device="cuda"))
+        assert [g[0].item() for g in gathered] == [float(r) for r in range(size)]
+        flat = torch.empty(3 * size, device="cuda")
+        dist.all_gather_into_tensor(flat, torch.full((3,), float(rank), device="cuda"))
+        assert flat.cpu().tolist() == [float(r) for r in range(size) for _ in range(3)]
+        outcome["broadcast and all_gather"] = None
+    except Exception:  # noqa: BLE001
+        outcome["broadcast and all_gather"] = traceback.format_exc()
+    try:
+        # Ops without a CUDA path, and bitwise reductions, are refused on the calling rank, naming them.
+        expect_value_error(lambda: dist.reduce(torch.ones(3, device="cuda"), dst=0), "reduce", "cuda")
+        expect_value_error(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32, device="cuda"),
+                                                   op=dist.ReduceOp.BAND), "BAND", "CUDA")
+        check = torch.ones(2)
+        dist.all_reduce(check)  # the group is still usable, on the CPU too
+        assert check.tolist() == [float(size)] * 2
+        outcome["refusals"] = None
+    except Exception:  # noqa: BLE001
+        outcome["refusals"] = traceback.format_exc()
+    return outcome
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_streams_futures_and_refusals(config):
+    check_outcomes(run_cuda(stream_and_future_cases, 2, config, timeout=300))
+
+
+def cpu_and_cuda_in_one_group():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    a = torch.ones(100, device="cuda")
+    b = torch.ones(100)
+    work_a = dist.all_reduce(a, async_op=True)
+    work_b = dist.all_reduce(b, async_op=True)
+    work_a.wait()
+    work_b.wait()
+    return a.sum().item(), b.sum().item()
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_cpu_and_cuda_tensors_in_one_group(config):
+    for a, b in run_cuda(cpu_and_cuda_in_one_group, 2, config, timeout=120):
+        assert a == b == 200.0
+
+
+# ---- DDP comm hooks on CUDA -----------------------------------------------------------------------
+
+def ddp_cuda_cases():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torch_chainermn import hooks
+    from tests.training_reference import LR, batch, make_model, max_difference, one_step_stale, parameters_of, synchronous
+
+    steps = 5
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(0)
+
+    def train(hook, state, **kwargs):
+        model = DDP(make_model().cuda(), device_ids=[0], **kwargs)
+        if hook is not None:
+            model.register_comm_hook(state, hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(steps):
+            optimizer.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+            optimizer.step()
+        if isinstance(state, hooks.DoubleBufferingState):
+            state.flush()
+        return [p.cpu() for p in parameters_of(model.module)]
+
+    sync, stale = synchronous(size, steps), one_step_stale(size, steps)
+    differences = {
+        "no hook": max_difference(train(None, None), sync),
+        "allreduce_hook": max_difference(train(hooks.allreduce_hook, None, bucket_cap_mb=0.05), sync),
+        "fp16_compress_hook": max_difference(train(hooks.fp16_compress_hook, None, bucket_cap_mb=0.05), sync),
+        "bf16_compress_hook": max_difference(train(hooks.bf16_compress_hook, None), sync),
+        "double buffering": max_difference(
+            train(hooks.double_buffering_hook, hooks.DoubleBufferingState(), bucket_cap_mb=0.05), stale),
+        "double buffering fp16": max_difference(
+            train(hooks.double_buffering_hook, hooks.DoubleBufferingState(compress=torch.float16),
+                  bucket_cap_mb=0.05), stale),
+    }
+    return differences
+
+
+# GPU float32 math differs from the CPU reference in the last bits; 16-bit wires by more.
+DDP_TOLERANCE = {"fp16": 1e-3, "bf16": 3e-3}
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_ddp_hooks_on_cuda(config):
+    for differences in run_cuda(ddp_cuda_cases, 2, config, timeout=600):
+        for name, difference in differences.items():
+            kind = next((k for k in DDP_TOLERANCE if k in name), None)
+            assert difference <= DDP_TOLERANCE.get(kind, 1e-4), (name, difference)
+
+
+# ---- single process: NCCL group of one rank --------------------------------------------------------
+
+def single_rank_nccl():
+    assert torch_chainermn._C.cuda_built
+    tensor = torch.arange(10, dtype=torch.float32, device="cuda")
+    for name in STRATEGIES:
+        group = dist.new_group([0], backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
+        dist.all_reduce(tensor, group=group)
+    torch_chainermn.mean_coalesced([tensor])
+    return tensor.cpu().tolist(), torch_chainermn._C.nccl_version()
+
+
+def test_single_rank_nccl_group():
+    values, version = run_spawn(single_rank_nccl, 1, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"}, timeout=120)[0]
+    assert values == [float(i) for i in range(10)]
+    assert version.startswith("2.")

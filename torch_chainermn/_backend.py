@@ -40,6 +40,14 @@ def _shared_memory_enabled() -> bool:
     return value == "1"
 
 
+def _cuda_transport() -> str:
+    """CHAINERMN_CUDA_TRANSPORT: how CUDA tensors travel (nccl, nccl_intra or staged; default nccl)."""
+    value = os.environ.get("CHAINERMN_CUDA_TRANSPORT", "nccl").lower()
+    if value not in _C.cuda_transports:
+        raise ValueError(f"CHAINERMN_CUDA_TRANSPORT must be one of {', '.join(_C.cuda_transports)}, got {value!r}")
+    return value
+
+
 def _agree_on_transport(store, rank: int, size: int, mine: str) -> str:
     """Every rank of a group must use the same transport: MPI only if all ranks can."""
     store.set(f"chainermn/transport/{rank}", mine)
@@ -80,6 +88,7 @@ def create_backend(dist_options, pg_options=None):
     communicator = pg_options.communicator
     wire_dtype = _dtype_name(pg_options.allreduce_grad_dtype)
     shared_memory = _shared_memory_enabled()
+    cuda_transport = _cuda_transport()
 
     requested = _requested_transport()
     usable, why_not = _mpi_usable(world_size, global_rank) if requested != "gloo" else (False, "")
@@ -90,11 +99,12 @@ def create_backend(dist_options, pg_options=None):
 
     if transport == "mpi":
         return _C.ProcessGroupChainerMN.with_mpi(
-            store, rank, size, timeout, group_name, topology, global_ranks, communicator, wire_dtype, shared_memory)
+            store, rank, size, timeout, group_name, topology, global_ranks, communicator, wire_dtype, shared_memory,
+            cuda_transport)
     world, intra, inter = _gloo_levels(store, topology, timeout)
     return _C.ProcessGroupChainerMN.with_gloo(
         store, rank, size, timeout, group_name, topology, world, intra, inter, communicator, wire_dtype,
-        shared_memory)
+        shared_memory, cuda_transport)
 
 
 def get_options(group=None) -> Options:

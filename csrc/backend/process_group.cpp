@@ -2,10 +2,10 @@
 
 #include "backend/validate.h"
 #include "comm/shm.h"
-#include "kernels/cast.h"
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -33,6 +33,15 @@ void unpack(const void* source, std::vector<at::Tensor>& tensors) {
     std::memcpy(tensor.data_ptr(), in, bytesOf(tensor));
     in += bytesOf(tensor);
   }
+}
+
+std::vector<FlatBuffer> flatBuffers(const std::vector<at::Tensor>& tensors) {
+  std::vector<FlatBuffer> parts;
+  parts.reserve(tensors.size());
+  for (const auto& tensor : tensors) {
+    parts.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), tensor.scalar_type()});
+  }
+  return parts;
 }
 
 void applyScaleBefore(at::Tensor& tensor, const Reduction& plan) {
@@ -172,6 +181,14 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(
   }
   context_->comm = comms.world;
   context_->comms = std::move(comms);
+  TORCH_CHECK_VALUE(
+      std::find(cudaTransports().begin(), cudaTransports().end(), options_.cudaTransport) != cudaTransports().end(),
+      "chainermn: unknown CUDA transport '",
+      options_.cudaTransport,
+      "' (choose from nccl, nccl_intra, staged)");
+  context_->cudaSetup = CudaSetup{store, topology_, options_.cudaTransport};
+  // A static name, as transport_ is: Works may outlive the group.
+  cudaTransport_ = std::find(cudaTransports().begin(), cudaTransports().end(), options_.cudaTransport)->c_str();
   worker_ = std::make_unique<Worker>(std::move(groupName));
 }
 
@@ -211,34 +228,77 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueue(
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueueOn(
+    const at::Tensor& device,
+    c10d::OpType type,
+    const char* name,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout,
+    DeviceBody body) {
+  if (device.device().is_cpu()) {
+    return enqueue(type, name, std::move(outputs), timeout, [body = std::move(body)](GroupContext& ctx) {
+      return body(ctx, Target{ctx.comms, ctx.scratch});
+    });
+  }
+  // CUDA: the caller's current stream is marked now, on the caller's thread; the worker orders the
+  // group's stream after it before running the body there.
+  const uint64_t sequence = ++sequence_;
+  if (timeout == c10d::kUnsetTimeout) {
+    timeout = std::chrono::milliseconds(timeoutMs_.load());
+  }
+  auto work = c10::make_intrusive<WorkChainerMN>(
+      type,
+      WorkChainerMN::Label{name, cudaTransport_, rank_, size_, timeout},
+      sequence,
+      std::move(outputs),
+      Clock::now() + timeout,
+      std::vector<c10::Device>{device.device()});
+  auto mark = markCallerStream(device);
+  std::vector<at::Tensor> used = work->result();
+  used.push_back(device);
+  worker_->enqueue(
+      work,
+      [context = context_, body = std::move(body), mark = std::move(mark), where = device.device(), used]() {
+        auto& cuda = enterCuda(context->cuda, context->cudaSetup, context->comms, where, mark);
+        RequestPtr request = body(*context, Target{cuda.comms, cuda.scratch});
+        keepUntilDone(cuda, used);
+        return request;
+      });
+  return work;
+}
+
 // ---- collectives ------------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
-  at::Tensor tensor = single("broadcast", "tensor", tensors);
+  at::Tensor tensor = single("broadcast", "tensor", tensors, Devices::CpuOrCuda);
+  checkGroupDevice("broadcast", cudaDevice_, tensor);
   checkRank("broadcast", "src", opts.rootRank, size_);
   const int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "broadcast", {tensor}, opts.timeout, [tensor, root](GroupContext& ctx) {
-    if (tensor.numel() > 0) {
-      ctx.comm->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
-    }
-    return RequestPtr();
-  });
+  return enqueueOn(
+      tensor, c10d::OpType::BROADCAST, "broadcast", {tensor}, opts.timeout, [tensor, root](GroupContext&, Target on) {
+        if (tensor.numel() > 0) {
+          on.comms.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
+        }
+        return RequestPtr();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  at::Tensor tensor = single("all_reduce", "tensor", tensors);
+  at::Tensor tensor = single("all_reduce", "tensor", tensors, Devices::CpuOrCuda);
+  checkGroupDevice("all_reduce", cudaDevice_, tensor);
   checkStrategyHandles("all_reduce", *context_->strategy, tensor);
   const Reduction plan = planReduction("all_reduce", opts.reduceOp, tensor.scalar_type(), size_);
-  return enqueue(
-      c10d::OpType::ALLREDUCE, "all_reduce", {tensor}, opts.timeout, [tensor, plan](GroupContext& ctx) mutable {
+  checkDeviceReduction("all_reduce", plan, tensor);
+  return enqueueOn(
+      tensor, c10d::OpType::ALLREDUCE, "all_reduce", {tensor}, opts.timeout, [tensor, plan](GroupContext& ctx, Target on) mutable {
         if (tensor.numel() > 0) {
           applyScaleBefore(tensor, plan);
           ctx.strategy->allreduce(
-              ctx.comms, ctx.scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType}, plan.kind);
+              on.comms, on.scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType}, plan.kind);
           applyDivideAfter(tensor, plan);
         }
         return RequestPtr();
@@ -250,9 +310,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
     const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = "all_reduce_coalesced";
   TORCH_CHECK_VALUE(!tensors.empty(), op, ": needs at least one tensor");
-  checkTensors(op, "tensors", tensors);
+  checkTensors(op, "tensors", tensors, Devices::CpuOrCuda);
+  checkSameDevice(op, tensors);
+  checkGroupDevice(op, cudaDevice_, tensors[0]);
   checkSameDtype(op, tensors);
   const Reduction plan = planReduction(op, opts.reduceOp, tensors[0].scalar_type(), size_);
+  checkDeviceReduction(op, plan, tensors[0]);
   int64_t total = 0;
   for (const auto& tensor : tensors) {
     total += tensor.numel();
@@ -260,8 +323,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
   for (const auto& tensor : tensors) {
     checkStrategyHandles(op, *context_->strategy, tensor);
   }
-  return enqueue(
-      c10d::OpType::ALLREDUCE_COALESCED, op, tensors, opts.timeout, [tensors, plan, total](GroupContext& ctx) mutable {
+  return enqueueOn(
+      tensors[0],
+      c10d::OpType::ALLREDUCE_COALESCED,
+      op,
+      tensors,
+      opts.timeout,
+      [tensors, plan, total](GroupContext& ctx, Target on) mutable {
         if (total == 0) {
           return RequestPtr();
         }
@@ -273,7 +341,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
         for (auto& tensor : tensors) {
           bufs.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType});
         }
-        ctx.strategy->allreduceMany(ctx.comms, ctx.scratch, bufs, plan.kind);
+        ctx.strategy->allreduceMany(on.comms, on.scratch, bufs, plan.kind);
         for (auto& tensor : tensors) {
           applyDivideAfter(tensor, plan);
         }
@@ -314,23 +382,32 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
     std::vector<at::Tensor>& inputTensors,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather";
-  at::Tensor input = single(op, "tensor", inputTensors);
+  at::Tensor input = single(op, "tensor", inputTensors, Devices::CpuOrCuda);
+  checkGroupDevice(op, cudaDevice_, input);
   TORCH_CHECK_VALUE(outputTensors.size() == 1, op, ": expects one output list, got ", outputTensors.size());
   std::vector<at::Tensor> outputs = outputTensors[0];
   checkListSize(op, "tensor_list", outputs.size(), size_);
   for (const auto& output : outputs) {
-    checkSameKind(op, "tensor_list", output, input);
+    checkSameKind(op, "tensor_list", output, input, Devices::CpuOrCuda);
   }
+  outputs.push_back(input);
+  checkSameDevice(op, outputs);
+  outputs.pop_back();
   const int size = size_;
-  return enqueue(c10d::OpType::ALLGATHER, op, outputs, opts.timeout, [input, outputs, size](GroupContext& ctx) mutable {
-    if (input.numel() == 0) {
-      return RequestPtr();
-    }
-    void* gathered = ctx.scratch.get(0, bytesOf(input) * size);
-    ctx.comm->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
-    unpack(gathered, outputs);
-    return RequestPtr();
-  });
+  return enqueueOn(
+      input, c10d::OpType::ALLGATHER, op, outputs, opts.timeout, [input, outputs, size](GroupContext&, Target on) mutable {
+        if (input.numel() == 0) {
+          return RequestPtr();
+        }
+        void* gathered = on.scratch.get(0, bytesOf(input) * size);
+        on.comms.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
+        if (input.is_cpu()) {
+          unpack(gathered, outputs);
+        } else {
+          on.scratch.unpack(gathered, input.scalar_type(), flatBuffers(outputs), 1.0);  // one launch
+        }
+        return RequestPtr();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
@@ -338,8 +415,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
     at::Tensor& inputBuffer,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
-  checkTensor(op, "input_tensor", inputBuffer);
-  checkTensor(op, "output_tensor", outputBuffer);
+  checkTensor(op, "input_tensor", inputBuffer, Devices::CpuOrCuda);
+  checkTensor(op, "output_tensor", outputBuffer, Devices::CpuOrCuda);
+  checkSameDevice(op, {inputBuffer, outputBuffer});
+  checkGroupDevice(op, cudaDevice_, inputBuffer);
   TORCH_CHECK_VALUE(
       outputBuffer.scalar_type() == inputBuffer.scalar_type(), op, ": output and input dtypes differ");
   TORCH_CHECK_VALUE(
@@ -352,12 +431,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
       " elements, got ",
       outputBuffer.numel());
   at::Tensor output = outputBuffer, input = inputBuffer;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, op, {output}, opts.timeout, [output, input](GroupContext& ctx) {
-    if (input.numel() > 0) {
-      ctx.comm->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
-    }
-    return RequestPtr();
-  });
+  return enqueueOn(
+      input, c10d::OpType::_ALLGATHER_BASE, op, {output}, opts.timeout, [output, input](GroupContext&, Target on) {
+        if (input.numel() > 0) {
+          on.comms.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
+        }
+        return RequestPtr();
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
@@ -661,7 +741,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
     std::vector<at::Tensor>& tensors,
     std::optional<at::ScalarType> wireDtype) {
   const char* op = "mean_coalesced";
-  checkTensors(op, "tensors", tensors);
+  checkTensors(op, "tensors", tensors, Devices::CpuOrCuda);
+  checkSameDevice(op, tensors);
+  if (!tensors.empty()) {
+    checkGroupDevice(op, cudaDevice_, tensors[0]);
+  }
   at::ScalarType widest = at::kHalf;
   int64_t total = 0;
   for (const auto& tensor : tensors) {
@@ -679,41 +763,41 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
   // One tensor already in the wire dtype (a DDP bucket with no compression) is reduced where it
   // lies: packing it would be a copy for nothing.
   const bool inPlace = tensors.size() == 1 && tensors[0].scalar_type() == wire;
-  return enqueue(
+  if (tensors.empty()) {
+    return enqueue(c10d::OpType::ALLREDUCE_COALESCED, op, tensors, c10d::kUnsetTimeout, [](GroupContext&) {
+      return RequestPtr();
+    });
+  }
+  return enqueueOn(
+      tensors[0],
       c10d::OpType::ALLREDUCE_COALESCED,
       op,
       tensors,
       c10d::kUnsetTimeout,
-      [tensors, wire, total, prescale, scale, inPlace](GroupContext& ctx) mutable {
+      [tensors, wire, total, prescale, scale, inPlace](GroupContext& ctx, Target on) mutable {
         if (total == 0) {
           return RequestPtr();
         }
         const double before = prescale ? scale : 1.0;
         const double after = prescale ? 1.0 : scale;
+        const std::vector<FlatBuffer> parts = flatBuffers(tensors);
         if (inPlace) {
-          void* data = tensors[0].data_ptr();
+          // Scaled where it lies (a pass only when there is a scale).
+          const FlatBuffer whole{tensors[0].data_ptr(), total, wire};
           if (before != 1.0) {
-            castScale(data, wire, data, wire, total, before);
+            on.scratch.pack(parts, whole.data, wire, before);
           }
-          ctx.strategy->allreduce(ctx.comms, ctx.scratch, FlatBuffer{data, total, wire}, ReduceKind::Sum);
+          ctx.strategy->allreduce(on.comms, on.scratch, whole, ReduceKind::Sum);
           if (after != 1.0) {
-            castScale(data, wire, data, wire, total, after);
+            on.scratch.unpack(whole.data, wire, parts, after);
           }
           return RequestPtr();
         }
-        const size_t wireWidth = c10::elementSize(wire);
-        auto* packed = static_cast<char*>(ctx.scratch.get(0, total * wireWidth));
-        char* cursor = packed;
-        for (auto& tensor : tensors) {
-          castScale(cursor, wire, tensor.data_ptr(), tensor.scalar_type(), tensor.numel(), before);
-          cursor += tensor.numel() * wireWidth;
-        }
-        ctx.strategy->allreduce(ctx.comms, ctx.scratch, FlatBuffer{packed, total, wire}, ReduceKind::Sum);
-        cursor = packed;
-        for (auto& tensor : tensors) {
-          castScale(tensor.data_ptr(), tensor.scalar_type(), cursor, wire, tensor.numel(), after);
-          cursor += tensor.numel() * wireWidth;
-        }
+        // One pass in (cast + prescale), one pass out (cast back + postscale): one kernel each on CUDA.
+        void* packed = on.scratch.get(0, total * c10::elementSize(wire));
+        on.scratch.pack(parts, packed, wire, before);
+        ctx.strategy->allreduce(on.comms, on.scratch, FlatBuffer{packed, total, wire}, ReduceKind::Sum);
+        on.scratch.unpack(packed, wire, parts, after);
         return RequestPtr();
       });
 }

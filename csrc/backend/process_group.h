@@ -5,6 +5,7 @@
 // at once; its Future completes with the output tensors.
 #pragma once
 
+#include "backend/device_context.h"
 #include "backend/scratch.h"
 #include "backend/worker.h"
 #include "comm/communicator.h"
@@ -22,10 +23,18 @@ namespace chainermn {
 // What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
 // it outlives the ProcessGroup if a transport call is still running when the group goes away.
 struct GroupContext {
-  CommunicatorSet comms;              // world, intra and inter communicators of this group
+  CommunicatorSet comms;              // world, intra and inter communicators of this group (CPU)
   CommunicatorPtr comm;               // == comms.world: every non-allreduce collective uses it
-  std::unique_ptr<Strategy> strategy;  // how all_reduce runs
-  Scratch scratch;
+  std::unique_ptr<Strategy> strategy;  // how all_reduce runs, on every device
+  Scratch scratch;                    // CPU staging
+  CudaSetup cudaSetup;                // what the CUDA context is made from
+  std::unique_ptr<DeviceContext> cuda;  // made by the first CUDA op (see device_context.h)
+};
+
+// The communicators and staging buffers an op uses for its tensors' device.
+struct Target {
+  CommunicatorSet& comms;
+  Scratch& scratch;
 };
 
 // What a group was created with (torch_chainermn.Options on the Python side).
@@ -33,6 +42,7 @@ struct GroupOptions {
   std::string communicator = "hierarchical";
   std::string allreduceGradDtype;  // "" for the gradients' own dtype
   bool sharedMemory = true;        // intra-node CPU collectives through shared memory
+  std::string cudaTransport = "nccl";  // how CUDA buffers travel: see CudaSetup
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -137,6 +147,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
   bool sharedMemory() const {
     return sharedMemory_;
   }
+  // How CUDA tensors travel: "nccl", "nccl_intra" or "staged" (see CudaSetup).
+  const char* cudaTransport() const {
+    return cudaTransport_;
+  }
   const GroupOptions& options() const {
     return options_;
   }
@@ -160,14 +174,29 @@ class ProcessGroupChainerMN : public c10d::Backend {
       std::chrono::milliseconds timeout,
       Body body);
 
+  // As enqueue, for an op whose tensors may be on a CUDA device (`device` is where they are). For
+  // CUDA, the body runs on the group's stream after the caller's current stream (the `target` it
+  // gets is the CUDA context's), and the Work's future is device-aware: it completes with events on
+  // that stream, so wait() and then() callbacks are stream-ordered rather than host-synchronised.
+  using DeviceBody = std::function<RequestPtr(GroupContext&, Target)>;
+  c10::intrusive_ptr<c10d::Work> enqueueOn(
+      const at::Tensor& device,
+      c10d::OpType type,
+      const char* name,
+      std::vector<at::Tensor> outputs,
+      std::chrono::milliseconds timeout,
+      DeviceBody body);
+
   std::shared_ptr<GroupContext> context_;
   std::unique_ptr<Worker> worker_;
   Topology topology_;
   GroupOptions options_;
   const char* transport_ = "";  // a library's static name, so Works may outlive the group
+  const char* cudaTransport_ = "";  // how CUDA buffers travel (a static name too)
   bool sharedMemory_ = false;
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};
+  std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 
 } // namespace chainermn

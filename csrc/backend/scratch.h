@@ -1,10 +1,18 @@
 // Staging buffers of the group's worker: they grow to the largest request and are then reused, so
 // the hot path allocates nothing once warmed up. Only the worker thread touches them.
+//
+// A Scratch lives on one device. It also moves bytes on that device (copy, pack, unpack) so that
+// strategies, which only see a Scratch and Communicators, never name a library: on the CPU these are
+// memcpy and loops; on CUDA they run on the current stream (the group's, on the worker thread) and
+// pack/unpack are one kernel launch each.
 #pragma once
+
+#include "kernels/pack.h"
 
 #include <ATen/ATen.h>
 
 #include <array>
+#include <memory>
 
 namespace chainermn {
 
@@ -14,6 +22,15 @@ class Scratch {
   // use slots 1 and 2 for their own intermediate buffers.
   static constexpr int kSlots = 3;
 
+  explicit Scratch(at::Device device = at::kCPU);
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  at::Device device() const {
+    return device_;
+  }
+
   // At least `bytes` of memory in `slot`; the contents are not kept when it grows.
   void* get(int slot, size_t bytes) {
     at::Tensor& buffer = buffers_[slot];
@@ -21,7 +38,7 @@ class Scratch {
       // Grow geometrically so a slowly rising size does not reallocate every call.
       const size_t current = buffer.defined() ? static_cast<size_t>(buffer.numel()) : 0;
       const size_t capacity = std::max<size_t>({bytes, current + current / 2, 4096});
-      buffer = at::empty({static_cast<int64_t>(capacity)}, at::TensorOptions().dtype(at::kByte));
+      buffer = at::empty({static_cast<int64_t>(capacity)}, at::TensorOptions().dtype(at::kByte).device(device_));
     }
     return buffer.data_ptr();
   }
@@ -29,20 +46,26 @@ class Scratch {
   // `count` elements of `dtype` in `slot`, as a tensor view of the scratch memory.
   at::Tensor tensor(int slot, int64_t count, at::ScalarType dtype) {
     void* data = get(slot, static_cast<size_t>(count) * c10::elementSize(dtype));
-    return at::from_blob(data, {count}, at::TensorOptions().dtype(dtype));
+    return at::from_blob(data, {count}, at::TensorOptions().dtype(dtype).device(device_));
   }
+
+  // Bytes of device memory on this Scratch's device (non-overlapping, or equal pointers: a no-op).
+  void copy(void* dst, const void* src, size_t bytes);
+
+  // The parts back to back into `packed` in the wire dtype, cast and scaled in one pass (see
+  // kernels/pack.h); unpack is the reverse.
+  void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale);
+  void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale);
 
   // Bytes held in all slots (for tests that check nothing grows after warm-up).
-  size_t bytesHeld() const {
-    size_t total = 0;
-    for (const auto& buffer : buffers_) {
-      total += buffer.defined() ? static_cast<size_t>(buffer.numel()) : 0;
-    }
-    return total;
-  }
+  size_t bytesHeld() const;
 
  private:
+  at::Device device_;
   std::array<at::Tensor, kSlots> buffers_;
+#ifdef CHAINERMN_WITH_CUDA
+  std::unique_ptr<cuda::PartTable> table_;  // CUDA only: the pack kernels' table of parts
+#endif
 };
 
 } // namespace chainermn

@@ -1,5 +1,7 @@
 #include "backend/validate.h"
 
+#include "backend/device_context.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -92,29 +94,42 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
 
 } // namespace
 
-void checkTensor(const char* op, const char* argument, const at::Tensor& tensor) {
+void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Devices devices) {
   TORCH_CHECK_VALUE(tensor.defined(), op, ": ", argument, " is an undefined tensor");
-  TORCH_CHECK_VALUE(
-      tensor.device().is_cpu(),
-      op,
-      ": ",
-      argument,
-      " is on ",
-      tensor.device(),
-      "; this build of the chainermn backend handles CPU tensors only");
+  if (!tensor.device().is_cpu()) {
+    TORCH_CHECK_VALUE(
+        cudaBuilt() && tensor.device().is_cuda(),
+        op,
+        ": ",
+        argument,
+        " is on ",
+        tensor.device(),
+        "; this build of the chainermn backend handles CPU tensors only");
+    TORCH_CHECK_VALUE(
+        devices == Devices::CpuOrCuda,
+        op,
+        ": ",
+        argument,
+        " is on ",
+        tensor.device(),
+        "; the chainermn backend takes CUDA tensors in all_reduce, all_reduce_coalesced, broadcast, all_gather, "
+        "all_gather_into_tensor and mean_coalesced only (move the tensor to the CPU for ",
+        op,
+        ")");
+  }
   TORCH_CHECK_VALUE(
       tensor.layout() == at::kStrided, op, ": ", argument, " must be a dense tensor, got layout ", tensor.layout());
   TORCH_CHECK_VALUE(
       tensor.is_contiguous(), op, ": ", argument, " must be contiguous (call .contiguous() on it first)");
 }
 
-void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors) {
+void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors, Devices devices) {
   for (const auto& tensor : tensors) {
-    checkTensor(op, argument, tensor);
+    checkTensor(op, argument, tensor, devices);
   }
 }
 
-at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors) {
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors, Devices devices) {
   TORCH_CHECK_VALUE(
       tensors.size() == 1,
       op,
@@ -122,12 +137,48 @@ at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>
       argument,
       " (one device per process), got ",
       tensors.size());
-  checkTensor(op, argument, tensors[0]);
+  checkTensor(op, argument, tensors[0], devices);
   return tensors[0];
 }
 
-void checkSameKind(const char* op, const char* argument, const at::Tensor& tensor, const at::Tensor& like) {
-  checkTensor(op, argument, tensor);
+void checkSameDevice(const char* op, const std::vector<at::Tensor>& tensors) {
+  for (const auto& tensor : tensors) {
+    TORCH_CHECK_VALUE(
+        tensor.device() == tensors.front().device(),
+        op,
+        ": all tensors must be on one device, got ",
+        tensors.front().device(),
+        " and ",
+        tensor.device());
+  }
+}
+
+void checkGroupDevice(const char* op, std::atomic<int>& bound, const at::Tensor& tensor) {
+  if (!tensor.device().is_cuda()) {
+    return;
+  }
+  int expected = -1;
+  const int index = tensor.device().index();
+  if (bound.compare_exchange_strong(expected, index) || expected == index) {
+    return;
+  }
+  TORCH_CHECK_VALUE(
+      false,
+      op,
+      ": the group works on cuda:",
+      expected,
+      " (its first CUDA tensor was there) and cannot take a tensor on cuda:",
+      index,
+      "; use one GPU per process");
+}
+
+void checkSameKind(
+    const char* op,
+    const char* argument,
+    const at::Tensor& tensor,
+    const at::Tensor& like,
+    Devices devices) {
+  checkTensor(op, argument, tensor, devices);
   TORCH_CHECK_VALUE(
       tensor.scalar_type() == like.scalar_type(),
       op,
@@ -156,6 +207,17 @@ void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Te
       strategy.name(),
       "' reduces CUDA tensors only (NCCL); for CPU tensors use 'hierarchical', 'two_dimensional', "
       "'flat', 'naive' or 'single_node'");
+}
+
+void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor) {
+  const bool bitwise =
+      plan.kind == ReduceKind::BitAnd || plan.kind == ReduceKind::BitOr || plan.kind == ReduceKind::BitXor;
+  TORCH_CHECK_VALUE(
+      !(tensor.device().is_cuda() && bitwise),
+      op,
+      ": ReduceOp.",
+      reduceKindName(plan.kind),
+      " is not available for CUDA tensors (NCCL has no bitwise reductions)");
 }
 
 void checkRank(const char* op, const char* argument, int64_t rank, int size) {

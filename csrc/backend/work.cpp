@@ -18,13 +18,19 @@ WorkChainerMN::WorkChainerMN(
     Label label,
     uint64_t sequence,
     std::vector<at::Tensor> outputs,
-    Clock::time_point deadline)
+    Clock::time_point deadline,
+    std::vector<c10::Device> devices)
     : c10d::Work(label.rank, opType),
       label_(label),
       sequence_(sequence),
       outputs_(std::move(outputs)),
       deadline_(deadline),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      onDevice_(!devices.empty()),
+      // With devices, markCompleted (on the worker, whose current stream is the group's) records an
+      // event per device, and the future's wait()/then() make the waiter's streams wait on it.
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()),
+          std::move(devices))) {}
 
 std::string WorkChainerMN::description() const {
   return std::string(label_.op) + " (seq " + std::to_string(sequence_) + ", rank " + std::to_string(label_.rank) +
@@ -71,6 +77,12 @@ bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
   }
   if (exception_) {
     std::rethrow_exception(exception_);
+  }
+  lock.unlock();
+  if (onDevice_) {
+    // Completed on the host means queued on the group's stream: the caller's current stream now
+    // waits for it (as ProcessGroupNCCL's wait() does), without blocking the host.
+    future_->wait();
   }
   return true;
 }

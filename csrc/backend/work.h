@@ -31,7 +31,8 @@ class WorkChainerMN : public c10d::Work {
       Label label,
       uint64_t sequence,
       std::vector<at::Tensor> outputs,
-      Clock::time_point deadline);
+      Clock::time_point deadline,
+      std::vector<c10::Device> devices = {});
 
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -59,6 +60,7 @@ class WorkChainerMN : public c10d::Work {
   const uint64_t sequence_;
   std::vector<at::Tensor> outputs_;
   const Clock::time_point deadline_;
+  const bool onDevice_;  // CUDA outputs: wait() also orders the caller's current stream after the op
   std::atomic<bool> claimed_{false};
   std::atomic<int> sourceRank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;

@@ -22,8 +22,12 @@ namespace {
 using chainermn::CommunicatorSet;
 using chainermn::GroupOptions;
 
-GroupOptions groupOptions(std::string communicator, std::string allreduceGradDtype, bool sharedMemory) {
-  return GroupOptions{std::move(communicator), std::move(allreduceGradDtype), sharedMemory};
+GroupOptions groupOptions(
+    std::string communicator,
+    std::string allreduceGradDtype,
+    bool sharedMemory,
+    std::string cudaTransport) {
+  return GroupOptions{std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)};
 }
 
 c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
@@ -38,7 +42,8 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
     c10::intrusive_ptr<c10d::Backend> inter,
     std::string communicator,
     std::string allreduceGradDtype,
-    bool sharedMemory) {
+    bool sharedMemory,
+    std::string cudaTransport) {
   // One Gloo group serves every level it spans (the world is also the intra level on one node).
   CommunicatorSet comms;
   comms.world = chainermn::gloo::createCommunicator(world);
@@ -46,7 +51,7 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
   comms.inter = inter == world ? comms.world : chainermn::gloo::createCommunicator(inter);
   return c10::make_intrusive<ProcessGroupChainerMN>(
       store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
-      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory));
+      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
 }
 
 #ifdef CHAINERMN_WITH_MPI
@@ -60,11 +65,12 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
     const std::vector<int64_t>& worldRanks,
     std::string communicator,
     std::string allreduceGradDtype,
-    bool sharedMemory) {
+    bool sharedMemory,
+    std::string cudaTransport) {
   auto comms = chainermn::mpi::createCommunicators(worldRanks, topology);
   return c10::make_intrusive<ProcessGroupChainerMN>(
       store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
-      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory));
+      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
 }
 #endif
 
@@ -122,6 +128,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("communicator"),
           py::arg("allreduce_grad_dtype"),
           py::arg("shared_memory"),
+          py::arg("cuda_transport") = "nccl",
           py::call_guard<py::gil_scoped_release>())
 #ifdef CHAINERMN_WITH_MPI
       .def_static(
@@ -137,6 +144,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("communicator"),
           py::arg("allreduce_grad_dtype"),
           py::arg("shared_memory"),
+          py::arg("cuda_transport") = "nccl",
           py::call_guard<py::gil_scoped_release>())
 #endif
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
@@ -146,6 +154,7 @@ PYBIND11_MODULE(_C, m) {
           "allreduce_grad_dtype", [](const ProcessGroupChainerMN& pg) { return pg.options().allreduceGradDtype; })
       .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
       .def_property_readonly("shared_memory", &ProcessGroupChainerMN::sharedMemory)
+      .def_property_readonly("cuda_transport", &ProcessGroupChainerMN::cudaTransport)
       .def(
           "mean_coalesced",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::ScalarType> wireDtype) {
@@ -155,6 +164,10 @@ PYBIND11_MODULE(_C, m) {
           py::arg("wire_dtype") = std::nullopt,
           py::call_guard<py::gil_scoped_release>())
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
+
+  m.attr("cuda_built") = chainermn::cudaBuilt();
+  m.attr("cuda_transports") = chainermn::cudaTransports();
+  m.def("nccl_version", &chainermn::ncclVersion);
 
 #ifdef CHAINERMN_WITH_MPI
   m.attr("mpi_built") = true;

@@ -4,8 +4,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstring>
-
 namespace chainermn {
 
 void Strategy::allreduceMany(
@@ -17,24 +15,16 @@ void Strategy::allreduceMany(
     return;
   }
   const auto dtype = bufs[0].dtype;
-  const size_t width = c10::elementSize(dtype);
   int64_t total = 0;
   for (const auto& buf : bufs) {
     total += buf.count;
   }
-  // Slot 0 holds the pack; strategies use slot 1 for their own staging.
-  auto* packed = static_cast<char*>(scratch.get(0, total * width));
-  char* cursor = packed;
-  for (const auto& buf : bufs) {
-    std::memcpy(cursor, buf.data, buf.count * width);
-    cursor += buf.count * width;
-  }
+  // Slot 0 holds the pack (one pass; one kernel launch on CUDA); strategies use slot 1 for their own
+  // staging.
+  void* packed = scratch.get(0, total * c10::elementSize(dtype));
+  scratch.pack(bufs, packed, dtype, 1.0);
   allreduce(comms, scratch, FlatBuffer{packed, total, dtype}, op);
-  cursor = packed;
-  for (const auto& buf : bufs) {
-    std::memcpy(buf.data, cursor, buf.count * width);
-    cursor += buf.count * width;
-  }
+  scratch.unpack(packed, dtype, bufs, 1.0);
 }
 
 bool singleLevel(CommunicatorSet& comms, const FlatBuffer& buf, ReduceKind op) {

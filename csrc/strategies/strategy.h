@@ -2,12 +2,15 @@
 //
 // A strategy reduces one flat buffer in place across the group by composing collectives on the
 // group's `world`, `intra` (ranks of this node) and `inter` (ranks of the same intra rank on every
-// node) communicators. It never names a library, so every strategy runs over MPI, Gloo, and later
-// shared memory and NCCL alike, and is tested on the CPU.
+// node) communicators. It never names a library, so every strategy runs over MPI, Gloo, shared
+// memory and NCCL alike, and is tested on the CPU. The caller hands it the communicators and the
+// Scratch of the buffer's device (for CUDA: NCCL or host transports staged through pinned memory),
+// and it moves bytes only through the Scratch (memcpy on the CPU, the group's stream on CUDA).
 #pragma once
 
 #include "backend/scratch.h"
 #include "comm/communicator.h"
+#include "kernels/pack.h"
 #include "topology.h"
 
 #include <memory>
@@ -15,13 +18,6 @@
 #include <vector>
 
 namespace chainermn {
-
-// One flat buffer to reduce in place: `count` elements of `dtype` at `data`.
-struct FlatBuffer {
-  void* data;
-  int64_t count;
-  c10::ScalarType dtype;
-};
 
 class Strategy {
  public:

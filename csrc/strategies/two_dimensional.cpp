@@ -5,8 +5,6 @@
 // with unequal nodes it runs as hierarchical.
 #include "strategies/all.h"
 
-#include <cstring>
-
 namespace chainermn {
 namespace {
 
@@ -27,7 +25,7 @@ class TwoDimensional : public Strategy {
     char* whole = static_cast<char*>(buf.data);
     if (padded) {
       whole = static_cast<char*>(scratch.get(1, block * local * width));
-      std::memcpy(whole, buf.data, buf.count * width);
+      scratch.copy(whole, buf.data, buf.count * width);
     }
     // The reduced block gets its own memory: a reduce-scatter may not write into its own input.
     void* mine = scratch.get(2, block * width);
@@ -35,7 +33,7 @@ class TwoDimensional : public Strategy {
     comms.inter->allreduce(mine, block, buf.dtype, op);
     comms.intra->allgather(mine, whole, block, buf.dtype);
     if (padded) {
-      std::memcpy(buf.data, whole, buf.count * width);
+      scratch.copy(buf.data, whole, buf.count * width);
     }
   }
 };

@@ -1,0 +1,267 @@
+#include "comm/nccl.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+
+namespace chainermn::nccl {
+namespace {
+
+ncclDataType_t toNccl(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float:
+      return ncclFloat32;
+    case c10::ScalarType::Double:
+      return ncclFloat64;
+    case c10::ScalarType::Half:
+      return ncclFloat16;
+    case c10::ScalarType::BFloat16:
+      return ncclBfloat16;
+    case c10::ScalarType::Char:
+      return ncclInt8;
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Bool:
+      return ncclUint8;
+    case c10::ScalarType::Int:
+      return ncclInt32;
+    case c10::ScalarType::Long:
+      return ncclInt64;
+    default:
+      TORCH_CHECK(false, "chainermn: NCCL cannot carry dtype ", dtype);
+  }
+}
+
+ncclRedOp_t toNccl(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::Sum:
+      return ncclSum;
+    case ReduceKind::Product:
+      return ncclProd;
+    case ReduceKind::Min:
+      return ncclMin;
+    case ReduceKind::Max:
+      return ncclMax;
+    default:
+      // Validation refuses bitwise reductions of CUDA tensors before anything is queued.
+      TORCH_CHECK(false, "chainermn: NCCL has no ", reduceKindName(op), " reduction");
+  }
+}
+
+class NcclRequest : public Request {
+ public:
+  NcclRequest(cudaStream_t stream, int source) : source_(source) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~NcclRequest() override {
+    cudaEventDestroy(event_);
+  }
+  bool test() override {
+    const cudaError_t state = cudaEventQuery(event_);
+    if (state == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    C10_CUDA_CHECK(state);
+    return true;
+  }
+  int source() const override {
+    return source_;
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  int source_;
+};
+
+class NcclCommunicator : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream)
+      : comm_(comm), rank_(rank), size_(size), device_(device), stream_(stream) {}
+
+  ~NcclCommunicator() override {
+    // At process exit the driver may be gone; a communicator left with work in flight (after a
+    // timeout) is aborted rather than destroyed, which could wait for that work.
+    if (comm_ != nullptr) {
+      ncclCommAbort(comm_);
+    }
+  }
+
+  int rank() const override {
+    return rank_;
+  }
+  int size() const override {
+    return size_;
+  }
+  const char* library() const override {
+    return "nccl";
+  }
+
+  void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    check("allreduce", -1, ncclAllReduce(buf, buf, count, toNccl(dtype), toNccl(op), comm_, stream_));
+  }
+
+  void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
+    check("broadcast", root, ncclBroadcast(buf, buf, count, toNccl(dtype), root, comm_, stream_));
+  }
+
+  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
+    check("reduce", root, ncclReduce(send, recv, count, toNccl(dtype), toNccl(op), root, comm_, stream_));
+  }
+
+  void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
+    check("allgather", -1, ncclAllGather(send, recv, count, toNccl(dtype), comm_, stream_));
+  }
+
+  void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    const size_t bytes = count * c10::elementSize(dtype);
+    const auto type = toNccl(dtype);
+    check("gather", root, ncclGroupStart());
+    if (rank_ == root) {
+      for (int peer = 0; peer < size_; ++peer) {
+        check("gather", peer, ncclRecv(static_cast<char*>(recv) + peer * bytes, count, type, peer, comm_, stream_));
+      }
+    }
+    check("gather", root, ncclSend(send, count, type, root, comm_, stream_));
+    check("gather", root, ncclGroupEnd());
+  }
+
+  void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    const size_t bytes = count * c10::elementSize(dtype);
+    const auto type = toNccl(dtype);
+    check("scatter", root, ncclGroupStart());
+    if (rank_ == root) {
+      for (int peer = 0; peer < size_; ++peer) {
+        check("scatter", peer, ncclSend(static_cast<const char*>(send) + peer * bytes, count, type, peer, comm_, stream_));
+      }
+    }
+    check("scatter", root, ncclRecv(recv, count, type, root, comm_, stream_));
+    check("scatter", root, ncclGroupEnd());
+  }
+
+  void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    check("reduce_scatter", -1, ncclReduceScatter(send, recv, count, toNccl(dtype), toNccl(op), comm_, stream_));
+  }
+
+  void alltoallv(
+      const void* send,
+      const std::vector<int64_t>& sendCounts,
+      void* recv,
+      const std::vector<int64_t>& recvCounts,
+      c10::ScalarType dtype) override {
+    const size_t width = c10::elementSize(dtype);
+    const auto type = toNccl(dtype);
+    check("alltoall", -1, ncclGroupStart());
+    size_t sendAt = 0, recvAt = 0;
+    for (int peer = 0; peer < size_; ++peer) {
+      check("alltoall", peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer], type, peer, comm_, stream_));
+      check("alltoall", peer, ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer], type, peer, comm_, stream_));
+      sendAt += sendCounts[peer] * width;
+      recvAt += recvCounts[peer] * width;
+    }
+    check("alltoall", -1, ncclGroupEnd());
+  }
+
+  RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    check("send", peer, ncclSend(buf, count, toNccl(dtype), peer, comm_, stream_));
+    return std::make_unique<NcclRequest>(stream_, -1);
+  }
+
+  RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    TORCH_CHECK(peer != kAnySource, "chainermn: NCCL cannot receive from any source");
+    check("recv", peer, ncclRecv(buf, count, toNccl(dtype), peer, comm_, stream_));
+    return std::make_unique<NcclRequest>(stream_, peer);
+  }
+
+  void barrier() override {
+    if (!token_) {
+      C10_CUDA_CHECK(cudaMalloc(&token_, sizeof(int32_t)));
+      C10_CUDA_CHECK(cudaMemsetAsync(token_, 0, sizeof(int32_t), stream_));
+    }
+    check("barrier", -1, ncclAllReduce(token_, token_, 1, ncclInt32, ncclSum, comm_, stream_));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  void check(const char* op, int peer, ncclResult_t result) const {
+    if (result == ncclSuccess || result == ncclInProgress) {
+      return;
+    }
+    const char* detail = ncclGetLastError(comm_);
+    TORCH_CHECK(
+        false,
+        "NCCL ",
+        op,
+        " failed on rank ",
+        rank_,
+        " of ",
+        size_,
+        peer >= 0 ? " (peer/root " + std::to_string(peer) + ")" : std::string(),
+        ": ",
+        ncclGetErrorString(result),
+        detail && *detail ? std::string(" (") + detail + ")" : std::string());
+  }
+
+  ncclComm_t comm_;
+  const int rank_;
+  const int size_;
+  const c10::DeviceIndex device_;
+  cudaStream_t stream_;
+  void* token_ = nullptr;  // barrier's one int (never freed: it may be in use at teardown)
+};
+
+} // namespace
+
+CommunicatorPtr createCommunicator(
+    c10d::Store& store,
+    const std::string& key,
+    int rank,
+    int size,
+    c10::DeviceIndex device,
+    void* stream) {
+  c10::cuda::CUDAGuard guard(device);
+  ncclUniqueId id;
+  const std::string idKey = "chainermn/nccl/" + key;
+  if (rank == 0) {
+    ncclResult_t made = ncclGetUniqueId(&id);
+    TORCH_CHECK(made == ncclSuccess, "NCCL ncclGetUniqueId failed on rank 0 for ", key, ": ", ncclGetErrorString(made));
+    const auto* bytes = reinterpret_cast<const uint8_t*>(&id);
+    store.set(idKey, std::vector<uint8_t>(bytes, bytes + sizeof(id)));
+  } else {
+    const std::vector<uint8_t> bytes = store.get(idKey);  // waits, bounded by the store's timeout
+    TORCH_CHECK(bytes.size() == sizeof(id), "chainermn: malformed NCCL unique id under ", idKey);
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  ncclComm_t comm = nullptr;
+  const ncclResult_t result = ncclCommInitRank(&comm, size, id, rank);
+  TORCH_CHECK(
+      result == ncclSuccess,
+      "NCCL ncclCommInitRank failed for ",
+      key,
+      " on rank ",
+      rank,
+      " of ",
+      size,
+      " (cuda:",
+      static_cast<int>(device),
+      "): ",
+      ncclGetErrorString(result),
+      " ",
+      ncclGetLastError(nullptr),
+      ". Several ranks on one GPU need a distinct NCCL_HOSTID each (with NCCL_SOCKET_IFNAME=lo, "
+      "NCCL_IB_DISABLE=1), or CHAINERMN_CUDA_TRANSPORT=staged");
+  return std::make_shared<NcclCommunicator>(comm, rank, size, device, static_cast<cudaStream_t>(stream));
+}
+
+std::string version() {
+  int code = 0;
+  ncclGetVersion(&code);
+  // NCCL >= 2.9: major * 10000 + minor * 100 + patch.
+  return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." + std::to_string(code % 100);
+}
+
+} // namespace chainermn::nccl
