@@ -56,7 +56,7 @@ test: install
 
 # all_reduce bandwidth against gloo and MPI (mpi4py), under mpiexec and torchrun; table + plot.
 bench: install $(BENCH_STAMP)
-	$(PY) benchmarks/allreduce.py --launch both --nproc 2 --plot benchmarks/results/allreduce.png
+	$(PY) benchmarks/allreduce.py --launch both --configs 2 4 2x2 --plot benchmarks/results/allreduce.png
 
 $(BENCH_STAMP): $(DEPS_STAMP)
 	$(PY) -m pip install -q mpi4py matplotlib

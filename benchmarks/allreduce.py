@@ -20,8 +20,12 @@ rate each rank's link actually ran at: it does not depend on n, and it can be se
 hardware's bandwidth. GB/s here means 1e9 bytes per second.
 
 Contenders, measured in the same processes on the same buffer:
-  chainermn/<transport>  dist.all_reduce on the default group, dist.init_process_group("chainermn");
-                         the transport is MPI under mpiexec and Gloo under torchrun.
+  <strategy>/<transport> dist.all_reduce on dist.new_group(backend="chainermn",
+                         pg_options=torch_chainermn.Options(communicator=<strategy>)), for each of
+                         ChainerMN's CPU strategies (naive, flat, hierarchical, two_dimensional,
+                         single_node; --strategies picks). The transport is MPI under mpiexec and Gloo
+                         under torchrun; within a node every strategy but naive reduces through shared
+                         memory. single_node is skipped (and why printed) on several nodes.
   gloo                   dist.all_reduce on dist.new_group(backend="gloo").
   mpi4py                 MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM); only
                          under mpiexec and when mpi4py imports, otherwise the row is skipped (and why
@@ -37,12 +41,14 @@ Run it
     mpiexec --allow-run-as-root --oversubscribe -n 2 .venv/bin/python benchmarks/allreduce.py
     # one launch; chainermn uses Gloo, no MPI row
     .venv/bin/torchrun --nproc-per-node 2 benchmarks/allreduce.py
-    # both launches, one after the other, merged into one markdown table and a plot
-    .venv/bin/python benchmarks/allreduce.py --launch both --nproc 2 --plot benchmarks/results/allreduce.png
+    # both launches for every configuration: 2 ranks, 4 ranks, 4 ranks as 2 simulated nodes of 2
+    .venv/bin/python benchmarks/allreduce.py --launch both --configs 2 4 2x2 --plot benchmarks/results/allreduce.png
 
+A configuration "N" is N ranks on one node; "KxM" is K nodes of M ranks, simulated on this host with
+CHAINERMN_RANKS_PER_NODE=M (the strategies see K nodes; the bytes still move through this host).
 Each launch prints its rows on rank 0; with --json PATH rank 0 also writes them to PATH. The driver
-(--launch) writes benchmarks/results/allreduce-<launcher>.json for each launch and allreduce.md with
-the combined table.
+(--launch) writes benchmarks/results/allreduce-<config>-<launcher>.json for each launch and
+allreduce.md with one table per launch.
 """
 from __future__ import annotations
 
@@ -62,6 +68,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
 LAUNCHERS = ("mpiexec", "torchrun")
+# ChainerMN's communicators that run on CPU tensors (pure_nccl is CUDA-only).
+STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional", "single_node")
 
 FLOAT32_BYTES = 4
 GB = 1e9
@@ -77,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--min-bytes", type=int, default=4 * 2**10, help="smallest message, in bytes")
-    parser.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message, in bytes")
+    parser.add_argument("--max-bytes", type=int, default=256 * 2**20, help="largest message, in bytes")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up all-reduces per point (fewer for large messages)")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the median is reported")
     parser.add_argument("--seconds-per-point", type=float, default=0.5,
@@ -85,16 +93,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="rank 0 writes the rows here (a launch)")
     parser.add_argument("--launch", choices=("none",) + LAUNCHERS + ("both",), default="none",
                         help="none: this process is a rank; otherwise start the launch(es) as subprocesses")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per launch (--launch only)")
+    parser.add_argument("--configs", nargs="+", default=["2"], type=parse_config, metavar="N|KxM",
+                        help="--launch only: one launch per configuration and launcher; N ranks on one node, "
+                             "or K simulated nodes of M ranks")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                        help="chainermn communicators to measure")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where --launch writes its files")
     parser.add_argument("--plot", type=Path, help="write a log-log PNG of busbw vs message size here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed (--launch only)")
     args = parser.parse_args(argv)
     if not 0 < args.min_bytes <= args.max_bytes:
         parser.error("need 0 < --min-bytes <= --max-bytes")
-    if args.repeats < 1 or args.warmup < 1 or args.nproc < 2:
-        parser.error("--repeats and --warmup must be >= 1 and --nproc >= 2")
+    if args.repeats < 1 or args.warmup < 1:
+        parser.error("--repeats and --warmup must be >= 1")
     return args
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    """'N' -> (N ranks, N per node); 'KxM' -> (K*M ranks, M per node)."""
+    try:
+        if "x" in text:
+            nodes, per_node = (int(part) for part in text.split("x"))
+        else:
+            nodes, per_node = 1, int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a configuration is N or KxM (e.g. 4 or 2x2), got {text!r}") from None
+    if nodes < 1 or per_node < 1 or nodes * per_node < 2:
+        raise argparse.ArgumentTypeError(f"a configuration needs at least 2 ranks, got {text!r}")
+    return nodes * per_node, per_node
+
+
+def config_name(ranks: int, per_node: int) -> str:
+    return str(ranks) if ranks == per_node else f"{ranks // per_node}x{per_node}"
 
 
 def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -196,12 +226,21 @@ class Contender:
         self.label, self.allreduce, self.barrier = label, allreduce, barrier
 
 
-def make_contenders(dist, MPI, transport: str) -> list[Contender]:
+def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies) -> tuple[list[Contender], list[str]]:
+    """The contenders, and why any strategy was left out."""
+    contenders, skipped = [], []
+    for name in strategies:
+        if name == "single_node" and torch_chainermn.topology().inter_size > 1:
+            skipped.append("single_node: refuses several nodes")
+            continue
+        group = dist.new_group(backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
+        contenders.append(Contender(
+            f"{name}/{transport}",
+            # Default arguments bind this iteration's group (a closure would see the last one).
+            lambda t, group=group: dist.all_reduce(t, group=group),
+            lambda group=group: dist.barrier(group=group)))
     gloo = dist.new_group(backend="gloo")
-    contenders = [
-        Contender(f"chainermn/{transport}", lambda t: dist.all_reduce(t), lambda: dist.barrier()),
-        Contender("gloo", lambda t: dist.all_reduce(t, group=gloo), lambda: dist.barrier(group=gloo)),
-    ]
+    contenders.append(Contender("gloo", lambda t: dist.all_reduce(t, group=gloo), lambda: dist.barrier(group=gloo)))
     if MPI is not None:
         comm = MPI.COMM_WORLD
         contenders.append(Contender(
@@ -210,7 +249,7 @@ def make_contenders(dist, MPI, transport: str) -> list[Contender]:
             lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
             comm.Barrier,
         ))
-    return contenders
+    return contenders, skipped
 
 
 def check_allreduce(contender: Contender, buf, rank: int, world: int) -> str:
@@ -257,7 +296,7 @@ def run_rank(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     transport = torch_chainermn.transport()
     launcher = launcher_name()
-    contenders = make_contenders(dist, MPI, transport)
+    contenders, skipped = make_contenders(dist, torch_chainermn, MPI, transport, args.strategies)
     # A separate group for bookkeeping (agreeing on counts, checks), so it never queues behind or
     # between the measured operations of a contender's own group.
     control = dist.new_group(backend="gloo")
@@ -268,6 +307,7 @@ def run_rank(args) -> None:
         return float(value)
 
     meta = describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport)
+    meta["skipped"] = skipped
     if rank == 0:
         print_header(meta)
 
@@ -316,8 +356,11 @@ def measure_memcpy(torch, src, nbytes: int, args) -> tuple[float, int]:
 
 
 def describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport) -> dict:
+    topology = torch_chainermn.topology()
     meta = {
         "launcher": launcher, "ranks": world, "chainermn_transport": transport,
+        "nodes": topology.inter_size, "ranks_per_node": topology.intra_size,
+        "config": config_name(world, topology.intra_size),
         "torch": torch.__version__, "torch_chainermn": torch_chainermn.__version__,
         "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "mpi4py": None, "mpi_library": None, "mpi_skipped": mpi_skipped,
@@ -344,8 +387,10 @@ def format_us(us: float) -> str:
 
 
 def print_header(meta: dict) -> None:
-    print(f"# all_reduce, float32, {meta['ranks']} ranks, launched by {meta['launcher']}; "
-          f"chainermn transport: {meta['chainermn_transport']}")
+    print(f"# all_reduce, float32, {meta['ranks']} ranks ({meta['nodes']} node(s) of {meta['ranks_per_node']}), "
+          f"launched by {meta['launcher']}; chainermn transport: {meta['chainermn_transport']}")
+    for reason in meta["skipped"]:
+        print(f"# skipped {reason}")
     print(f"# torch {meta['torch']}, torch_chainermn {meta['torch_chainermn']}, "
           f"{meta['cpus']} CPUs, {meta['torch_threads']} torch thread(s)")
     if meta["mpi4py"]:
@@ -378,35 +423,31 @@ def write_json(path: Path, payload: dict) -> None:
     tmp.replace(path)
 
 
-def series(results: list[dict]) -> dict[str, list[dict]]:
-    """Rows grouped by column: '<contender> (<launcher>)' for all-reduces, one memcpy (the first launch's).
+def launch_title(meta: dict) -> str:
+    where = (f"{meta['ranks']} ranks on one node" if meta["nodes"] == 1 else
+             f"{meta['ranks']} ranks as {meta['nodes']} simulated nodes of {meta['ranks_per_node']}")
+    return f"{where}, {meta['launcher']}"
 
-    The launcher stays in the name because it changes the processes: mpiexec pins each rank to a
-    core, torchrun does not, so even torch's gloo can differ between the launches.
-    """
+
+def columns_of(result: dict) -> dict[str, list[dict]]:
+    """One launch's rows by contender, in measuring order (the strategies, gloo, mpi4py, memcpy)."""
     columns: dict[str, list[dict]] = {}
-    # Same contender side by side across launches, the reference last.
-    order = {"chainermn": 0, "gloo": 1, "mpi4py": 2, "memcpy": 3}
-    all_rows = [r for result in results for r in result["rows"]]
-    all_rows.sort(key=lambda r: order.get(r["contender"].split("/")[0], 2))  # stable: launch order kept
-    for r in all_rows:
-        if r["kind"] == "memcpy":
-            name = "memcpy (1 rank, reference)"
-            if name in columns and columns[name][0]["launcher"] != r["launcher"]:
-                continue  # the same copy again in the other launch: one column is enough
-        else:
-            name = f"{r['contender']} ({r['launcher']})"
+    for r in result["rows"]:
+        name = "memcpy (1 rank)" if r["kind"] == "memcpy" else r["contender"]
         columns.setdefault(name, []).append(r)
     return columns
 
 
-def combined_table(results: list[dict]) -> str:
-    """One markdown table: a row per size, a column per contender, cells 'busbw (time per op)'."""
-    columns = series(results)
+def launch_table(result: dict) -> list[str]:
+    """A markdown table for one launch: a row per size, a column per contender, cells 'busbw (time)'."""
+    meta, columns = result["meta"], columns_of(result)
     sizes = sorted({r["bytes"] for rows in columns.values() for r in rows})
-    ranks = sorted({result["meta"]["ranks"] for result in results})
+    mpi = (f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"]
+           else f"no MPI row: {meta['mpi_skipped']}")
     lines = [
-        f"all_reduce of float32, {', '.join(map(str, ranks))} ranks: busbw in GB/s (time per all-reduce in us)",
+        f"**{launch_title(meta)}** (transport {meta['chainermn_transport']}; torch {meta['torch']}; {mpi}; "
+        f"load average {meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}"
+        + "".join(f"; skipped {reason}" for reason in meta.get("skipped", [])) + ")",
         "",
         "| size | " + " | ".join(columns) + " |",
         "|---:|" + "---:|" * len(columns),
@@ -421,20 +462,20 @@ def combined_table(results: list[dict]) -> str:
                 cell = f"{r['busbw_GBps']:.2f} ({format_us(r['time_us'])} us)"
                 cells.append(cell + (" WRONG" if r["error"] else ""))
         lines.append(f"| {human_bytes(nbytes)} | " + " | ".join(cells) + " |")
-    lines.append("")
+    return lines
+
+
+def combined_tables(results: list[dict]) -> str:
+    lines = ["all_reduce of float32: busbw in GB/s (time per all-reduce in us)", ""]
+    for result in results:
+        lines += launch_table(result) + [""]
     lines.append("busbw = bytes / time * 2(n-1)/n as in nccl-tests. memcpy is one rank's `dst.copy_(src)` "
                  "(bytes / time), an upper bound for comparison, not an all-reduce.")
-    for result in results:
-        meta = result["meta"]
-        mpi = (f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"]
-               else f"MPI row skipped: {meta['mpi_skipped']}")
-        lines.append(f"- {meta['launcher']}: {meta['ranks']} ranks, chainermn transport {meta['chainermn_transport']}, "
-                     f"torch {meta['torch']}, {meta['cpus']} CPUs, {mpi}; load average "
-                     f"{meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}.")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """One log-log panel of busbw against size per launch."""
     try:
         import matplotlib
     except ImportError:
@@ -444,54 +485,55 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    sizes = set()
-    for name, rows in series(results).items():
-        rows = sorted(rows, key=lambda r: r["bytes"])
-        xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
-        sizes.update(xs)
-        style = dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy" else dict(linestyle="-")
-        ax.loglog(xs, ys, marker="o", label=name, **style)
-    ticks = sorted(sizes)
-    ax.set_xticks(ticks, [human_bytes(s) for s in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel("message size (bytes, float32)")
-    ax.set_ylabel("busbw (GB/s)")
-    ranks = sorted({result["meta"]["ranks"] for result in results})
-    ax.set_title(f"all_reduce bus bandwidth, {', '.join(map(str, ranks))} ranks on one host")
-    ax.grid(True, which="major", alpha=0.4)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a line
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 4.5 * len(results)), squeeze=False)
+    for ax, result in zip(axes[:, 0], results):
+        sizes = set()
+        for name, rows in columns_of(result).items():
+            rows = sorted(rows, key=lambda r: r["bytes"])
+            xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
+            sizes.update(xs)
+            style = dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy" else dict(linestyle="-")
+            ax.loglog(xs, ys, marker="o", label=name, **style)
+        ticks = sorted(sizes)
+        ax.set_xticks(ticks, [human_bytes(s) for s in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("message size (bytes, float32)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"all_reduce bus bandwidth: {launch_title(result['meta'])}")
+        ax.grid(True, which="major", alpha=0.4)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a line
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"plot written to {path}")
 
 
 # ------------------------------------------------------------------------------------------- driver
 
-def launch_command(launcher: str, args, json_path: Path) -> list[str]:
+def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str]:
     """The command line of one launch, with this run's measurement options passed on."""
     script = [str(Path(__file__).resolve()),
               "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
               "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-              "--seconds-per-point", str(args.seconds_per_point), "--json", str(json_path)]
+              "--seconds-per-point", str(args.seconds_per_point), "--json", str(json_path),
+              "--strategies", *args.strategies]
     if launcher == "mpiexec":
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:
             raise FileNotFoundError("mpiexec is not on PATH")
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-        # --oversubscribe: allow more ranks than cores; -x: pass OMP_NUM_THREADS to remote ranks too.
-        return [mpiexec, *root, "--oversubscribe", "-n", str(args.nproc), "-x", "OMP_NUM_THREADS",
-                sys.executable, *script]
+        # --oversubscribe: allow more ranks than cores; -x: pass these variables to remote ranks too.
+        return [mpiexec, *root, "--oversubscribe", "-n", str(ranks), "-x", "OMP_NUM_THREADS",
+                "-x", "CHAINERMN_RANKS_PER_NODE", sys.executable, *script]
     # --standalone: a private rendezvous on a free port, so nothing else on this host interferes.
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(args.nproc), *script]
+            "--nproc-per-node", str(ranks), *script]
 
 
-def run_launch(command: list[str], timeout: float) -> int:
+def run_launch(command: list[str], per_node: int, timeout: float) -> int:
     """Run one launch in its own process group, so a hang can be killed as a whole; its exit status."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CHAINERMN_RANKS_PER_NODE=str(per_node))
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
@@ -510,25 +552,27 @@ def drive(args) -> int:
     start = time.perf_counter()
     launchers = LAUNCHERS if args.launch == "both" else (args.launch,)
     results, failures = [], []
-    for launcher in launchers:
-        json_path = args.out_dir / f"allreduce-{launcher}.json"
-        json_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
-        try:
-            command = launch_command(launcher, args, json_path)
-        except FileNotFoundError as error:
-            failures.append(f"{launcher}: {error}")
-            continue
-        print(f"\n$ {shlex.join(command)}", flush=True)
-        launch_start = time.perf_counter()
-        status = run_launch(command, args.timeout)
-        print(f"({launcher} launch: exit status {status}, {time.perf_counter() - launch_start:.1f} s)", flush=True)
-        if status != 0 or not json_path.exists():
-            failures.append(f"{launcher}: exit status {status}" + ("" if json_path.exists() else ", no results"))
-            continue
-        results.append(json.loads(json_path.read_text()))
+    for ranks, per_node in args.configs:
+        for launcher in launchers:
+            name = f"{config_name(ranks, per_node)}-{launcher}"
+            json_path = args.out_dir / f"allreduce-{name}.json"
+            json_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
+            try:
+                command = launch_command(launcher, ranks, args, json_path)
+            except FileNotFoundError as error:
+                failures.append(f"{name}: {error}")
+                continue
+            print(f"\n$ CHAINERMN_RANKS_PER_NODE={per_node} {shlex.join(command)}", flush=True)
+            launch_start = time.perf_counter()
+            status = run_launch(command, per_node, args.timeout)
+            print(f"({name}: exit status {status}, {time.perf_counter() - launch_start:.1f} s)", flush=True)
+            if status != 0 or not json_path.exists():
+                failures.append(f"{name}: exit status {status}" + ("" if json_path.exists() else ", no results"))
+                continue
+            results.append(json.loads(json_path.read_text()))
 
     if results:
-        table = combined_table(results)
+        table = combined_tables(results)
         md_path = args.out_dir / "allreduce.md"
         md_path.write_text(table + "\n")
         print("\n" + table + f"\n\n(table written to {md_path})")
