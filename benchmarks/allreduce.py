@@ -31,6 +31,9 @@ Contenders, measured in the same processes on the same buffer:
                          under mpiexec and when mpi4py imports, otherwise the row is skipped (and why
                          is printed).
   memcpy                 dst.copy_(src) of S bytes on rank 0 alone, one thread, reported as S / t.
+With --device cuda the tensors are on each rank's GPU (ranks beyond the GPUs share them, see
+use_local_gpu), pure_nccl joins the strategies, torch's nccl replaces gloo, there is no mpi4py row,
+and memcpy is a device-to-device copy.
                          Not an all-reduce: a reference for what the memory can do, an upper bound
                          for an all-reduce between processes of one host.
 Each time includes the Python call of its API, as a training script would pay it.
@@ -70,6 +73,10 @@ DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
 LAUNCHERS = ("mpiexec", "torchrun")
 # ChainerMN's communicators that run on CPU tensors (pure_nccl is CUDA-only).
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional", "single_node")
+# One colour per contender in every panel of the plot (matplotlib's tab10).
+COLORS = {"naive": "tab:blue", "flat": "tab:orange", "hierarchical": "tab:green", "two_dimensional": "tab:red",
+          "single_node": "tab:purple", "pure_nccl": "tab:olive", "gloo": "tab:brown", "nccl": "tab:brown",
+          "mpi4py": "tab:pink"}
 
 FLOAT32_BYTES = 4
 GB = 1e9
@@ -96,8 +103,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=["2"], type=parse_config, metavar="N|KxM",
                         help="--launch only: one launch per configuration and launcher; N ranks on one node, "
                              "or K simulated nodes of M ranks")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
-                        help="chainermn communicators to measure")
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES + ("pure_nccl",),
+                        help="chainermn communicators to measure (default: every CPU one; with --device cuda "
+                             "pure_nccl too)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the tensors live; cuda compares against torch's nccl instead of gloo")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where --launch writes its files")
     parser.add_argument("--plot", type=Path, help="write a log-log PNG of busbw vs message size here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed (--launch only)")
@@ -106,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("need 0 < --min-bytes <= --max-bytes")
     if args.repeats < 1 or args.warmup < 1:
         parser.error("--repeats and --warmup must be >= 1")
+    if args.strategies is None:
+        args.strategies = list(STRATEGIES) + (["pure_nccl"] if args.device == "cuda" else [])
     return args
 
 
@@ -179,16 +191,23 @@ def launcher_name() -> str:
 
 # -------------------------------------------------------------------------------------------- timing
 
-def time_loop(op, barrier, iters: int) -> float:
-    """Seconds per op over one loop of `iters` ops, started together on every rank."""
+def no_wait() -> None:
+    pass
+
+
+def time_loop(op, barrier, iters: int, finish=no_wait) -> float:
+    """Seconds per op over one loop of `iters` ops, started together on every rank.
+
+    `finish` waits for the device: CUDA operations return once queued (torch.cuda.synchronize)."""
     barrier()
     start = time.perf_counter()
     for _ in range(iters):
         op()
+    finish()
     return (time.perf_counter() - start) / iters
 
 
-def measure(op, barrier, slowest, nbytes: int, args) -> tuple[float, int]:
+def measure(op, barrier, slowest, nbytes: int, args, finish=no_wait) -> tuple[float, int]:
     """(seconds per op, iterations per timed loop) for one contender at one size.
 
     `slowest(x)` returns the largest x over the ranks taking part, so that every rank runs the
@@ -197,13 +216,15 @@ def measure(op, barrier, slowest, nbytes: int, args) -> tuple[float, int]:
     warmup = max(1, min(args.warmup, WARMUP_BYTES // nbytes))
     for _ in range(warmup):
         op()
+    finish()
     per_loop = args.seconds_per_point / args.repeats
-    iters = int(min(MAX_ITERS, max(1, round(per_loop / estimate_seconds(op, barrier, slowest, per_loop)))))
-    times = [time_loop(op, barrier, iters) for _ in range(args.repeats)]
+    estimate = estimate_seconds(op, barrier, slowest, per_loop, finish)
+    iters = int(min(MAX_ITERS, max(1, round(per_loop / estimate))))
+    times = [time_loop(op, barrier, iters, finish) for _ in range(args.repeats)]
     return slowest(statistics.median(times)), iters
 
 
-def estimate_seconds(op, barrier, slowest, per_loop: float) -> float:
+def estimate_seconds(op, barrier, slowest, per_loop: float, finish=no_wait) -> float:
     """A rough time per op, from loops grown until one lasts a tenth of a timed loop.
 
     A single short loop is too noisy to size the timed loops from: a few microseconds of jitter on
@@ -211,7 +232,7 @@ def estimate_seconds(op, barrier, slowest, per_loop: float) -> float:
     """
     iters = 1
     while True:
-        elapsed = slowest(time_loop(op, barrier, iters) * iters)
+        elapsed = slowest(time_loop(op, barrier, iters, finish) * iters)
         if elapsed >= per_loop / 10 or iters >= MAX_ITERS:
             return max(elapsed, 1e-9) / iters
         iters = min(MAX_ITERS, iters * 4)
@@ -226,12 +247,16 @@ class Contender:
         self.label, self.allreduce, self.barrier = label, allreduce, barrier
 
 
-def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies) -> tuple[list[Contender], list[str]]:
+def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, device: str
+                    ) -> tuple[list[Contender], list[str]]:
     """The contenders, and why any strategy was left out."""
     contenders, skipped = [], []
     for name in strategies:
         if name == "single_node" and torch_chainermn.topology().inter_size > 1:
             skipped.append("single_node: refuses several nodes")
+            continue
+        if name == "pure_nccl" and device != "cuda":
+            skipped.append("pure_nccl: CUDA tensors only")
             continue
         group = dist.new_group(backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
         contenders.append(Contender(
@@ -239,8 +264,12 @@ def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies) -> t
             # Default arguments bind this iteration's group (a closure would see the last one).
             lambda t, group=group: dist.all_reduce(t, group=group),
             lambda group=group: dist.barrier(group=group)))
-    gloo = dist.new_group(backend="gloo")
-    contenders.append(Contender("gloo", lambda t: dist.all_reduce(t, group=gloo), lambda: dist.barrier(group=gloo)))
+    # torch's own backend for the device: gloo for CPU tensors, nccl for CUDA tensors.
+    name = "nccl" if device == "cuda" else "gloo"
+    theirs = dist.new_group(backend=name)
+    contenders.append(Contender(name, lambda t: dist.all_reduce(t, group=theirs), lambda: dist.barrier(group=theirs)))
+    if device == "cuda":
+        return contenders, skipped  # MPI_Allreduce from mpi4py takes host buffers
     if MPI is not None:
         comm = MPI.COMM_WORLD
         contenders.append(Contender(
@@ -291,12 +320,16 @@ def run_rank(args) -> None:
     torch.set_num_threads(1)
     if not launched_by_mpiexec() and "RANK" not in os.environ:
         sys.exit("start this script with mpiexec or torchrun, or use --launch both (see --help)")
+    finish = no_wait
+    if args.device == "cuda":
+        use_local_gpu(torch)
+        finish = torch.cuda.synchronize
 
     dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     transport = torch_chainermn.transport()
     launcher = launcher_name()
-    contenders, skipped = make_contenders(dist, torch_chainermn, MPI, transport, args.strategies)
+    contenders, skipped = make_contenders(dist, torch_chainermn, MPI, transport, args.strategies, args.device)
     # A separate group for bookkeeping (agreeing on counts, checks), so it never queues behind or
     # between the measured operations of a contender's own group.
     control = dist.new_group(backend="gloo")
@@ -308,13 +341,14 @@ def run_rank(args) -> None:
 
     meta = describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport)
     meta["skipped"] = skipped
+    meta["device"] = args.device
     if rank == 0:
         print_header(meta)
 
     rows = []
     for nbytes in message_sizes(args.min_bytes, args.max_bytes):
         # One buffer per size, used by every contender (mpi4py through .numpy()).
-        buf = torch.empty(nbytes // FLOAT32_BYTES, dtype=torch.float32)
+        buf = torch.empty(nbytes // FLOAT32_BYTES, dtype=torch.float32, device=args.device)
         for contender in contenders:
             error = check_allreduce(contender, buf, rank, world)
             if error:
@@ -322,7 +356,7 @@ def run_rank(args) -> None:
                       file=sys.stderr, flush=True)
             # Zeros sum to zeros: the timed loops never overflow nor reach slow denormals.
             buf.zero_()
-            seconds, iters = measure(lambda: contender.allreduce(buf), contender.barrier, slowest, nbytes, args)
+            seconds, iters = measure(lambda: contender.allreduce(buf), contender.barrier, slowest, nbytes, args, finish)
             if not error and bool(buf.any()):
                 error = f"non-zero values after all-reducing zeros on rank {rank}"
             # Every rank's verdict counts: rank 0 reports the row as wrong if any rank saw wrong values.
@@ -332,7 +366,7 @@ def run_rank(args) -> None:
             if rank == 0:
                 print_row(rows[-1], flush=True)
         if rank == 0:
-            seconds, iters = measure_memcpy(torch, buf, nbytes, args)
+            seconds, iters = measure_memcpy(torch, buf, nbytes, args, finish)
             rows.append(row(launcher, "memcpy", "memcpy", 1, nbytes, seconds, iters, args.repeats))
             print_row(rows[-1], flush=True)
         dist.barrier(group=control)  # the other ranks wait here (sleeping in Gloo) while rank 0 copies
@@ -350,9 +384,25 @@ def run_rank(args) -> None:
     dist.destroy_process_group()
 
 
-def measure_memcpy(torch, src, nbytes: int, args) -> tuple[float, int]:
+def measure_memcpy(torch, src, nbytes: int, args, finish) -> tuple[float, int]:
     dst = torch.empty_like(src)
-    return measure(lambda: dst.copy_(src), lambda: None, lambda x: x, nbytes, args)
+    return measure(lambda: dst.copy_(src), no_wait, lambda x: x, nbytes, args, finish)
+
+
+def use_local_gpu(torch) -> None:
+    """Each rank takes GPU local_rank mod the GPUs there are. When ranks must share a GPU, NCCL (ours
+    and torch's alike) refuses them as duplicates on one host unless each has its own NCCL_HOSTID
+    (see DESIGN.md); then loopback sockets carry the traffic."""
+    if not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA GPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local_rank % gpus)
+    if local_size > gpus:
+        os.environ.setdefault("NCCL_HOSTID", f"chainermn-benchmark-{local_rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 
 def describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport) -> dict:
@@ -426,7 +476,8 @@ def write_json(path: Path, payload: dict) -> None:
 def launch_title(meta: dict) -> str:
     where = (f"{meta['ranks']} ranks on one node" if meta["nodes"] == 1 else
              f"{meta['ranks']} ranks as {meta['nodes']} simulated nodes of {meta['ranks_per_node']}")
-    return f"{where}, {meta['launcher']}"
+    tensors = ", CUDA tensors" if meta.get("device") == "cuda" else ""
+    return f"{where}, {meta['launcher']}{tensors}"
 
 
 def columns_of(result: dict) -> dict[str, list[dict]]:
@@ -492,7 +543,9 @@ def plot(results: list[dict], path: Path) -> None:
             rows = sorted(rows, key=lambda r: r["bytes"])
             xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
             sizes.update(xs)
-            style = dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy" else dict(linestyle="-")
+            base = name.split("/")[0]
+            style = (dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy"
+                     else dict(linestyle="-", color=COLORS.get(base)))
             ax.loglog(xs, ys, marker="o", label=name, **style)
         ticks = sorted(sizes)
         ax.set_xticks(ticks, [human_bytes(s) for s in ticks])
@@ -517,7 +570,7 @@ def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str
               "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
               "--warmup", str(args.warmup), "--repeats", str(args.repeats),
               "--seconds-per-point", str(args.seconds_per_point), "--json", str(json_path),
-              "--strategies", *args.strategies]
+              "--strategies", *args.strategies, "--device", args.device]
     if launcher == "mpiexec":
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:

@@ -9,11 +9,15 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 #endif
 
 namespace chainermn {
@@ -49,18 +53,56 @@ void keepUntilDone(DeviceContext&, const std::vector<at::Tensor>&) {}
 
 namespace {
 
-// An event on the caller's stream (ATen's CUDAEvent would pull in cuBLAS/cuSPARSE headers).
-// TODO: pool these; one cudaEventCreate per CUDA op is cheap but not free.
-struct CallerEvent {
-  explicit CallerEvent(cudaStream_t stream) {
+// Events are reused: creating one per operation would be a driver call (and an allocation) on the
+// hot path. An event belongs to the device that was current when it was created, hence one free list
+// per device. Never destroyed: at process exit the driver may already be gone.
+class EventPool {
+ public:
+  cudaEvent_t acquire(c10::DeviceIndex device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = free_[device];
+      if (!free.empty()) {
+        cudaEvent_t event = free.back();
+        free.pop_back();
+        return event;
+      }
+    }
+    c10::cuda::CUDAGuard guard(device);
+    cudaEvent_t event = nullptr;
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    return event;
+  }
+
+  void release(c10::DeviceIndex device, cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_[device].push_back(event);
+  }
+
+  static EventPool& instance() {
+    static auto* pool = new EventPool();
+    return *pool;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<c10::DeviceIndex, std::vector<cudaEvent_t>> free_;
+};
+
+// A mark on the caller's stream: a pooled event recorded there (ATen's CUDAEvent would pull in
+// cuBLAS/cuSPARSE headers). Re-recording a pooled event is safe once this mark is gone: the group's
+// stream has already been made to wait on it (cudaStreamWaitEvent captures the event's state then).
+struct CallerEvent {
+  CallerEvent(c10::DeviceIndex device, cudaStream_t stream)
+      : device(device), event(EventPool::instance().acquire(device)) {
     C10_CUDA_CHECK(cudaEventRecord(event, stream));
   }
   ~CallerEvent() {
-    cudaEventDestroy(event);
+    EventPool::instance().release(device, event);
   }
   CallerEvent(const CallerEvent&) = delete;
   CallerEvent& operator=(const CallerEvent&) = delete;
+  c10::DeviceIndex device;
   cudaEvent_t event = nullptr;
 };
 
@@ -129,7 +171,8 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
   if (!tensor.device().is_cuda()) {
     return nullptr;
   }
-  return std::make_shared<CallerEvent>(c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream());
+  const c10::DeviceIndex device = tensor.device().index();
+  return std::make_shared<CallerEvent>(device, c10::cuda::getCurrentCUDAStream(device).stream());
 }
 
 DeviceContext& enterCuda(
