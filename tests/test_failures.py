@@ -1,4 +1,5 @@
-"""A peer that never comes, or dies, ends in an error that names the op: never a hang."""
+"""A peer that never comes, or dies, ends in an error that names the op: never a hang. A peer that is
+only slow is waited for."""
 import datetime
 import os
 
@@ -79,3 +80,25 @@ def test_dead_peer_gives_an_error(shm):
     assert "all_reduce" in outcomes[0], outcomes[0]
     if shm == "1":
         assert "local rank 1" in outcomes[0] and "died" in outcomes[0], outcomes[0]
+
+
+def slow_peer():
+    """Rank 1 arrives 0.2 s late at each all_reduce (3 chunks of shared memory each): rank 0 spins,
+    yields, then sleeps on rank 1's futex until rank 1's flags wake it, at every barrier."""
+    import time
+
+    rank = dist.get_rank()
+    results = []
+    for step in range(3):
+        if rank == 1:
+            time.sleep(0.2)
+        tensor = torch.full((3 * 2**18 + 5,), float(rank + 1 + step))  # 3 MiB and a bit: 4 chunks
+        dist.all_reduce(tensor)
+        results.append(sorted(set(tensor.tolist())))
+    return results
+
+
+def test_slow_peer_is_waited_for_over_shared_memory():
+    results = run_spawn(slow_peer, 2, env={"CHAINERMN_SHM": "1"})
+    expected = [[float(3 + 2 * step)] for step in range(3)]
+    assert results == [expected, expected], results
