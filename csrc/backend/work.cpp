@@ -2,11 +2,17 @@
 
 #include <c10/util/Exception.h>
 
+#include <thread>
+
 namespace chainermn {
 
 namespace {
 // How long wait() lingers past the deadline for the watchdog's verdict before giving its own.
 constexpr auto kWatchdogGrace = std::chrono::seconds(2);
+// How long wait() polls before it sleeps: a small collective is over in microseconds, and being
+// woken from a condition variable costs about as much again. Polling yields the core, since the
+// worker that runs the op may share it (mpiexec binds a rank's threads to one core).
+constexpr auto kPollBeforeSleeping = std::chrono::microseconds(50);
 } // namespace
 
 std::exception_ptr backendError(const std::string& message) {
@@ -49,6 +55,7 @@ void WorkChainerMN::markDone(std::exception_ptr error) {
     completed_ = true;
     exception_ = error;
   }
+  done_.store(true, std::memory_order_release);
   cv_.notify_all();
 }
 
@@ -67,6 +74,10 @@ void WorkChainerMN::fail(std::exception_ptr error) {
 }
 
 bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
+  const auto pollUntil = Clock::now() + kPollBeforeSleeping;
+  while (!done_.load(std::memory_order_acquire) && Clock::now() < pollUntil) {
+    std::this_thread::yield();
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   const auto limit = timeout == ::kNoTimeout ? deadline_ + kWatchdogGrace : Clock::now() + timeout;
   if (!cv_.wait_until(lock, limit, [this] { return completed_; })) {

@@ -62,6 +62,7 @@ class WorkChainerMN : public c10d::Work {
   const Clock::time_point deadline_;
   const bool onDevice_;  // CUDA outputs: wait() also orders the caller's current stream after the op
   std::atomic<bool> claimed_{false};
+  std::atomic<bool> done_{false};  // completed_, readable without the mutex (wait() polls it first)
   std::atomic<int> sourceRank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

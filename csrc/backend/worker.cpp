@@ -11,6 +11,8 @@ namespace chainermn {
 
 namespace {
 
+constexpr auto kLinger = std::chrono::microseconds(50);
+
 struct Op {
   c10::intrusive_ptr<WorkChainerMN> work;
   Worker::Body body;  // owns the tensors and buffers the transport reads and writes
@@ -65,6 +67,7 @@ struct Worker::State {
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
   std::vector<InFlight> inFlight;
   std::string brokenReason;
+  std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
   bool closed = false;    // stop() began: enqueue refuses
   bool stopping = false;  // the threads should leave
 
@@ -90,6 +93,7 @@ std::vector<Worker*>& liveWorkers() {
 std::deque<Op> Worker::State::takeQueued() {
   std::deque<Op> taken;
   taken.swap(queue);
+  hasQueued.store(false, std::memory_order_release);
   idle.notify_all();
   return taken;
 }
@@ -188,6 +192,16 @@ void Worker::State::workerLoop() {
     std::optional<Op> op;
     {
       std::unique_lock<std::mutex> lock(mutex);
+      if (queue.empty() && !stopping && inFlight.empty()) {
+        // Linger before sleeping: the next op of a training step usually follows within
+        // microseconds, and a wake-up through the condition variable costs as much again.
+        lock.unlock();
+        const auto lingerUntil = Clock::now() + kLinger;
+        while (!hasQueued.load(std::memory_order_acquire) && Clock::now() < lingerUntil) {
+          std::this_thread::yield();
+        }
+        lock.lock();
+      }
       if (queue.empty() && !stopping) {
         if (inFlight.empty()) {
           wakeWorker.wait(lock, [this] { return stopping || !queue.empty(); });
@@ -198,6 +212,7 @@ void Worker::State::workerLoop() {
       if (!queue.empty()) {
         op.emplace(std::move(queue.front()));
         queue.pop_front();
+        hasQueued.store(!queue.empty(), std::memory_order_release);
       } else if (stopping) {
         return;
       }
@@ -324,6 +339,7 @@ void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
       notRun = "the process group was destroyed (or the process is exiting)";
     } else if (state_->brokenReason.empty()) {
       state_->queue.push_back({work, std::move(body)});
+      state_->hasQueued.store(true, std::memory_order_release);
     } else {
       notRun = state_->brokenReason;
     }
