@@ -41,8 +41,11 @@ def probe_all_reduce():
 
 @functools.lru_cache(maxsize=None)
 def cuda_configurations():
-    """(name, env, rank_env) triples for the multi-rank CUDA tests on this machine."""
-    configs = [("staged", {"CHAINERMN_CUDA_TRANSPORT": "staged"}, None)]
+    """{"staged": (env, rank_env), "nccl": (env, rank_env)} for the multi-rank CUDA tests here.
+
+    "nccl" is NCCL with a distinct NCCL_HOSTID per rank when NCCL accepts that (probed once), and
+    otherwise single-rank NCCL groups (each rank a node of its own) with the host transport staged
+    between them. Its env wins over a test's own (the fallback needs CHAINERMN_RANKS_PER_NODE=1)."""
     try:
         values = run_spawn(probe_all_reduce, 2, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
                            rank_env=nccl_one_gpu_env(2), timeout=120, op_timeout=60)
@@ -50,26 +53,21 @@ def cuda_configurations():
     except RankFailure:
         nccl_works = False
     if nccl_works:
-        configs.append(("nccl", {"CHAINERMN_CUDA_TRANSPORT": "nccl"}, "hostid"))
+        nccl = ({"CHAINERMN_CUDA_TRANSPORT": "nccl"}, "hostid")
     else:
-        # Each rank a node of its own: NCCL groups of one rank within the node, staged host transport across.
-        configs.append(("nccl-single-rank-groups", {"CHAINERMN_CUDA_TRANSPORT": "nccl_intra",
-                                                    "CHAINERMN_RANKS_PER_NODE": "1"}, None))
-    return configs
+        nccl = ({"CHAINERMN_CUDA_TRANSPORT": "nccl_intra", "CHAINERMN_RANKS_PER_NODE": "1"}, None)
+    return {"staged": ({"CHAINERMN_CUDA_TRANSPORT": "staged"}, None), "nccl": nccl}
 
 
 def run_cuda(fn, world_size, config_name, extra_env=None, **kwargs):
-    config = {name: (env, rank_env) for name, env, rank_env in cuda_configurations()}
-    if config_name not in config:
-        pytest.skip(f"{config_name} is not usable on this machine (see cuda_configurations)")
-    env, rank_env = config[config_name]
-    env = {**env, **(extra_env or {})}
+    env, rank_env = cuda_configurations()[config_name]
+    env = {**(extra_env or {}), **env}
     rank_env = nccl_one_gpu_env(world_size) if rank_env == "hostid" else None
     return run_spawn(fn, world_size, env=env, rank_env=rank_env, **kwargs)
 
 
 def config_names():
-    return ["staged", "nccl", "nccl-single-rank-groups"]
+    return ["staged", "nccl"]
 
 
 # ---- every strategy x dtype x size on CUDA tensors --------------------------------------------------
@@ -122,14 +120,11 @@ def check_outcomes(outcomes):
 
 @pytest.mark.parametrize("config", config_names())
 def test_strategies_on_cuda_two_simulated_nodes_of_two(config):
-    extra = {} if config == "nccl-single-rank-groups" else {"CHAINERMN_RANKS_PER_NODE": "2"}
-    check_outcomes(run_cuda(cuda_strategy_cases, 4, config, extra, timeout=600))
+    check_outcomes(run_cuda(cuda_strategy_cases, 4, config, {"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=600))
 
 
 @pytest.mark.parametrize("config", config_names())
 def test_strategies_on_cuda_one_node(config):
-    if config == "nccl-single-rank-groups":
-        pytest.skip("covered by the simulated nodes test")
     check_outcomes(run_cuda(cuda_strategy_cases, 2, config, timeout=600))
 
 
