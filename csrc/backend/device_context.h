@@ -4,8 +4,8 @@
 // order), from a CudaSetup the group keeps.
 //
 // This header names no CUDA type, so the process group compiles the same with and without CUDA;
-// device_context.cpp holds the CUDA side (and, in a CPU-only build, stubs that are never reached
-// because validation refuses CUDA tensors first).
+// device_context.cpp holds the CUDA side; in a CPU-only build its functions refuse CUDA with an
+// error, a path validation already closes by refusing CUDA tensors before anything is queued.
 #pragma once
 
 #include "backend/scratch.h"

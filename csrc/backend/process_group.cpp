@@ -181,14 +181,14 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(
   }
   context_->comm = comms.world;
   context_->comms = std::move(comms);
+  const auto known = std::find(cudaTransports().begin(), cudaTransports().end(), options_.cudaTransport);
   TORCH_CHECK_VALUE(
-      std::find(cudaTransports().begin(), cudaTransports().end(), options_.cudaTransport) != cudaTransports().end(),
+      known != cudaTransports().end(),
       "chainermn: unknown CUDA transport '",
       options_.cudaTransport,
       "' (choose from nccl, nccl_intra, staged)");
   context_->cudaSetup = CudaSetup{store, topology_, options_.cudaTransport};
-  // A static name, as transport_ is: Works may outlive the group.
-  cudaTransport_ = std::find(cudaTransports().begin(), cudaTransports().end(), options_.cudaTransport)->c_str();
+  cudaTransport_ = known->c_str();  // a static name, as transport_ is: Works may outlive the group
   worker_ = std::make_unique<Worker>(std::move(groupName));
 }
 
@@ -208,22 +208,33 @@ void ProcessGroupChainerMN::shutdown() {
   worker_->drain();
 }
 
+c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(
+    c10d::OpType type,
+    const char* name,
+    const char* transport,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout,
+    std::vector<c10::Device> devices) {
+  const uint64_t sequence = ++sequence_;
+  if (timeout == c10d::kUnsetTimeout) {
+    timeout = std::chrono::milliseconds(timeoutMs_.load());
+  }
+  return c10::make_intrusive<WorkChainerMN>(
+      type,
+      WorkChainerMN::Label{name, transport, rank_, size_, timeout},
+      sequence,
+      std::move(outputs),
+      Clock::now() + timeout,
+      std::move(devices));
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueue(
     c10d::OpType type,
     const char* name,
     std::vector<at::Tensor> outputs,
     std::chrono::milliseconds timeout,
     Body body) {
-  const uint64_t sequence = ++sequence_;
-  if (timeout == c10d::kUnsetTimeout) {
-    timeout = std::chrono::milliseconds(timeoutMs_.load());
-  }
-  auto work = c10::make_intrusive<WorkChainerMN>(
-      type,
-      WorkChainerMN::Label{name, transport_, rank_, size_, timeout},
-      sequence,
-      std::move(outputs),
-      Clock::now() + timeout);
+  auto work = makeWork(type, name, transport_, std::move(outputs), timeout);
   worker_->enqueue(work, [context = context_, body = std::move(body)]() { return body(*context); });
   return work;
 }
@@ -242,17 +253,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueueOn(
   }
   // CUDA: the caller's current stream is marked now, on the caller's thread; the worker orders the
   // group's stream after it before running the body there.
-  const uint64_t sequence = ++sequence_;
-  if (timeout == c10d::kUnsetTimeout) {
-    timeout = std::chrono::milliseconds(timeoutMs_.load());
-  }
-  auto work = c10::make_intrusive<WorkChainerMN>(
-      type,
-      WorkChainerMN::Label{name, cudaTransport_, rank_, size_, timeout},
-      sequence,
-      std::move(outputs),
-      Clock::now() + timeout,
-      std::vector<c10::Device>{device.device()});
+  auto work = makeWork(type, name, cudaTransport_, std::move(outputs), timeout, {device.device()});
   auto mark = markCallerStream(device);
   std::vector<at::Tensor> used = work->result();
   used.push_back(device);
@@ -390,9 +391,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
   for (const auto& output : outputs) {
     checkSameKind(op, "tensor_list", output, input, Devices::CpuOrCuda);
   }
-  outputs.push_back(input);
-  checkSameDevice(op, outputs);
-  outputs.pop_back();
   const int size = size_;
   return enqueueOn(
       input, c10d::OpType::ALLGATHER, op, outputs, opts.timeout, [input, outputs, size](GroupContext&, Target on) mutable {

@@ -174,6 +174,15 @@ class ProcessGroupChainerMN : public c10d::Backend {
       std::chrono::milliseconds timeout,
       Body body);
 
+  // A new Work numbered next in issue order, due `timeout` (or the group's) from now.
+  c10::intrusive_ptr<WorkChainerMN> makeWork(
+      c10d::OpType type,
+      const char* name,
+      const char* transport,
+      std::vector<at::Tensor> outputs,
+      std::chrono::milliseconds timeout,
+      std::vector<c10::Device> devices = {});
+
   // As enqueue, for an op whose tensors may be on a CUDA device (`device` is where they are). For
   // CUDA, the body runs on the group's stream after the caller's current stream (the `target` it
   // gets is the CUDA context's), and the Work's future is device-aware: it completes with events on

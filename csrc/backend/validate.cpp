@@ -180,6 +180,15 @@ void checkSameKind(
     Devices devices) {
   checkTensor(op, argument, tensor, devices);
   TORCH_CHECK_VALUE(
+      tensor.device() == like.device(),
+      op,
+      ": all tensors must be on one device, got ",
+      argument,
+      " on ",
+      tensor.device(),
+      " and the input on ",
+      like.device());
+  TORCH_CHECK_VALUE(
       tensor.scalar_type() == like.scalar_type(),
       op,
       ": ",

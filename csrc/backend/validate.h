@@ -36,7 +36,7 @@ void checkSameDevice(const char* op, const std::vector<at::Tensor>& tensors);
 // pass.
 void checkGroupDevice(const char* op, std::atomic<int>& bound, const at::Tensor& tensor);
 
-// `tensor` has the dtype and number of elements of `like`.
+// `tensor` has the device, dtype and number of elements of `like`.
 void checkSameKind(
     const char* op,
     const char* argument,
