@@ -19,7 +19,7 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 # Files that exist only for CUDA builds (everything else compiles in both).
-CUDA_ONLY = ("comm/nccl.cpp", "comm/staged.cpp")
+CUDA_ONLY = "csrc/cuda/"
 
 
 def mpi_flags():
@@ -84,7 +84,7 @@ if cuda:
     extension = CUDAExtension
     compile_args = {"cxx": extra_compile_args, "nvcc": ["-O3", "-std=c++17"]}
 else:
-    sources = [s for s in sources if not s.replace(os.sep, "/").endswith(CUDA_ONLY)]
+    sources = [s for s in sources if not s.replace(os.sep, "/").startswith(CUDA_ONLY)]
     extension = CppExtension
     compile_args = extra_compile_args
 

@@ -5,7 +5,9 @@
 
 #include <climits>
 #include <cstdlib>
+#include <algorithm>
 #include <map>
+#include <numeric>
 
 namespace chainermn {
 
@@ -50,6 +52,33 @@ Topology topologyFromNames(const std::vector<std::string>& names, int rank) {
     }
   }
   return topo;
+}
+
+namespace {
+Level levelOf(std::string key, std::vector<int> ranks, int rank, bool withinNode) {
+  const int index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
+  return Level{std::move(key), std::move(ranks), index, withinNode};
+}
+} // namespace
+
+Level worldLevel(const Topology& t) {
+  std::vector<int> all(t.size);
+  std::iota(all.begin(), all.end(), 0);
+  return levelOf("world", std::move(all), t.rank, t.interSize == 1);
+}
+
+Level intraLevel(const Topology& t) {
+  return levelOf("intra/" + std::to_string(t.interRank), t.ranksOfNode[t.interRank], t.rank, true);
+}
+
+Level interLevel(const Topology& t) {
+  std::vector<int> peers;
+  for (const auto& node : t.ranksOfNode) {
+    if (static_cast<int>(node.size()) > t.intraRank) {
+      peers.push_back(node[t.intraRank]);
+    }
+  }
+  return levelOf("inter/" + std::to_string(t.intraRank), std::move(peers), t.rank, t.interSize == 1);
 }
 
 Topology discoverTopology(c10d::Store& store, int rank, int size, int globalRank) {

@@ -22,6 +22,20 @@ struct Topology {
   std::vector<std::vector<int>> ranksOfNode;  // ranks of every node, ascending
 };
 
+// The ranks one transport connects: the whole group, this rank's node, or the ranks with this
+// rank's intra rank across nodes (one per node that has one). Computed here once for every transport
+// library (MPI, Gloo, shared memory, NCCL).
+struct Level {
+  std::string key;         // names the level in the group's store: "world", "intra/<node>", "inter/<intra rank>"
+  std::vector<int> ranks;  // group ranks, ascending
+  int index = 0;           // this rank's position in `ranks`
+  bool withinNode = false;  // every rank of the level is on this rank's node
+};
+
+Level worldLevel(const Topology& topology);
+Level intraLevel(const Topology& topology);
+Level interLevel(const Topology& topology);
+
 // The node name this process reports: the overrides above, else gethostname().
 std::string localNodeName(int globalRank);
 

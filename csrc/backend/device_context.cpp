@@ -43,7 +43,7 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
 }
 
 DeviceContext& enterCuda(
-    std::unique_ptr<DeviceContext>&, const CudaSetup&, const CommunicatorSet&, at::Device device, const std::shared_ptr<void>&) {
+    std::unique_ptr<DeviceContext>&, const CudaSetup&, const TransportSet&, at::Device device, const std::shared_ptr<void>&) {
   TORCH_CHECK(false, "chainermn: this build handles CPU tensors only, got one on ", device);
 }
 
@@ -123,38 +123,38 @@ std::pair<int, int> interPlace(const Topology& t) {
   return {index, static_cast<int>(peers.size())};
 }
 
-CommunicatorSet ncclLevels(const CudaSetup& setup, c10::DeviceIndex device, void* stream, bool interToo, const CommunicatorSet& host) {
+TransportSet ncclLevels(const CudaSetup& setup, c10::DeviceIndex device, void* stream, bool interToo, const TransportSet& host) {
   const Topology& t = setup.topology;
   auto& store = *setup.store;
-  CommunicatorSet comms;
+  TransportSet transports;
   // Created in the same order on every rank: world, this node, this intra rank across nodes.
   const bool oneNode = t.interSize == 1;
   const bool oneRankPerNode = t.interSize == t.size;
   if (interToo || oneNode) {
-    comms.world = nccl::createCommunicator(store, "world", t.rank, t.size, device, stream);
+    transports.world = nccl::createTransport(store, "world", t.rank, t.size, device, stream);
   } else {
-    comms.world = staged::createCommunicator(host.world, device, stream);
+    transports.world = staged::createTransport(host.world, device, stream);
   }
-  comms.intra = oneNode
-      ? comms.world
-      : nccl::createCommunicator(store, "intra/" + std::to_string(t.interRank), t.intraRank, t.intraSize, device, stream);
+  transports.intra = oneNode
+      ? transports.world
+      : nccl::createTransport(store, "intra/" + std::to_string(t.interRank), t.intraRank, t.intraSize, device, stream);
   if (oneRankPerNode && interToo) {
-    comms.inter = comms.world;
+    transports.inter = transports.world;
   } else if (interToo) {
     const auto [index, count] = interPlace(t);
-    comms.inter = nccl::createCommunicator(store, "inter/" + std::to_string(t.intraRank), index, count, device, stream);
+    transports.inter = nccl::createTransport(store, "inter/" + std::to_string(t.intraRank), index, count, device, stream);
   } else {
-    comms.inter = oneRankPerNode ? comms.world : staged::createCommunicator(host.inter, device, stream);
+    transports.inter = oneRankPerNode ? transports.world : staged::createTransport(host.inter, device, stream);
   }
-  return comms;
+  return transports;
 }
 
-CommunicatorSet stagedLevels(const CommunicatorSet& host, c10::DeviceIndex device, void* stream) {
-  CommunicatorSet comms;
-  comms.world = staged::createCommunicator(host.world, device, stream);
-  comms.intra = host.intra == host.world ? comms.world : staged::createCommunicator(host.intra, device, stream);
-  comms.inter = host.inter == host.world ? comms.world : staged::createCommunicator(host.inter, device, stream);
-  return comms;
+TransportSet stagedLevels(const TransportSet& host, c10::DeviceIndex device, void* stream) {
+  TransportSet transports;
+  transports.world = staged::createTransport(host.world, device, stream);
+  transports.intra = host.intra == host.world ? transports.world : staged::createTransport(host.intra, device, stream);
+  transports.inter = host.inter == host.world ? transports.world : staged::createTransport(host.inter, device, stream);
+  return transports;
 }
 
 } // namespace
@@ -178,7 +178,7 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
 DeviceContext& enterCuda(
     std::unique_ptr<DeviceContext>& slot,
     const CudaSetup& setup,
-    const CommunicatorSet& host,
+    const TransportSet& host,
     at::Device device,
     const std::shared_ptr<void>& callerMark) {
   const c10::DeviceIndex index = device.index();
@@ -188,9 +188,9 @@ DeviceContext& enterCuda(
     auto context = std::make_unique<CudaContext>(device, stream);
     void* raw = stream.stream();
     if (setup.transport == "staged") {
-      context->comms = stagedLevels(host, index, raw);
+      context->transports = stagedLevels(host, index, raw);
     } else {
-      context->comms = ncclLevels(setup, index, raw, /*interToo=*/setup.transport == "nccl", host);
+      context->transports = ncclLevels(setup, index, raw, /*interToo=*/setup.transport == "nccl", host);
     }
     slot = std::move(context);
   }

@@ -1,4 +1,4 @@
-// The communicators and staging buffers of one device of a group, as the worker sees them, and the
+// The transports and staging buffers of one device of a group, as the worker sees them, and the
 // stream ordering of CUDA work. The CPU context is built with the group; the CUDA one on the worker
 // thread at the group's first CUDA operation (collective: every rank issues its ops in the same
 // order), from a CudaSetup the group keeps.
@@ -8,8 +8,8 @@
 // error, a path validation already closes by refusing CUDA tensors before anything is queued.
 #pragma once
 
-#include "backend/scratch.h"
-#include "comm/communicator.h"
+#include "kernels/scratch.h"
+#include "comm/transport.h"
 #include "topology.h"
 
 #include <ATen/ATen.h>
@@ -23,7 +23,7 @@ namespace chainermn {
 struct DeviceContext {
   explicit DeviceContext(at::Device device) : scratch(device) {}
   virtual ~DeviceContext() = default;
-  CommunicatorSet comms;  // world, intra and inter communicators for buffers on this device
+  TransportSet transports;  // world, intra and inter transports for buffers on this device
   Scratch scratch;
 };
 
@@ -54,7 +54,7 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor);
 DeviceContext& enterCuda(
     std::unique_ptr<DeviceContext>& slot,
     const CudaSetup& setup,
-    const CommunicatorSet& host,
+    const TransportSet& host,
     at::Device device,
     const std::shared_ptr<void>& callerMark);
 

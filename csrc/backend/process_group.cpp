@@ -147,40 +147,40 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(
     std::chrono::milliseconds timeout,
     std::string groupName,
     Topology topology,
-    CommunicatorSet comms,
+    TransportSet transports,
     GroupOptions options)
     : c10d::Backend(rank, size),
       context_(std::make_shared<GroupContext>()),
       topology_(std::move(topology)),
       options_(std::move(options)),
       timeoutMs_(timeout.count()) {
-  TORCH_CHECK(comms.world && comms.intra && comms.inter, "chainermn: incomplete communicators for group ", groupName);
+  TORCH_CHECK(transports.world && transports.intra && transports.inter, "chainermn: incomplete transports for group ", groupName);
   TORCH_CHECK(
-      comms.world->rank() == rank && comms.world->size() == size,
+      transports.world->rank() == rank && transports.world->size() == size,
       "chainermn: the ",
-      comms.world->library(),
-      " communicator has rank ",
-      comms.world->rank(),
+      transports.world->library(),
+      " transport has rank ",
+      transports.world->rank(),
       " of ",
-      comms.world->size(),
+      transports.world->size(),
       " but the group has rank ",
       rank,
       " of ",
       size);
   context_->strategy = makeStrategy(options_.communicator, topology_);
-  transport_ = comms.world->library();
+  transport_ = transports.world->library();
   if (options_.sharedMemory && topology_.intraSize > 1) {
     // The node's ranks reduce through shared memory; on a single node that is the whole group.
-    auto shared = shm::createCommunicator(
-        *store, "chainermn/shm/" + std::to_string(topology_.interRank), comms.intra, timeout);
-    if (comms.world == comms.intra) {
-      comms.world = shared;
+    auto shared = shm::createTransport(
+        *store, "chainermn/shm/" + std::to_string(topology_.interRank), transports.intra, timeout);
+    if (transports.world == transports.intra) {
+      transports.world = shared;
     }
-    comms.intra = shared;
+    transports.intra = shared;
     sharedMemory_ = true;
   }
-  context_->comm = comms.world;
-  context_->comms = std::move(comms);
+  context_->comm = transports.world;
+  context_->transports = std::move(transports);
   const auto known = std::find(cudaTransports().begin(), cudaTransports().end(), options_.cudaTransport);
   TORCH_CHECK_VALUE(
       known != cudaTransports().end(),
@@ -248,7 +248,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueueOn(
     DeviceBody body) {
   if (device.device().is_cpu()) {
     return enqueue(type, name, std::move(outputs), timeout, [body = std::move(body)](GroupContext& ctx) {
-      return body(ctx, Target{ctx.comms, ctx.scratch});
+      return body(ctx, Target{ctx.transports, ctx.scratch});
     });
   }
   // CUDA: the caller's current stream is marked now, on the caller's thread; the worker orders the
@@ -260,8 +260,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::enqueueOn(
   worker_->enqueue(
       work,
       [context = context_, body = std::move(body), mark = std::move(mark), where = device.device(), used]() {
-        auto& cuda = enterCuda(context->cuda, context->cudaSetup, context->comms, where, mark);
-        RequestPtr request = body(*context, Target{cuda.comms, cuda.scratch});
+        auto& cuda = enterCuda(context->cuda, context->cudaSetup, context->transports, where, mark);
+        RequestPtr request = body(*context, Target{cuda.transports, cuda.scratch});
         keepUntilDone(cuda, used);
         return request;
       });
@@ -280,7 +280,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
   return enqueueOn(
       tensor, c10d::OpType::BROADCAST, "broadcast", {tensor}, opts.timeout, [tensor, root](GroupContext&, Target on) {
         if (tensor.numel() > 0) {
-          on.comms.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
+          on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
         }
         return RequestPtr();
       });
@@ -299,7 +299,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
         if (tensor.numel() > 0) {
           applyScaleBefore(tensor, plan);
           ctx.strategy->allreduce(
-              on.comms, on.scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType}, plan.kind);
+              on.transports, on.scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType}, plan.kind);
           applyDivideAfter(tensor, plan);
         }
         return RequestPtr();
@@ -342,7 +342,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
         for (auto& tensor : tensors) {
           bufs.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), plan.wireType});
         }
-        ctx.strategy->allreduceMany(on.comms, on.scratch, bufs, plan.kind);
+        ctx.strategy->allreduceMany(on.transports, on.scratch, bufs, plan.kind);
         for (auto& tensor : tensors) {
           applyDivideAfter(tensor, plan);
         }
@@ -398,7 +398,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
           return RequestPtr();
         }
         void* gathered = on.scratch.get(0, bytesOf(input) * size);
-        on.comms.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
+        on.transports.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
         if (input.is_cpu()) {
           unpack(gathered, outputs);
         } else {
@@ -432,7 +432,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
   return enqueueOn(
       input, c10d::OpType::_ALLGATHER_BASE, op, {output}, opts.timeout, [output, input](GroupContext&, Target on) {
         if (input.numel() > 0) {
-          on.comms.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
+          on.transports.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
         }
         return RequestPtr();
       });
@@ -785,7 +785,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
           if (before != 1.0) {
             on.scratch.pack(parts, whole.data, wire, before);
           }
-          ctx.strategy->allreduce(on.comms, on.scratch, whole, ReduceKind::Sum);
+          ctx.strategy->allreduce(on.transports, on.scratch, whole, ReduceKind::Sum);
           if (after != 1.0) {
             on.scratch.unpack(whole.data, wire, parts, after);
           }
@@ -794,7 +794,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
         // One pass in (cast + prescale), one pass out (cast back + postscale): one kernel each on CUDA.
         void* packed = on.scratch.get(0, total * c10::elementSize(wire));
         on.scratch.pack(parts, packed, wire, before);
-        ctx.strategy->allreduce(on.comms, on.scratch, FlatBuffer{packed, total, wire}, ReduceKind::Sum);
+        ctx.strategy->allreduce(on.transports, on.scratch, FlatBuffer{packed, total, wire}, ReduceKind::Sum);
         on.scratch.unpack(packed, wire, parts, after);
         return RequestPtr();
       });

@@ -1,14 +1,14 @@
 // ProcessGroupChainerMN: the `chainermn` torch.distributed backend.
 //
 // Every call is validated here on the caller's thread, then queued as one operation on the group's
-// FIFO worker, which drives the group's Communicator (MPI or Gloo). The caller gets a WorkChainerMN
+// FIFO worker, which drives the group's Transport (MPI or Gloo). The caller gets a WorkChainerMN
 // at once; its Future completes with the output tensors.
 #pragma once
 
 #include "backend/device_context.h"
-#include "backend/scratch.h"
+#include "kernels/scratch.h"
 #include "backend/worker.h"
-#include "comm/communicator.h"
+#include "comm/transport.h"
 #include "strategies/strategy.h"
 #include "topology.h"
 
@@ -23,17 +23,17 @@ namespace chainermn {
 // What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
 // it outlives the ProcessGroup if a transport call is still running when the group goes away.
 struct GroupContext {
-  CommunicatorSet comms;              // world, intra and inter communicators of this group (CPU)
-  CommunicatorPtr comm;               // == comms.world: every non-allreduce collective uses it
+  TransportSet transports;              // world, intra and inter transports of this group (CPU)
+  TransportPtr comm;               // == transports.world: every non-allreduce collective uses it
   std::unique_ptr<Strategy> strategy;  // how all_reduce runs, on every device
   Scratch scratch;                    // CPU staging
   CudaSetup cudaSetup;                // what the CUDA context is made from
   std::unique_ptr<DeviceContext> cuda;  // made by the first CUDA op (see device_context.h)
 };
 
-// The communicators and staging buffers an op uses for its tensors' device.
+// The transports and staging buffers an op uses for its tensors' device.
 struct Target {
-  CommunicatorSet& comms;
+  TransportSet& transports;
   Scratch& scratch;
 };
 
@@ -54,7 +54,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
       std::chrono::milliseconds timeout,
       std::string groupName,
       Topology topology,
-      CommunicatorSet comms,
+      TransportSet transports,
       GroupOptions options);
   ~ProcessGroupChainerMN() override;
 

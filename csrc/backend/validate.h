@@ -3,7 +3,7 @@
 // half-started collective. Messages name the op and the argument.
 #pragma once
 
-#include "comm/communicator.h"
+#include "comm/transport.h"
 #include "strategies/strategy.h"
 
 #include <ATen/ATen.h>

@@ -12,7 +12,7 @@
 #pragma once
 
 #include "backend/work.h"
-#include "comm/communicator.h"
+#include "comm/transport.h"
 
 #include <functional>
 #include <memory>

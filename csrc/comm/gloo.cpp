@@ -106,9 +106,9 @@ std::vector<at::Tensor> blocks(const at::Tensor& whole, int size) {
   return views;
 }
 
-class GlooCommunicator : public Communicator {
+class GlooTransport : public Transport {
  public:
-  explicit GlooCommunicator(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}
+  explicit GlooTransport(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}
 
   int rank() const override {
     return backend_->getRank();
@@ -228,9 +228,9 @@ class GlooCommunicator : public Communicator {
 
 } // namespace
 
-CommunicatorPtr createCommunicator(c10::intrusive_ptr<c10d::Backend> backend) {
+TransportPtr createTransport(c10::intrusive_ptr<c10d::Backend> backend) {
   TORCH_CHECK(backend, "chainermn: no Gloo backend given");
-  return std::make_shared<GlooCommunicator>(std::move(backend));
+  return std::make_shared<GlooTransport>(std::move(backend));
 }
 
 } // namespace chainermn::gloo

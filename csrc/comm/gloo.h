@@ -2,12 +2,12 @@
 // Gloo headers are needed). The ProcessGroupGloo is created in Python over the group's store.
 #pragma once
 
-#include "comm/communicator.h"
+#include "comm/transport.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 namespace chainermn::gloo {
 
-CommunicatorPtr createCommunicator(c10::intrusive_ptr<c10d::Backend> backend);
+TransportPtr createTransport(c10::intrusive_ptr<c10d::Backend> backend);
 
 } // namespace chainermn::gloo

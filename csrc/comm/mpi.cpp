@@ -229,15 +229,15 @@ class MpiRequest : public Request {
 
 // ---- the adapter
 
-class MpiCommunicator : public Communicator {
+class MpiTransport : public Transport {
  public:
-  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+  explicit MpiTransport(MPI_Comm comm) : comm_(comm) {
     check(MPI_Comm_rank(comm_, &rank_), "Comm_rank");
     check(MPI_Comm_size(comm_, &size_), "Comm_size");
     check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "Comm_set_errhandler");
   }
 
-  ~MpiCommunicator() override {
+  ~MpiTransport() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && !gAbandoned.load() && gCallsInProgress.load() == 0) {
@@ -309,7 +309,7 @@ class MpiCommunicator : public Communicator {
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
     CallInProgress inProgress;
-    // Only the worker thread calls a communicator, so these count arrays can be reused.
+    // Only the worker thread calls a transport, so these count arrays can be reused.
     toDisplacements(sendCounts, sendCounts_, sendDispls_);
     toDisplacements(recvCounts, recvCounts_, recvDispls_);
     check(
@@ -434,7 +434,7 @@ void noteAbandonedRequest() {
   gAbandoned.store(true);
 }
 
-CommunicatorSet createCommunicators(const std::vector<int64_t>& worldRanks, const Topology& topology) {
+TransportSet createTransports(const std::vector<int64_t>& worldRanks, const Topology& topology) {
   initialize();
   TORCH_CHECK(threadMultiple(), "chainermn: the MPI transport needs MPI_THREAD_MULTIPLE");
   MPI_Group world;
@@ -448,18 +448,18 @@ CommunicatorSet createCommunicators(const std::vector<int64_t>& worldRanks, cons
   MPI_Group_free(&group);
   MPI_Group_free(&world);
 
-  CommunicatorSet comms;
-  comms.world = std::make_shared<MpiCommunicator>(groupComm);
+  TransportSet transports;
+  transports.world = std::make_shared<MpiTransport>(groupComm);
   // Every rank takes the same branches: they depend on the whole group's topology only.
   const bool oneRankPerNode = topology.interSize == topology.size;
   auto split = [&](int color) {
     MPI_Comm part;
     check(MPI_Comm_split(groupComm, color, topology.rank, &part), "Comm_split");
-    return std::make_shared<MpiCommunicator>(part);
+    return std::make_shared<MpiTransport>(part);
   };
-  comms.intra = topology.interSize == 1 ? comms.world : split(topology.interRank);
-  comms.inter = oneRankPerNode ? comms.world : split(topology.intraRank);
-  return comms;
+  transports.intra = topology.interSize == 1 ? transports.world : split(topology.interRank);
+  transports.inter = oneRankPerNode ? transports.world : split(topology.intraRank);
+  return transports;
 }
 
 } // namespace chainermn::mpi

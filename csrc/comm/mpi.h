@@ -1,9 +1,9 @@
-// Open MPI as a transport: the process-wide MPI runtime and the adapter that maps Communicator
+// Open MPI as a transport: the process-wide MPI runtime and the adapter that maps Transport
 // calls onto nonblocking MPI collectives. Compiled only when mpicc was found at build time
 // (CHAINERMN_WITH_MPI).
 #pragma once
 
-#include "comm/communicator.h"
+#include "comm/transport.h"
 #include "topology.h"
 
 #include <string>
@@ -38,8 +38,8 @@ void finalize();
 // Marks that an operation was left in flight after a timeout; see finalize().
 void noteAbandonedRequest();
 
-// The world, intra-node and inter-node communicators of a group over the given MPI_COMM_WORLD ranks
+// The world, intra-node and inter-node transports of a group over the given MPI_COMM_WORLD ranks
 // (in that order). Collective over those ranks only.
-CommunicatorSet createCommunicators(const std::vector<int64_t>& worldRanks, const Topology& topology);
+TransportSet createTransports(const std::vector<int64_t>& worldRanks, const Topology& topology);
 
 } // namespace chainermn::mpi

@@ -1,13 +1,13 @@
 // NCCL as a transport for CUDA buffers (built only when torch has CUDA: CHAINERMN_WITH_CUDA).
 //
-// One Communicator call is one NCCL call (gather, scatter and all-to-all, which NCCL lacks, are one
+// One Transport call is one NCCL call (gather, scatter and all-to-all, which NCCL lacks, are one
 // ncclGroupStart/End of sends and receives), enqueued on the stream given at creation. "Completes"
 // therefore means "is ordered on that stream": the caller orders later work after it on the stream
 // (the process group's Work records an event there). barrier() alone waits for the stream.
 // ncclResult_t errors become exceptions naming the op, the rank and the peer.
 #pragma once
 
-#include "comm/communicator.h"
+#include "comm/transport.h"
 
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -19,7 +19,7 @@ namespace chainermn::nccl {
 // Collective over the `size` ranks that call it with the same `key`: rank 0 makes the
 // ncclUniqueId and publishes it in `store` under `key`; all init a communicator on `device`.
 // `stream` is a cudaStream_t on that device.
-CommunicatorPtr createCommunicator(
+TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
     int rank,

@@ -110,9 +110,9 @@ void reclaimOrphans() {
   closedir(dir);
 }
 
-class ShmCommunicator : public Communicator {
+class ShmTransport : public Transport {
  public:
-  ShmCommunicator(CommunicatorPtr fallback, void* base, size_t mappedBytes, size_t chunk, std::chrono::milliseconds timeout)
+  ShmTransport(TransportPtr fallback, void* base, size_t mappedBytes, size_t chunk, std::chrono::milliseconds timeout)
       : fallback_(std::move(fallback)),
         rank_(fallback_->rank()),
         size_(fallback_->size()),
@@ -131,7 +131,7 @@ class ShmCommunicator : public Communicator {
     flags_[rank_].pid.store(getpid(), std::memory_order_release);
   }
 
-  ~ShmCommunicator() override {
+  ~ShmTransport() override {
     munmap(base_, mappedBytes_);
   }
 
@@ -341,7 +341,7 @@ class ShmCommunicator : public Communicator {
   }
 
  private:
-  CommunicatorPtr fallback_;
+  TransportPtr fallback_;
   const int rank_;
   const int size_;
   char* base_;
@@ -369,10 +369,10 @@ size_t chunkBytes() {
   return size_t{1} << 20;
 }
 
-CommunicatorPtr createCommunicator(
+TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
-    CommunicatorPtr fallback,
+    TransportPtr fallback,
     std::chrono::milliseconds timeout) {
   static std::atomic<int> created{0};
   const int size = fallback->size();
@@ -420,7 +420,7 @@ CommunicatorPtr createCommunicator(
   const int mapError = errno;
   close(fd);
   TORCH_CHECK(base != MAP_FAILED, "chainermn: mmap of ", name, " failed: ", std::strerror(mapError));
-  auto comm = std::make_shared<ShmCommunicator>(std::move(fallback), base, bytes, chunk, timeout);
+  auto comm = std::make_shared<ShmTransport>(std::move(fallback), base, bytes, chunk, timeout);
   // Once every rank has mapped the segment its name is no longer needed: unlinking it now means the
   // memory goes away with the last process, however the processes end.
   comm->barrier();

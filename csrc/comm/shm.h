@@ -4,13 +4,13 @@
 // A collective runs chunk by chunk: every rank copies its chunk into its slot, a barrier, every rank
 // reduces its own slice of the chunk from all slots (the ranks reduce in parallel), a barrier, every
 // rank copies the result out. Collectives that gain nothing from this (gather, scatter, all-to-all,
-// point to point, barrier) go to `fallback`, the library's communicator over the same ranks.
+// point to point, barrier) go to `fallback`, the library's transport over the same ranks.
 //
 // The segment is unlinked as soon as every rank has mapped it, so it disappears with the processes
 // even after a crash; segments whose creator died before that are reclaimed when the next is made.
 #pragma once
 
-#include "comm/communicator.h"
+#include "comm/transport.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -21,10 +21,10 @@ namespace chainermn::shm {
 
 // Collective over fallback's ranks, which must all run on this host. `key` names the segment in
 // the store (unique per group and node). `timeout` bounds every wait for a peer.
-CommunicatorPtr createCommunicator(
+TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
-    CommunicatorPtr fallback,
+    TransportPtr fallback,
     std::chrono::milliseconds timeout);
 
 // Bytes of one rank's slot: a collective moves data through the segment this much at a time.

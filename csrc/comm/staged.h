@@ -5,13 +5,13 @@
 // are reused. Built only with CHAINERMN_WITH_CUDA.
 #pragma once
 
-#include "comm/communicator.h"
+#include "comm/transport.h"
 
 #include <c10/core/Device.h>
 
 namespace chainermn::staged {
 
 // `stream` is a cudaStream_t on `device`; every copy is ordered on it.
-CommunicatorPtr createCommunicator(CommunicatorPtr host, c10::DeviceIndex device, void* stream);
+TransportPtr createTransport(TransportPtr host, c10::DeviceIndex device, void* stream);
 
 } // namespace chainermn::staged

@@ -6,6 +6,8 @@
 // of a prefix-sum table of the parts' sizes, as ChainerMN's _batched_pack did.
 #pragma once
 
+#include "types.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -13,13 +15,6 @@
 #include <vector>
 
 namespace chainermn {
-
-// `count` elements of `dtype` at `data`: a tensor's memory, or a whole packed buffer.
-struct FlatBuffer {
-  void* data;
-  int64_t count;
-  c10::ScalarType dtype;
-};
 
 // CPU: parts back to back into `packed` (wire dtype), each element cast and multiplied by `scale`.
 // A part in the wire dtype with scale 1 is copied; `packed` may alias a single part.

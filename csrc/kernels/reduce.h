@@ -2,7 +2,7 @@
 // every shared-memory reduction. Each pass is a simple loop the compiler vectorises.
 #pragma once
 
-#include "comm/communicator.h"
+#include "types.h"
 
 #include <c10/core/ScalarType.h>
 

@@ -19,7 +19,7 @@ using chainermn::Topology;
 
 namespace {
 
-using chainermn::CommunicatorSet;
+using chainermn::TransportSet;
 using chainermn::GroupOptions;
 
 GroupOptions groupOptions(
@@ -45,12 +45,12 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
     bool sharedMemory,
     std::string cudaTransport) {
   // One Gloo group serves every level it spans (the world is also the intra level on one node).
-  CommunicatorSet comms;
-  comms.world = chainermn::gloo::createCommunicator(world);
-  comms.intra = intra == world ? comms.world : chainermn::gloo::createCommunicator(intra);
-  comms.inter = inter == world ? comms.world : chainermn::gloo::createCommunicator(inter);
+  TransportSet transports;
+  transports.world = chainermn::gloo::createTransport(world);
+  transports.intra = intra == world ? transports.world : chainermn::gloo::createTransport(intra);
+  transports.inter = inter == world ? transports.world : chainermn::gloo::createTransport(inter);
   return c10::make_intrusive<ProcessGroupChainerMN>(
-      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
+      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(transports),
       groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
 }
 
@@ -67,9 +67,9 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
     std::string allreduceGradDtype,
     bool sharedMemory,
     std::string cudaTransport) {
-  auto comms = chainermn::mpi::createCommunicators(worldRanks, topology);
+  auto transports = chainermn::mpi::createTransports(worldRanks, topology);
   return c10::make_intrusive<ProcessGroupChainerMN>(
-      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(comms),
+      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(transports),
       groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
 }
 #endif

@@ -14,6 +14,6 @@ std::unique_ptr<Strategy> makePureNccl();
 
 // For two-level strategies: when one level has a single rank (one node, or one rank per node),
 // does the whole reduction as one allreduce over all ranks and returns true.
-bool singleLevel(CommunicatorSet& comms, const FlatBuffer& buf, ReduceKind op);
+bool singleLevel(TransportSet& transports, const FlatBuffer& buf, ReduceKind op);
 
 } // namespace chainermn

@@ -9,8 +9,8 @@ class Flat : public Strategy {
   const char* name() const override {
     return "flat";
   }
-  void allreduce(CommunicatorSet& comms, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
-    comms.world->allreduce(buf.data, buf.count, buf.dtype, op);
+  void allreduce(TransportSet& transports, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
+    transports.world->allreduce(buf.data, buf.count, buf.dtype, op);
   }
 };
 

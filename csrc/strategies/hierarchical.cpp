@@ -11,16 +11,16 @@ class Hierarchical : public Strategy {
   const char* name() const override {
     return "hierarchical";
   }
-  void allreduce(CommunicatorSet& comms, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
-    if (singleLevel(comms, buf, op)) {
+  void allreduce(TransportSet& transports, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
+    if (singleLevel(transports, buf, op)) {
       return;
     }
     // In place on every rank: off the leader the buffer's contents are replaced by the broadcast.
-    comms.intra->reduce(buf.data, buf.data, buf.count, buf.dtype, op, /*root=*/0);
-    if (comms.intra->rank() == 0) {
-      comms.inter->allreduce(buf.data, buf.count, buf.dtype, op);
+    transports.intra->reduce(buf.data, buf.data, buf.count, buf.dtype, op, /*root=*/0);
+    if (transports.intra->rank() == 0) {
+      transports.inter->allreduce(buf.data, buf.count, buf.dtype, op);
     }
-    comms.intra->broadcast(buf.data, buf.count, buf.dtype, /*root=*/0);
+    transports.intra->broadcast(buf.data, buf.count, buf.dtype, /*root=*/0);
   }
 };
 

@@ -9,13 +9,13 @@ class Naive : public Strategy {
   const char* name() const override {
     return "naive";
   }
-  void allreduce(CommunicatorSet& comms, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
-    comms.world->allreduce(buf.data, buf.count, buf.dtype, op);
+  void allreduce(TransportSet& transports, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
+    transports.world->allreduce(buf.data, buf.count, buf.dtype, op);
   }
-  void allreduceMany(CommunicatorSet& comms, Scratch& scratch, const std::vector<FlatBuffer>& bufs, ReduceKind op)
+  void allreduceMany(TransportSet& transports, Scratch& scratch, const std::vector<FlatBuffer>& bufs, ReduceKind op)
       override {
     for (const auto& buf : bufs) {
-      allreduce(comms, scratch, buf, op);
+      allreduce(transports, scratch, buf, op);
     }
   }
 };

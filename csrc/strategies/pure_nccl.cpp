@@ -15,9 +15,9 @@ class PureNccl : public Strategy {
   bool supportsCpu() const override {
     return false;
   }
-  void allreduce(CommunicatorSet& comms, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
-    // The world communicator of a CUDA tensor's group is NCCL's.
-    comms.world->allreduce(buf.data, buf.count, buf.dtype, op);
+  void allreduce(TransportSet& transports, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
+    // The world transport of a CUDA tensor's group is NCCL's.
+    transports.world->allreduce(buf.data, buf.count, buf.dtype, op);
   }
 };
 

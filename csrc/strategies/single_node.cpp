@@ -11,8 +11,8 @@ class SingleNode : public Strategy {
   const char* name() const override {
     return "single_node";
   }
-  void allreduce(CommunicatorSet& comms, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
-    comms.intra->allreduce(buf.data, buf.count, buf.dtype, op);
+  void allreduce(TransportSet& transports, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
+    transports.intra->allreduce(buf.data, buf.count, buf.dtype, op);
   }
 };
 

@@ -7,7 +7,7 @@
 namespace chainermn {
 
 void Strategy::allreduceMany(
-    CommunicatorSet& comms,
+    TransportSet& transports,
     Scratch& scratch,
     const std::vector<FlatBuffer>& bufs,
     ReduceKind op) {
@@ -23,15 +23,15 @@ void Strategy::allreduceMany(
   // staging.
   void* packed = scratch.get(0, total * c10::elementSize(dtype));
   scratch.pack(bufs, packed, dtype, 1.0);
-  allreduce(comms, scratch, FlatBuffer{packed, total, dtype}, op);
+  allreduce(transports, scratch, FlatBuffer{packed, total, dtype}, op);
   scratch.unpack(packed, dtype, bufs, 1.0);
 }
 
-bool singleLevel(CommunicatorSet& comms, const FlatBuffer& buf, ReduceKind op) {
+bool singleLevel(TransportSet& transports, const FlatBuffer& buf, ReduceKind op) {
   // One node, or one rank per node: one of the two levels is a single rank, so the whole reduction
   // is one allreduce on the other level.
-  if (comms.inter->size() == comms.world->size() || comms.intra->size() == comms.world->size()) {
-    comms.world->allreduce(buf.data, buf.count, buf.dtype, op);
+  if (transports.inter->size() == transports.world->size() || transports.intra->size() == transports.world->size()) {
+    transports.world->allreduce(buf.data, buf.count, buf.dtype, op);
     return true;
   }
   return false;

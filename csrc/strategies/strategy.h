@@ -1,15 +1,15 @@
-// ChainerMN's allreduce communicators, each written once against Communicator.
+// ChainerMN's allreduce communicators, each written once against Transport.
 //
 // A strategy reduces one flat buffer in place across the group by composing collectives on the
 // group's `world`, `intra` (ranks of this node) and `inter` (ranks of the same intra rank on every
-// node) communicators. It never names a library, so every strategy runs over MPI, Gloo, shared
-// memory and NCCL alike, and is tested on the CPU. The caller hands it the communicators and the
+// node) transports. It never names a library, so every strategy runs over MPI, Gloo, shared
+// memory and NCCL alike, and is tested on the CPU. The caller hands it the transports and the
 // Scratch of the buffer's device (for CUDA: NCCL or host transports staged through pinned memory),
 // and it moves bytes only through the Scratch (memcpy on the CPU, the group's stream on CUDA).
 #pragma once
 
-#include "backend/scratch.h"
-#include "comm/communicator.h"
+#include "kernels/scratch.h"
+#include "comm/transport.h"
 #include "kernels/pack.h"
 #include "topology.h"
 
@@ -29,12 +29,12 @@ class Strategy {
   }
 
   // buf becomes the reduction of every rank's buf (every rank passes the same count and dtype).
-  virtual void allreduce(CommunicatorSet& comms, Scratch& scratch, const FlatBuffer& buf, ReduceKind op) = 0;
+  virtual void allreduce(TransportSet& transports, Scratch& scratch, const FlatBuffer& buf, ReduceKind op) = 0;
 
   // Many tensors of one dtype: by default packed into one buffer and reduced in one call; `naive`
   // reduces them one by one instead.
   virtual void allreduceMany(
-      CommunicatorSet& comms,
+      TransportSet& transports,
       Scratch& scratch,
       const std::vector<FlatBuffer>& bufs,
       ReduceKind op);

@@ -13,11 +13,11 @@ class TwoDimensional : public Strategy {
   const char* name() const override {
     return "two_dimensional";
   }
-  void allreduce(CommunicatorSet& comms, Scratch& scratch, const FlatBuffer& buf, ReduceKind op) override {
-    if (singleLevel(comms, buf, op)) {
+  void allreduce(TransportSet& transports, Scratch& scratch, const FlatBuffer& buf, ReduceKind op) override {
+    if (singleLevel(transports, buf, op)) {
       return;
     }
-    const int local = comms.intra->size();
+    const int local = transports.intra->size();
     const size_t width = c10::elementSize(buf.dtype);
     const int64_t block = (buf.count + local - 1) / local;
     const bool padded = block * local != buf.count;
@@ -29,9 +29,9 @@ class TwoDimensional : public Strategy {
     }
     // The reduced block gets its own memory: a reduce-scatter may not write into its own input.
     void* mine = scratch.get(2, block * width);
-    comms.intra->reduceScatter(whole, mine, block, buf.dtype, op);
-    comms.inter->allreduce(mine, block, buf.dtype, op);
-    comms.intra->allgather(mine, whole, block, buf.dtype);
+    transports.intra->reduceScatter(whole, mine, block, buf.dtype, op);
+    transports.inter->allreduce(mine, block, buf.dtype, op);
+    transports.intra->allgather(mine, whole, block, buf.dtype);
     if (padded) {
       scratch.copy(buf.data, whole, buf.count * width);
     }

@@ -78,12 +78,12 @@ class NcclRequest : public Request {
   int source_;
 };
 
-class NcclCommunicator : public Communicator {
+class NcclTransport : public Transport {
  public:
-  NcclCommunicator(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream)
+  NcclTransport(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream)
       : comm_(comm), rank_(rank), size_(size), device_(device), stream_(stream) {}
 
-  ~NcclCommunicator() override {
+  ~NcclTransport() override {
     // At process exit the driver may be gone; a communicator left with work in flight (after a
     // timeout) is aborted rather than destroyed, which could wait for that work.
     if (comm_ != nullptr) {
@@ -216,7 +216,7 @@ class NcclCommunicator : public Communicator {
 
 } // namespace
 
-CommunicatorPtr createCommunicator(
+TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
     int rank,
@@ -254,7 +254,7 @@ CommunicatorPtr createCommunicator(
       ncclGetLastError(nullptr),
       ". Several ranks on one GPU need a distinct NCCL_HOSTID each (with NCCL_SOCKET_IFNAME=lo, "
       "NCCL_IB_DISABLE=1), or CHAINERMN_CUDA_TRANSPORT=staged");
-  return std::make_shared<NcclCommunicator>(comm, rank, size, device, static_cast<cudaStream_t>(stream));
+  return std::make_shared<NcclTransport>(comm, rank, size, device, static_cast<cudaStream_t>(stream));
 }
 
 std::string version() {

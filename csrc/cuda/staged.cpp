@@ -38,9 +38,9 @@ class Pinned {
   size_t capacity_ = 0;
 };
 
-class StagedCommunicator : public Communicator {
+class StagedTransport : public Transport {
  public:
-  StagedCommunicator(CommunicatorPtr host, c10::DeviceIndex device, cudaStream_t stream)
+  StagedTransport(TransportPtr host, c10::DeviceIndex device, cudaStream_t stream)
       : host_(std::move(host)), device_(device), stream_(stream) {}
 
   int rank() const override {
@@ -174,7 +174,7 @@ class StagedCommunicator : public Communicator {
     C10_CUDA_CHECK(cudaMemcpyAsync(device, staged, bytes, cudaMemcpyHostToDevice, stream_));
   }
 
-  CommunicatorPtr host_;
+  TransportPtr host_;
   const c10::DeviceIndex device_;
   cudaStream_t stream_;
   Pinned in_;
@@ -183,8 +183,8 @@ class StagedCommunicator : public Communicator {
 
 } // namespace
 
-CommunicatorPtr createCommunicator(CommunicatorPtr host, c10::DeviceIndex device, void* stream) {
-  return std::make_shared<StagedCommunicator>(std::move(host), device, static_cast<cudaStream_t>(stream));
+TransportPtr createTransport(TransportPtr host, c10::DeviceIndex device, void* stream) {
+  return std::make_shared<StagedTransport>(std::move(host), device, static_cast<cudaStream_t>(stream));
 }
 
 } // namespace chainermn::staged

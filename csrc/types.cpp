@@ -1,4 +1,4 @@
-#include "comm/communicator.h"
+#include "types.h"
 
 namespace chainermn {
 

@@ -1,4 +1,4 @@
-#include "backend/scratch.h"
+#include "kernels/scratch.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,6 +1,6 @@
 // The buffer-level collective interface every transport implements.
 //
-// A Communicator moves and reduces flat, contiguous buffers among a fixed group of ranks. It knows
+// A Transport moves and reduces flat, contiguous buffers among a fixed group of ranks. It knows
 // nothing of tensors, process groups or strategies: one adapter per library (MPI, Gloo through
 // c10d::Backend, ...) maps each call onto that library and nothing more.
 //
@@ -10,22 +10,18 @@
 // sends and receives issued in order on one thread must not wait for each other (batch_isend_irecv).
 #pragma once
 
+#include "topology.h"
+#include "types.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace chainermn {
-
-// The associative reductions a transport must provide. AVG and PREMUL_SUM are built on Sum above
-// this layer; bool is carried as uint8 with Min/Max.
-enum class ReduceKind : uint8_t { Sum, Product, Min, Max, BitAnd, BitOr, BitXor };
-
-const char* reduceKindName(ReduceKind kind);
-
-constexpr int kAnySource = -1;
 
 // A point-to-point operation in flight.
 class Request {
@@ -41,13 +37,13 @@ class Request {
 using RequestPtr = std::unique_ptr<Request>;
 
 // Counts are in elements of `dtype`. Every rank passes the same count and dtype unless said otherwise.
-class Communicator {
+class Transport {
  public:
-  virtual ~Communicator() = default;
+  virtual ~Transport() = default;
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // The library behind this communicator, for messages ("mpi", "gloo").
+  // The library behind this transport, for messages ("mpi", "gloo").
   virtual const char* library() const = 0;
 
   // In place: buf becomes the reduction of every rank's buf.
@@ -83,14 +79,22 @@ class Communicator {
   virtual void barrier() = 0;
 };
 
-using CommunicatorPtr = std::shared_ptr<Communicator>;
+using TransportPtr = std::shared_ptr<Transport>;
 
-// The communicators of one process group. When a level is the whole group (one node, or one rank
-// per node) it is the world communicator itself.
-struct CommunicatorSet {
-  CommunicatorPtr world;  // every rank of the group
-  CommunicatorPtr intra;  // the ranks of this node, ordered by rank
-  CommunicatorPtr inter;  // the ranks with this intra rank, one per node that has one
+// The transports of one process group. When a level is the whole group (one node, or one rank
+// per node) it is the world transport itself.
+struct TransportSet {
+  TransportPtr world;  // every rank of the group
+  TransportPtr intra;  // the ranks of this node, ordered by rank
+  TransportPtr inter;  // the ranks with this intra rank, one per node that has one
 };
+
+// Makes the transport of one level (see topology.h); collective over the level's ranks.
+using TransportFactory = std::function<TransportPtr(const Level&)>;
+
+// A group's transports from one factory: world first, then this node, then this intra rank across
+// nodes, in the same order on every rank (creating a transport is collective). A level that spans
+// the whole group is not made again: the world transport serves it.
+TransportSet makeTransportSet(const Topology& topology, const TransportFactory& make);
 
 } // namespace chainermn
