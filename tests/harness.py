@@ -7,6 +7,9 @@ Two launchers, both with real processes:
 `fn(*args)` runs on every rank after `dist.init_process_group("chainermn")`; its return values come
 back as a list indexed by rank. A rank that raises makes the run fail with that rank's traceback. A
 run that outlives `timeout` is killed, so a hang fails the test instead of stalling the suite.
+
+`run_job` runs any command line that way (a launcher and the ranks it starts), for tests that check
+what a whole job does.
 """
 from __future__ import annotations
 
@@ -130,6 +133,32 @@ def _base_env(extra: dict | None) -> dict:
     return env
 
 
+def job_environment(extra: dict | None = None) -> dict:
+    """The environment of a job a test launches: no rendezvous variables, this checkout first on
+    PYTHONPATH, one OpenMP thread per process, then `extra`."""
+    env = launcher_free_environment()
+    env.update(_base_env(extra))
+    return env
+
+
+def run_job(command: list, env: dict, timeout: float, cwd=REPO, what: str = "the job") -> tuple[int, str]:
+    """Run `command` in a session of its own; return its exit status and output (stdout and stderr).
+
+    A job still running after `timeout` seconds is killed with every process it started (a launcher's
+    ranks too, through the session) and raises RankFailure with the end of its output: a hang fails.
+    """
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise RankFailure(f"{what} was still running after {timeout:.0f} s and was killed. Output:\n"
+                          f"{output.decode(errors='replace')[-4000:]}") from None
+    return proc.returncode, output.decode(errors="replace")
+
+
 def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
               init=True, may_exit=(), **kwargs) -> list:
     """Run fn on world_size spawned processes (env:// rendezvous, Gloo transport).
@@ -181,26 +210,15 @@ def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=
     with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
         tmp = Path(tmp_name)
         args_path = _write_args(tmp, args, kwargs)
-        child_env = launcher_free_environment()
-        child_env.update(_base_env(env))
         command = [
             MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(world_size),
             sys.executable, "-m", "tests.harness",
             _reference(fn), args_path, str(tmp), "1" if init else "0", str(op_timeout),
         ]
-        proc = subprocess.Popen(command, env=child_env, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            raise RankFailure(f"mpiexec still running after {timeout:.0f} s; killed. Output:\n"
-                              f"{output.decode(errors='replace')[-4000:]}")
-        text = output.decode(errors="replace")
-        results = _collect(tmp, world_size, f"mpiexec exited with {proc.returncode}:\n{text[-4000:]}")
-        if proc.returncode != 0 and not allow_abnormal_exit:
-            raise RankFailure(f"mpiexec exited with {proc.returncode}:\n{text[-4000:]}")
+        returncode, text = run_job(command, job_environment(env), timeout, what="mpiexec")
+        results = _collect(tmp, world_size, f"mpiexec exited with {returncode}:\n{text[-4000:]}")
+        if returncode != 0 and not allow_abnormal_exit:
+            raise RankFailure(f"mpiexec exited with {returncode}:\n{text[-4000:]}")
         return results
 
 

@@ -5,8 +5,6 @@ far longer than the test allows: the subprocess timeout is the failure condition
 hangs fails the test.
 """
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -14,7 +12,7 @@ import threading
 import pytest
 
 import torch_chainermn.global_except_hook as global_except_hook
-from tests.harness import MPIEXEC, REPO, launcher_free_environment
+from tests.harness import MPIEXEC, REPO, job_environment, run_job
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 JOB_TIMEOUT_S = 90  # generous for a loaded machine; the group timeout (600 s) is far beyond it
@@ -51,22 +49,12 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def run_job(tmp_path, command, env):
+def run_failing_job(tmp_path, command, env):
+    """Run SCRIPT under `command`; (exit status, output). A hang, the failure this test exists to
+    catch, fails the test once JOB_TIMEOUT_S has passed (the launcher and its ranks are killed)."""
     script = tmp_path / "fail_on_rank_1.py"
     script.write_text(SCRIPT)
-    child_env = launcher_free_environment()
-    child_env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env})
-    job = subprocess.Popen(command + [str(script)], cwd=tmp_path, env=child_env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # A hang: the failure this test exists to catch. Kill the launcher and its ranks.
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        raise AssertionError(f"the job was still running after {JOB_TIMEOUT_S} s:\n"
-                             f"{output.decode(errors='replace')[-4000:]}") from None
-    return job.returncode, output.decode(errors="replace")
+    return run_job(command + [str(script)], job_environment(env), JOB_TIMEOUT_S, cwd=tmp_path)
 
 
 def check_job_failed_with_report(returncode, output, what="deliberate failure on rank 1"):
@@ -79,14 +67,14 @@ def check_job_failed_with_report(returncode, output, what="deliberate failure on
 
 def test_torchrun_job_ends_when_one_rank_raises(tmp_path):
     # Rank 0 waits in a barrier over shared memory: it sees rank 1 gone, raises, and its hook ends it.
-    returncode, output = run_job(tmp_path, [TORCHRUN, "--nproc-per-node", "2"], {"CHAINERMN_SHM": "1"})
+    returncode, output = run_failing_job(tmp_path, [TORCHRUN, "--nproc-per-node", "2"], {"CHAINERMN_SHM": "1"})
     check_job_failed_with_report(returncode, output)
 
 
 def test_torchrun_job_ends_when_a_thread_raises_over_gloo(tmp_path):
     # Over Gloo's sockets: the dead rank's closed connections make rank 0's all_reduce fail.
-    returncode, output = run_job(tmp_path, [TORCHRUN, "--nproc-per-node", "2"],
-                                 {"CHAINERMN_SHM": "0", "FAIL_IN_THREAD": "1", "WAIT_OP": "all_reduce"})
+    returncode, output = run_failing_job(tmp_path, [TORCHRUN, "--nproc-per-node", "2"],
+                                         {"CHAINERMN_SHM": "0", "FAIL_IN_THREAD": "1", "WAIT_OP": "all_reduce"})
     check_job_failed_with_report(returncode, output, "deliberate failure in a thread of rank 1")
     assert "rank 1 of 2 (thread loader)" in output, output
 
@@ -96,7 +84,7 @@ def test_torchrun_job_ends_when_a_thread_raises_over_gloo(tmp_path):
 def test_mpiexec_job_is_aborted_when_one_rank_raises(tmp_path):
     # Without shared memory rank 0 blocks in an MPI barrier that only MPI_Abort can end.
     # The hook is installed from CHAINERMN_FORCE_ABORT_ON_EXCEPTION, as a user of ChainerMN would.
-    returncode, output = run_job(
+    returncode, output = run_failing_job(
         tmp_path, [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable],
         {"CHAINERMN_SHM": "0", "CHAINERMN_FORCE_ABORT_ON_EXCEPTION": "1"})
     check_job_failed_with_report(returncode, output)
@@ -145,10 +133,8 @@ def test_hook_in_a_process_without_torch_distributed():
             raise ValueError("boom")
     ''')
     env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "3", "WORLD_SIZE": "4"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
-    output = done.stdout.decode(errors="replace")
-    assert done.returncode == global_except_hook.EXIT_CODE, output
+    returncode, output = run_job([sys.executable, "-c", code], env, JOB_TIMEOUT_S)
+    assert returncode == global_except_hook.EXIT_CODE, output
     assert "still alive after a thread's SystemExit" in output, output
     assert "chainermn: uncaught exception on rank 3 of 4:" in output and "ValueError: boom" in output, output
     assert "atexit ran" not in output, output  # ended at once: no interpreter shutdown to hang in

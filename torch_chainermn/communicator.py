@@ -118,10 +118,7 @@ class Communicator:
         """Send a tensor or numpy array (or a tuple/list of them) to `dest`; it returns from `recv`.
         Tags are ints below RESERVED_TAG (32000; MPI guarantees 32767, the rest is the toolkit's)."""
         op = "send"
-        dest = check_rank(op, "dest", dest, self.size)
-        tag = _check_tag(op, tag)
-        if dest == self.rank:
-            raise ValueError(f"{op}: dest must be another rank than this one ({self.rank})")
+        dest, tag = self._check_peer(op, "dest", dest, tag)
         if isinstance(data, (tuple, list)):
             data = type(data)(_as_plain(_as_array(op, f"data[{i}]", x)) for i, x in enumerate(data))
         else:
@@ -130,11 +127,19 @@ class Communicator:
 
     def recv(self, source: int, tag: int = 0):
         """Receive what `source` sent with `send` (shape, dtype and kind travel with the data)."""
-        op = "recv"
-        source = check_rank(op, "source", source, self.size)
+        return self._recv("recv", source, tag)
+
+    def _check_peer(self, op: str, name: str, peer: int, tag: int) -> tuple[int, int]:
+        """The peer rank and tag of a point-to-point call, checked: the peer must be another rank."""
+        peer = check_rank(op, name, peer, self.size)
         tag = _check_tag(op, tag)
-        if source == self.rank:
-            raise ValueError(f"{op}: source must be another rank than this one ({self.rank})")
+        if peer == self.rank:
+            raise ValueError(f"{op}: {name} must be another rank than this one ({self.rank})")
+        return peer, tag
+
+    def _recv(self, op: str, source: int, tag: int):
+        """What `source` sent with send or send_obj (the message says which kind it carries)."""
+        source, tag = self._check_peer(op, "source", source, tag)
         return recv_structured(self.group, source, tag, op)
 
     # ---- arrays, collectives
@@ -263,20 +268,12 @@ class Communicator:
     def send_obj(self, obj, dest: int, tag: int = 0) -> None:
         """Send any picklable object to `dest`; it returns from `recv_obj`."""
         op = "send_obj"
-        dest = check_rank(op, "dest", dest, self.size)
-        tag = _check_tag(op, tag)
-        if dest == self.rank:
-            raise ValueError(f"{op}: dest must be another rank than this one ({self.rank})")
+        dest, tag = self._check_peer(op, "dest", dest, tag)
         send_structured(self.group, obj, dest, tag, DEFAULT_MAX_BUF_LEN, op)
 
     def recv_obj(self, source: int, tag: int = 0):
         """Receive the object `source` sent with `send_obj` (or `send`)."""
-        op = "recv_obj"
-        source = check_rank(op, "source", source, self.size)
-        tag = _check_tag(op, tag)
-        if source == self.rank:
-            raise ValueError(f"{op}: source must be another rank than this one ({self.rank})")
-        return recv_structured(self.group, source, tag, op)
+        return self._recv("recv_obj", source, tag)
 
     def bcast_obj(self, obj, max_buf_len: int | None = None, root: int = 0):
         """Rank `root`'s object, on every rank, sent in chunks of at most `max_buf_len` bytes

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import group_of, wire_dtype_of
+from ._double_buffering import BackgroundMean, start_mean
 from .gradients import mean_coalesced
 
 __all__ = [
@@ -74,24 +75,16 @@ class _Snapshot:
     """One bucket's gradients of one step, averaging in the background.
 
     `param_ids` (id() of each parameter, in bucket order) and `offsets` record which parameter lies
-    where in `buffer`, so that the mean can still be found parameter by parameter after DDP has
-    regrouped its buckets. Ids, not the tensors: comparing tensors with == compares their values.
+    where in the mean's buffer, so that the mean can still be found parameter by parameter after DDP
+    has regrouped its buckets. Ids, not the tensors: comparing tensors with == compares their values.
     """
 
-    __slots__ = ("param_ids", "offsets", "buffer", "work")
+    __slots__ = ("param_ids", "offsets", "mean")
 
-    def __init__(self, param_ids, offsets, buffer, work):
+    def __init__(self, param_ids, offsets, mean: BackgroundMean):
         self.param_ids = param_ids
         self.offsets = offsets
-        self.buffer = buffer
-        self.work = work
-
-    def mean(self) -> torch.Tensor:
-        """The averaged buffer, once its allreduce has finished."""
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.buffer
+        self.mean = mean
 
 
 class DoubleBufferingState:
@@ -121,7 +114,7 @@ class DoubleBufferingState:
         self.steps = 0
         self._previous: dict[int, _Snapshot] = {}  # bucket index -> last step's snapshot
         self._current: dict[int, _Snapshot] = {}   # bucket index -> this step's snapshot
-        self._spare: dict[int, torch.Tensor] = {}  # bucket index -> a buffer free for reuse
+        self._spare: dict[int, torch.Tensor] = {}  # bucket index -> a read mean's buffer, for reuse
         self._by_param = None                      # id(param) -> (snapshot, offset), after a regrouping
 
     def flush(self) -> None:
@@ -130,36 +123,26 @@ class DoubleBufferingState:
         The gradients stay pending: the next step still applies them, so flushing changes no result.
         """
         for snapshot in (*self._previous.values(), *self._current.values()):
-            snapshot.mean()
+            snapshot.mean.wait()
 
     # ---- called by the hook ------------------------------------------------------------------------
 
-    def _buffer_for(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        dtype = self.compress or like.dtype
-        spare = self._spare.pop(index, None)
-        if spare is not None and spare.numel() == like.numel() and spare.dtype == dtype:
-            return spare
-        return torch.empty(like.numel(), dtype=dtype, device=like.device)
-
     def _launch(self, bucket: dist.GradBucket) -> _Snapshot:
-        """Copy this step's gradients aside (cast and prescaled in one pass) and start their sum."""
+        """Copy this step's gradients aside and start their mean in the background."""
         grads = bucket.buffer()
-        snapshot_buffer = self._buffer_for(bucket.index(), grads)
-        # Prescale by 1/S as DDP does: the 16-bit sum cannot overflow where the mean fits.
-        torch.mul(grads, 1.0 / self.world_size, out=snapshot_buffer)
-        work = dist.all_reduce(snapshot_buffer, group=self.process_group, async_op=True)
+        mean = start_mean([grads], self.process_group, self.compress, reuse=self._spare.pop(bucket.index(), None))
         param_ids = tuple(id(p) for p in bucket.parameters())
         base = grads.data_ptr()
         offsets = tuple((g.data_ptr() - base) // grads.element_size() for g in bucket.gradients())
-        return _Snapshot(param_ids, offsets, snapshot_buffer, work)
+        return _Snapshot(param_ids, offsets, mean)
 
     def _apply_previous(self, bucket: dist.GradBucket, launched: _Snapshot) -> None:
         """Write mean(g_{k-1}) for this bucket's parameters into the bucket."""
         grads = bucket.buffer()
         previous = self._previous.get(bucket.index())
         if previous is not None and previous.param_ids == launched.param_ids:
-            grads.copy_(previous.mean())
-            self._spare[bucket.index()] = previous.buffer
+            previous.mean.read(0, grads)
+            self._spare[bucket.index()] = previous.mean.buffer
             return
         if not self._previous:
             grads.zero_()  # step 1: nothing averaged yet
@@ -176,7 +159,7 @@ class DoubleBufferingState:
                 view.zero_()  # a parameter that had no gradient bucket last step
                 continue
             snapshot, offset = found
-            view.copy_(snapshot.mean()[offset:offset + view.numel()].view_as(view))
+            snapshot.mean.read(offset, view)
 
     def _end_step(self) -> None:
         self._previous, self._current = self._current, {}

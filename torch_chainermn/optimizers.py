@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import group_of, wire_dtype_of
+from ._double_buffering import BackgroundMean, start_mean
 from .gradients import mean_coalesced
 
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer"]
@@ -44,14 +45,13 @@ def _parameters(optimizer) -> list:
 
 
 class _InFlight:
-    """One step's gradients, packed in one flat buffer and being averaged in the background."""
+    """One step's gradients being averaged in the background, and the parameters they belong to."""
 
-    __slots__ = ("params", "buffer", "work")
+    __slots__ = ("params", "mean")
 
-    def __init__(self, params, buffer, work):
+    def __init__(self, params, mean: BackgroundMean):
         self.params = params
-        self.buffer = buffer
-        self.work = work
+        self.mean = mean
 
 
 class MultiNodeOptimizer(torch.optim.Optimizer):
@@ -72,7 +72,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.world_size = self.group.size()
         self._broadcast_ids = None  # ids of the parameters as last broadcast
         self._in_flight = None      # double buffering: the previous step's allreduce
-        self._spare = None          # double buffering: a flat buffer free for reuse
+        self._spare = None          # double buffering: a read mean's buffer, for reuse
 
     # ---- what an Optimizer shares with the wrapped one -------------------------------------------
 
@@ -162,52 +162,26 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def _drop_in_flight(self) -> None:
         if self._in_flight is not None:
-            self._in_flight.work.wait()  # never leave a collective unmatched
+            self._in_flight.mean.wait()  # never leave a collective unmatched
             self._in_flight = None
-
-    def _flat_buffer(self, grads) -> torch.Tensor:
-        dtype = self.wire_dtype
-        if dtype is None:
-            dtype = grads[0].dtype
-            for g in grads[1:]:
-                dtype = torch.promote_types(dtype, g.dtype)
-        total = sum(g.numel() for g in grads)
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.numel() == total and spare.dtype == dtype:
-            return spare
-        return torch.empty(total, dtype=dtype, device=grads[0].device)
 
     @torch.no_grad()
     def _launch(self, params) -> _InFlight | None:
-        """Copy this step's gradients into a flat buffer, cast and prescaled by 1/S in the same pass,
-        and start their sum in the background."""
+        """Copy this step's gradients aside and start their mean in the background."""
         used, grads = self._gradients(params)
         if not grads:
             return None
-        buffer = self._flat_buffer(grads)
-        offset = 0
-        scale = 1.0 / self.world_size
-        for g in grads:
-            n = g.numel()
-            torch.mul(g.reshape(-1), scale, out=buffer[offset:offset + n])
-            offset += n
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        return _InFlight(used, buffer, work)
+        spare, self._spare = self._spare, None
+        return _InFlight(used, start_mean(grads, self.group, self.wire_dtype, reuse=spare))
 
     @torch.no_grad()
     def _apply(self, finished: _InFlight) -> None:
         """Write the previous step's mean into the gradients, parameter by parameter."""
-        finished.work.wait()
-        offset = 0
         for p in finished.params:
-            n = p.numel()
-            mean = finished.buffer[offset:offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = mean.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(mean)
-            offset += n
-        self._spare = finished.buffer
+            if p.grad is None:  # skipped this step (zero_fill=False) but averaged the step before
+                p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+        finished.mean.unpack([p.grad for p in finished.params])
+        self._spare = finished.mean.buffer
 
     def _double_buffered_update(self, params) -> None:
         finished = self._in_flight
@@ -220,4 +194,4 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Wait for the allreduce in flight (e.g. before saving). Its mean is still applied next step."""
         if self._in_flight is not None:
-            self._in_flight.work.wait()
+            self._in_flight.mean.wait()
