@@ -3,6 +3,7 @@
 #include "backend/process_group.h"
 #include "backend/worker.h"
 #include "comm/gloo.h"
+#include "python/testing.h"
 #include "strategies/strategy.h"
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
@@ -164,6 +165,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("wire_dtype") = std::nullopt,
           py::call_guard<py::gil_scoped_release>())
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
+
+  auto testing = m.def_submodule("testing", "in-process harnesses for the C++ layers (tests only)");
+  chainermn::bindTesting(testing);
 
   m.attr("cuda_built") = chainermn::cudaBuilt();
   m.attr("cuda_transports") = chainermn::cudaTransports();

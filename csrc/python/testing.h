@@ -1,0 +1,11 @@
+// torch_chainermn._C.testing: in-process harnesses for the C++ layers (ranks as threads), used by
+// the fast unit tests.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace chainermn {
+
+void bindTesting(pybind11::module_& testing);
+
+} // namespace chainermn
