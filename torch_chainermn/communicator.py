@@ -102,13 +102,12 @@ class Communicator:
     @property
     def communicator_name(self) -> str:
         """The allreduce strategy of the group ("hierarchical", "flat", ...)."""
-        return backend_of(self.group, "communicator_name").communicator
+        return backend_of(self.group, "communicator_name").options.communicator
 
     @property
     def allreduce_grad_dtype(self) -> torch.dtype | None:
         """The dtype gradients travel in, or None for their own dtype."""
-        name = backend_of(self.group, "allreduce_grad_dtype").allreduce_grad_dtype
-        return getattr(torch, name) if name else None
+        return backend_of(self.group, "allreduce_grad_dtype").options.allreduce_grad_dtype
 
     def _options(self) -> Options:
         return Options(self.communicator_name, self.allreduce_grad_dtype)

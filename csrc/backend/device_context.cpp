@@ -4,7 +4,6 @@
 
 #ifdef CHAINERMN_WITH_CUDA
 #include "comm/nccl.h"
-#include "comm/staged.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -22,11 +21,6 @@
 
 namespace chainermn {
 
-const std::vector<std::string>& cudaTransports() {
-  static const std::vector<std::string> names{"nccl", "nccl_intra", "staged"};
-  return names;
-}
-
 #ifndef CHAINERMN_WITH_CUDA
 
 bool cudaBuilt() {
@@ -43,7 +37,7 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
 }
 
 DeviceContext& enterCuda(
-    std::unique_ptr<DeviceContext>&, const CudaSetup&, const TransportSet&, at::Device device, const std::shared_ptr<void>&) {
+    std::unique_ptr<DeviceContext>&, Strategy&, const CudaTransportsBuilder&, at::Device device, const std::shared_ptr<void>&) {
   TORCH_CHECK(false, "chainermn: this build handles CPU tensors only, got one on ", device);
 }
 
@@ -107,55 +101,10 @@ struct CallerEvent {
 };
 
 struct CudaContext : DeviceContext {
-  CudaContext(at::Device device, c10::cuda::CUDAStream stream) : DeviceContext(device), stream(stream) {}
+  CudaContext(Strategy& strategy, at::Device device, c10::cuda::CUDAStream stream)
+      : DeviceContext(strategy, device), stream(stream) {}
   c10::cuda::CUDAStream stream;
 };
-
-// The ranks sharing this rank's intra rank, one per node that has one, and this rank's place among them.
-std::pair<int, int> interPlace(const Topology& t) {
-  std::vector<int> peers;
-  for (const auto& node : t.ranksOfNode) {
-    if (static_cast<int>(node.size()) > t.intraRank) {
-      peers.push_back(node[t.intraRank]);
-    }
-  }
-  const int index = static_cast<int>(std::find(peers.begin(), peers.end(), t.rank) - peers.begin());
-  return {index, static_cast<int>(peers.size())};
-}
-
-TransportSet ncclLevels(const CudaSetup& setup, c10::DeviceIndex device, void* stream, bool interToo, const TransportSet& host) {
-  const Topology& t = setup.topology;
-  auto& store = *setup.store;
-  TransportSet transports;
-  // Created in the same order on every rank: world, this node, this intra rank across nodes.
-  const bool oneNode = t.interSize == 1;
-  const bool oneRankPerNode = t.interSize == t.size;
-  if (interToo || oneNode) {
-    transports.world = nccl::createTransport(store, "world", t.rank, t.size, device, stream);
-  } else {
-    transports.world = staged::createTransport(host.world, device, stream);
-  }
-  transports.intra = oneNode
-      ? transports.world
-      : nccl::createTransport(store, "intra/" + std::to_string(t.interRank), t.intraRank, t.intraSize, device, stream);
-  if (oneRankPerNode && interToo) {
-    transports.inter = transports.world;
-  } else if (interToo) {
-    const auto [index, count] = interPlace(t);
-    transports.inter = nccl::createTransport(store, "inter/" + std::to_string(t.intraRank), index, count, device, stream);
-  } else {
-    transports.inter = oneRankPerNode ? transports.world : staged::createTransport(host.inter, device, stream);
-  }
-  return transports;
-}
-
-TransportSet stagedLevels(const TransportSet& host, c10::DeviceIndex device, void* stream) {
-  TransportSet transports;
-  transports.world = staged::createTransport(host.world, device, stream);
-  transports.intra = host.intra == host.world ? transports.world : staged::createTransport(host.intra, device, stream);
-  transports.inter = host.inter == host.world ? transports.world : staged::createTransport(host.inter, device, stream);
-  return transports;
-}
 
 } // namespace
 
@@ -177,21 +126,16 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
 
 DeviceContext& enterCuda(
     std::unique_ptr<DeviceContext>& slot,
-    const CudaSetup& setup,
-    const TransportSet& host,
+    Strategy& strategy,
+    const CudaTransportsBuilder& build,
     at::Device device,
     const std::shared_ptr<void>& callerMark) {
   const c10::DeviceIndex index = device.index();
   c10::cuda::set_device(index);
   if (!slot) {
     auto stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
-    auto context = std::make_unique<CudaContext>(device, stream);
-    void* raw = stream.stream();
-    if (setup.transport == "staged") {
-      context->transports = stagedLevels(host, index, raw);
-    } else {
-      context->transports = ncclLevels(setup, index, raw, /*interToo=*/setup.transport == "nccl", host);
-    }
+    auto context = std::make_unique<CudaContext>(strategy, device, stream);
+    context->transports = build(index, stream.stream());
     slot = std::move(context);
   }
   auto& context = static_cast<CudaContext&>(*slot);

@@ -1,46 +1,39 @@
 // The transports and staging buffers of one device of a group, as the worker sees them, and the
 // stream ordering of CUDA work. The CPU context is built with the group; the CUDA one on the worker
 // thread at the group's first CUDA operation (collective: every rank issues its ops in the same
-// order), from a CudaSetup the group keeps.
+// order), by a builder the group keeps (backend/transports.h).
 //
 // This header names no CUDA type, so the process group compiles the same with and without CUDA;
 // device_context.cpp holds the CUDA side; in a CPU-only build its functions refuse CUDA with an
 // error, a path validation already closes by refusing CUDA tensors before anything is queued.
 #pragma once
 
-#include "kernels/scratch.h"
 #include "comm/transport.h"
-#include "topology.h"
+#include "kernels/scratch.h"
+#include "strategies/strategy.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
+#include <functional>
 #include <memory>
 #include <string>
 
 namespace chainermn {
 
+// What an op runs on: the group's strategy, and the transports and staging buffers of the device
+// its tensors are on. Every op's body is written against this, whatever the device.
 struct DeviceContext {
-  explicit DeviceContext(at::Device device) : scratch(device) {}
+  DeviceContext(Strategy& strategy, at::Device device) : strategy(strategy), scratch(device) {}
   virtual ~DeviceContext() = default;
+  Strategy& strategy;
   TransportSet transports;  // world, intra and inter transports for buffers on this device
   Scratch scratch;
 };
 
-// How CUDA buffers travel (CHAINERMN_CUDA_TRANSPORT):
-//   "nccl"       NCCL on every level;
-//   "nccl_intra" NCCL within a node, the host transport staged through pinned memory between nodes
-//                (ChainerMN's non_cuda_aware);
-//   "staged"     the host transport staged through pinned memory on every level.
-struct CudaSetup {
-  c10::intrusive_ptr<c10d::Store> store;
-  Topology topology;
-  std::string transport = "nccl";
-};
+// Makes a CUDA device's transports, given the device and the group's stream there (a cudaStream_t).
+using CudaTransportsBuilder = std::function<TransportSet(c10::DeviceIndex device, void* stream)>;
 
 // True when this build handles CUDA tensors (compiled with CHAINERMN_WITH_CUDA).
 bool cudaBuilt();
-const std::vector<std::string>& cudaTransports();
 // The NCCL version linked in ("" without CUDA).
 std::string ncclVersion();
 
@@ -53,8 +46,8 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor);
 // the Work's completion events (ivalue::Future::markCompleted records on current streams) are on it.
 DeviceContext& enterCuda(
     std::unique_ptr<DeviceContext>& slot,
-    const CudaSetup& setup,
-    const TransportSet& host,
+    Strategy& strategy,
+    const CudaTransportsBuilder& build,
     at::Device device,
     const std::shared_ptr<void>& callerMark);
 

@@ -1,14 +1,15 @@
 // ProcessGroupChainerMN: the `chainermn` torch.distributed backend.
 //
-// Every call is validated here on the caller's thread, then queued as one operation on the group's
-// FIFO worker, which drives the group's Transport (MPI or Gloo). The caller gets a WorkChainerMN
-// at once; its Future completes with the output tensors.
+// The c10d surface: every call is validated on the caller's thread (validate.h), described, and
+// posted through one funnel to the group's FIFO worker, which runs it on the transports of its
+// tensors' device (transports.h). The caller gets a WorkChainerMN at once; its Future completes
+// with the output tensors. Collectives' bodies are in collectives.cpp and point to point in
+// point_to_point.cpp; the allreduce family is here.
 #pragma once
 
 #include "backend/device_context.h"
-#include "kernels/scratch.h"
+#include "backend/options.h"
 #include "backend/worker.h"
-#include "comm/transport.h"
 #include "strategies/strategy.h"
 #include "topology.h"
 
@@ -23,39 +24,25 @@ namespace chainermn {
 // What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
 // it outlives the ProcessGroup if a transport call is still running when the group goes away.
 struct GroupContext {
-  TransportSet transports;              // world, intra and inter transports of this group (CPU)
-  TransportPtr comm;               // == transports.world: every non-allreduce collective uses it
   std::unique_ptr<Strategy> strategy;  // how all_reduce runs, on every device
-  Scratch scratch;                    // CPU staging
-  CudaSetup cudaSetup;                // what the CUDA context is made from
-  std::unique_ptr<DeviceContext> cuda;  // made by the first CUDA op (see device_context.h)
+  std::unique_ptr<DeviceContext> cpu;   // built with the group
+  std::unique_ptr<DeviceContext> cuda;  // built by the first CUDA op (see device_context.h)
+  CudaTransportsBuilder buildCuda;
 };
 
-// The transports and staging buffers an op uses for its tensors' device.
-struct Target {
-  TransportSet& transports;
-  Scratch& scratch;
-};
-
-// What a group was created with (torch_chainermn.Options on the Python side).
-struct GroupOptions {
-  std::string communicator = "hierarchical";
-  std::string allreduceGradDtype;  // "" for the gradients' own dtype
-  bool sharedMemory = true;        // intra-node CPU collectives through shared memory
-  std::string cudaTransport = "nccl";  // how CUDA buffers travel: see CudaSetup
+// An op as the funnel sees it: what it is, what it returns, and what it reads.
+struct OpSpec {
+  c10d::OpType type;
+  const char* name;
+  std::vector<at::Tensor> outputs;  // the Work's result (fut.value())
+  std::vector<at::Tensor> inputs;   // read by the op: kept alive until it is done
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout;  // the group's unless set
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
  public:
-  ProcessGroupChainerMN(
-      const c10::intrusive_ptr<c10d::Store>& store,
-      int rank,
-      int size,
-      std::chrono::milliseconds timeout,
-      std::string groupName,
-      Topology topology,
-      TransportSet transports,
-      GroupOptions options);
+  // Collective over the group: builds its CPU transports (backend/transports.h).
+  ProcessGroupChainerMN(const GroupSetup& setup, GroupOptions options);
   ~ProcessGroupChainerMN() override;
 
   const std::string getBackendName() const override {
@@ -147,7 +134,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   bool sharedMemory() const {
     return sharedMemory_;
   }
-  // How CUDA tensors travel: "nccl", "nccl_intra" or "staged" (see CudaSetup).
+  // How CUDA tensors travel: "nccl", "nccl_intra" or "staged" (see transports.h).
   const char* cudaTransport() const {
     return cudaTransport_;
   }
@@ -160,46 +147,28 @@ class ProcessGroupChainerMN : public c10d::Backend {
   }
   // Bytes of staging memory held (grows to the largest call, then stays).
   size_t scratchBytes() const {
-    return context_->scratch.bytesHeld();
+    return context_->cpu->scratch.bytesHeld() + (context_->cuda ? context_->cuda->scratch.bytesHeld() : 0);
   }
 
  private:
-  using Body = std::function<RequestPtr(GroupContext&)>;
+  // An op's work on the worker thread, written against the transports and scratch of its tensors'
+  // device. Collectives return null; point to point returns its Request (see worker.h).
+  using Body = std::function<RequestPtr(DeviceContext&)>;
 
-  // Queues `body` behind everything issued before it; `timeout` overrides the group's for this op.
-  c10::intrusive_ptr<c10d::Work> enqueue(
-      c10d::OpType type,
-      const char* name,
-      std::vector<at::Tensor> outputs,
-      std::chrono::milliseconds timeout,
-      Body body);
+  // The one funnel every op goes through: the tensors' device is found (one per op, one GPU per
+  // group), a Work is numbered in issue order, and the body is queued behind everything issued
+  // before it. On CUDA, the body runs on the group's stream after the caller's current stream, the
+  // op's tensors are kept from the caching allocator until that work is done, and the Work's future
+  // is device-aware (wait() and then() are stream-ordered rather than host-synchronised).
+  c10::intrusive_ptr<c10d::Work> post(OpSpec spec, Body body);
 
-  // A new Work numbered next in issue order, due `timeout` (or the group's) from now.
-  c10::intrusive_ptr<WorkChainerMN> makeWork(
-      c10d::OpType type,
-      const char* name,
-      const char* transport,
-      std::vector<at::Tensor> outputs,
-      std::chrono::milliseconds timeout,
-      std::vector<c10::Device> devices = {});
-
-  // As enqueue, for an op whose tensors may be on a CUDA device (`device` is where they are). For
-  // CUDA, the body runs on the group's stream after the caller's current stream (the `target` it
-  // gets is the CUDA context's), and the Work's future is device-aware: it completes with events on
-  // that stream, so wait() and then() callbacks are stream-ordered rather than host-synchronised.
-  using DeviceBody = std::function<RequestPtr(GroupContext&, Target)>;
-  c10::intrusive_ptr<c10d::Work> enqueueOn(
-      const at::Tensor& device,
-      c10d::OpType type,
-      const char* name,
-      std::vector<at::Tensor> outputs,
-      std::chrono::milliseconds timeout,
-      DeviceBody body);
+  c10::intrusive_ptr<WorkChainerMN> makeWork(OpSpec& spec, at::Device device);
 
   std::shared_ptr<GroupContext> context_;
   std::unique_ptr<Worker> worker_;
   Topology topology_;
   GroupOptions options_;
+  bool cudaBitwise_ = false;  // whether the CUDA transports reduce with bitwise ops
   const char* transport_ = "";  // a library's static name, so Works may outlive the group
   const char* cudaTransport_ = "";  // how CUDA buffers travel (a static name too)
   bool sharedMemory_ = false;

@@ -2,6 +2,8 @@
 
 #include "backend/device_context.h"
 
+#include <numeric>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -94,7 +96,7 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
 
 } // namespace
 
-void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Devices devices) {
+void checkTensor(const char* op, const char* argument, const at::Tensor& tensor) {
   TORCH_CHECK_VALUE(tensor.defined(), op, ": ", argument, " is an undefined tensor");
   if (!tensor.device().is_cpu()) {
     TORCH_CHECK_VALUE(
@@ -105,17 +107,6 @@ void checkTensor(const char* op, const char* argument, const at::Tensor& tensor,
         " is on ",
         tensor.device(),
         "; this build of the chainermn backend handles CPU tensors only");
-    TORCH_CHECK_VALUE(
-        devices == Devices::CpuOrCuda,
-        op,
-        ": ",
-        argument,
-        " is on ",
-        tensor.device(),
-        "; the chainermn backend takes CUDA tensors in all_reduce, all_reduce_coalesced, broadcast, all_gather, "
-        "all_gather_into_tensor and mean_coalesced only (move the tensor to the CPU for ",
-        op,
-        ")");
   }
   TORCH_CHECK_VALUE(
       tensor.layout() == at::kStrided, op, ": ", argument, " must be a dense tensor, got layout ", tensor.layout());
@@ -123,13 +114,13 @@ void checkTensor(const char* op, const char* argument, const at::Tensor& tensor,
       tensor.is_contiguous(), op, ": ", argument, " must be contiguous (call .contiguous() on it first)");
 }
 
-void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors, Devices devices) {
+void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors) {
   for (const auto& tensor : tensors) {
-    checkTensor(op, argument, tensor, devices);
+    checkTensor(op, argument, tensor);
   }
 }
 
-at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors, Devices devices) {
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors) {
   TORCH_CHECK_VALUE(
       tensors.size() == 1,
       op,
@@ -137,7 +128,7 @@ at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>
       argument,
       " (one device per process), got ",
       tensors.size());
-  checkTensor(op, argument, tensors[0], devices);
+  checkTensor(op, argument, tensors[0]);
   return tensors[0];
 }
 
@@ -172,13 +163,8 @@ void checkGroupDevice(const char* op, std::atomic<int>& bound, const at::Tensor&
       "; use one GPU per process");
 }
 
-void checkSameKind(
-    const char* op,
-    const char* argument,
-    const at::Tensor& tensor,
-    const at::Tensor& like,
-    Devices devices) {
-  checkTensor(op, argument, tensor, devices);
+void checkSameKind(const char* op, const char* argument, const at::Tensor& tensor, const at::Tensor& like) {
+  checkTensor(op, argument, tensor);
   TORCH_CHECK_VALUE(
       tensor.device() == like.device(),
       op,
@@ -208,6 +194,142 @@ void checkSameKind(
       like.numel());
 }
 
+void checkSameDtype(const char* op, const std::vector<at::Tensor>& tensors) {
+  for (const auto& tensor : tensors) {
+    TORCH_CHECK_VALUE(
+        tensor.scalar_type() == tensors.front().scalar_type(),
+        op,
+        ": all tensors must have the same dtype, got ",
+        dtypeName(tensors.front().scalar_type()),
+        " and ",
+        dtypeName(tensor.scalar_type()));
+  }
+}
+
+void checkListSize(const char* op, const char* argument, size_t actual, int size) {
+  TORCH_CHECK_VALUE(
+      static_cast<int>(actual) == size, op, ": ", argument, " must hold one tensor per rank (", size, "), got ", actual);
+}
+
+std::vector<at::Tensor> onlyList(const char* op, const char* argument, const std::vector<std::vector<at::Tensor>>& lists) {
+  TORCH_CHECK_VALUE(lists.size() == 1, op, ": expects one ", argument, ", got ", lists.size());
+  return lists[0];
+}
+
+std::vector<at::Tensor> rootList(
+    const char* op,
+    const char* argument,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    bool isRoot,
+    int size,
+    const at::Tensor& like) {
+  if (!isRoot) {
+    TORCH_CHECK_VALUE(
+        lists.empty() || (lists.size() == 1 && lists[0].empty()),
+        op,
+        ": ",
+        argument,
+        " must be empty on ranks other than the root");
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1, op, ": the root rank needs ", argument);
+  checkListSize(op, argument, lists[0].size(), size);
+  for (const auto& tensor : lists[0]) {
+    checkSameKind(op, argument, tensor, like);
+  }
+  return lists[0];
+}
+
+void checkWorldBlocks(
+    const char* op,
+    const char* wholeName,
+    const at::Tensor& whole,
+    const char* partName,
+    const at::Tensor& part,
+    int size,
+    int index) {
+  checkTensor(op, wholeName, whole);
+  checkTensor(op, partName, part);
+  const std::string which = index < 0 ? "" : " " + std::to_string(index);
+  TORCH_CHECK_VALUE(
+      whole.scalar_type() == part.scalar_type(),
+      op,
+      ": ",
+      wholeName,
+      which,
+      " has dtype ",
+      dtypeName(whole.scalar_type()),
+      " but ",
+      partName,
+      which,
+      " has ",
+      dtypeName(part.scalar_type()));
+  TORCH_CHECK_VALUE(
+      whole.numel() == part.numel() * size,
+      op,
+      ": ",
+      wholeName,
+      which,
+      " must have world_size (",
+      size,
+      ") times the ",
+      part.numel(),
+      " elements of ",
+      partName,
+      which,
+      ", got ",
+      whole.numel());
+}
+
+namespace {
+// Elements per first-dimension row, also for tensors whose first dimension is 0.
+int64_t rowElements(const at::Tensor& tensor) {
+  int64_t row = 1;
+  for (int64_t d = 1; d < tensor.dim(); ++d) {
+    row *= tensor.size(d);
+  }
+  return row;
+}
+} // namespace
+
+std::vector<int64_t> splitCounts(
+    const char* op, const char* argument, const at::Tensor& tensor, const std::vector<int64_t>& splits, int size) {
+  TORCH_CHECK_VALUE(tensor.dim() >= 1, op, ": ", argument, " must have at least one dimension");
+  const int64_t rows = tensor.size(0);
+  std::vector<int64_t> counts(size);
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(
+        rows % size == 0,
+        op,
+        ": ",
+        argument,
+        " has ",
+        rows,
+        " rows, which do not split evenly among ",
+        size,
+        " ranks; pass split sizes");
+    std::fill(counts.begin(), counts.end(), rows / size * rowElements(tensor));
+    return counts;
+  }
+  TORCH_CHECK_VALUE(
+      static_cast<int>(splits.size()) == size,
+      op,
+      ": ",
+      argument,
+      " split sizes has ",
+      splits.size(),
+      " entries for a group of ",
+      size);
+  for (int i = 0; i < size; ++i) {
+    TORCH_CHECK_VALUE(splits[i] >= 0, op, ": ", argument, " split sizes must be non-negative");
+    counts[i] = splits[i] * rowElements(tensor);
+  }
+  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  TORCH_CHECK_VALUE(
+      total == rows, op, ": ", argument, " split sizes add up to ", total, " but the tensor has ", rows, " rows");
+  return counts;
+}
+
 void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Tensor& tensor) {
   TORCH_CHECK_VALUE(
       !tensor.device().is_cpu() || strategy.supportsCpu(),
@@ -218,15 +340,16 @@ void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Te
       "'flat', 'naive' or 'single_node'");
 }
 
-void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor) {
+void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise) {
   const bool bitwise =
       plan.kind == ReduceKind::BitAnd || plan.kind == ReduceKind::BitOr || plan.kind == ReduceKind::BitXor;
   TORCH_CHECK_VALUE(
-      !(tensor.device().is_cuda() && bitwise),
+      !(tensor.device().is_cuda() && bitwise && !cudaBitwise),
       op,
       ": ReduceOp.",
       reduceKindName(plan.kind),
-      " is not available for CUDA tensors (NCCL has no bitwise reductions)");
+      " is not available for CUDA tensors over NCCL, which has no bitwise reductions "
+      "(CHAINERMN_CUDA_TRANSPORT=staged has them)");
 }
 
 void checkRank(const char* op, const char* argument, int64_t rank, int size) {
@@ -249,7 +372,7 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
   const bool floating = at::isFloatingType(dtype);
   const bool sixteenBit = dtype == at::kHalf || dtype == at::kBFloat16;
 
-  Reduction plan{ReduceKind::Sum, dtype, std::nullopt, std::nullopt};
+  Reduction plan{ReduceKind::Sum, dtype, Scaling{}};
   switch (which) {
     case c10d::ReduceOp::SUM:
       plan.kind = ReduceKind::Sum;
@@ -277,9 +400,9 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
       plan.kind = ReduceKind::Sum;
       // 16-bit sums can overflow before the division: scale first, as ChainerMN's mean does.
       if (sixteenBit) {
-        plan.scaleBefore = 1.0 / size;
+        plan.scaling.before = 1.0 / size;
       } else {
-        plan.divideAfter = static_cast<double>(size);
+        plan.scaling.after = 1.0 / size;
       }
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
@@ -288,7 +411,7 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
       auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduceOp.supplement_.get());
       TORCH_CHECK_VALUE(supplement != nullptr, op, ": ReduceOp.PREMUL_SUM without a factor");
       plan.kind = ReduceKind::Sum;
-      plan.scaleBefore = supplement->tensor_factor.defined() ? supplement->tensor_factor.item<double>()
+      plan.scaling.before = supplement->tensor_factor.defined() ? supplement->tensor_factor.item<double>()
                                                              : supplement->double_factor;
       break;
     }

@@ -3,7 +3,6 @@
 // half-started collective. Messages name the op and the argument.
 #pragma once
 
-#include "comm/transport.h"
 #include "strategies/strategy.h"
 
 #include <ATen/ATen.h>
@@ -15,34 +14,54 @@
 
 namespace chainermn {
 
-// Where an op's tensors may live. Ops that take CUDA tensors (in a build with CUDA) say so; the
-// others refuse them here, naming the op.
-enum class Devices { Cpu, CpuOrCuda };
-
-// A tensor the transports can read and write: defined, dense, contiguous, on a device the op takes.
-void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Devices devices = Devices::Cpu);
-void checkTensors(
-    const char* op, const char* argument, const std::vector<at::Tensor>& tensors, Devices devices = Devices::Cpu);
+// A tensor the transports can read and write: defined, dense, contiguous, on the CPU or (in a build
+// with CUDA) on a GPU. Which ops a device serves follows from its transports, not from a list here.
+void checkTensor(const char* op, const char* argument, const at::Tensor& tensor);
+void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors);
 
 // Exactly one tensor per call (one device per process), returned for convenience.
-at::Tensor& single(
-    const char* op, const char* argument, std::vector<at::Tensor>& tensors, Devices devices = Devices::Cpu);
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors);
 
-// All tensors of one call on one device.
+// The funnel's checks of every op: all its tensors on one device, and a group serves one CUDA device
+// (one device per process): the first CUDA tensor it sees binds it (`bound` holds the device index,
+// -1 before), and a tensor on another GPU is refused.
 void checkSameDevice(const char* op, const std::vector<at::Tensor>& tensors);
-
-// A group serves one CUDA device (one device per process): the first CUDA tensor it sees binds it
-// (`bound` holds the device index, -1 before), and a tensor on another GPU is refused. CPU tensors
-// pass.
 void checkGroupDevice(const char* op, std::atomic<int>& bound, const at::Tensor& tensor);
 
 // `tensor` has the device, dtype and number of elements of `like`.
-void checkSameKind(
+void checkSameKind(const char* op, const char* argument, const at::Tensor& tensor, const at::Tensor& like);
+void checkSameDtype(const char* op, const std::vector<at::Tensor>& tensors);
+
+// A list argument holds one tensor per rank.
+void checkListSize(const char* op, const char* argument, size_t actual, int size);
+
+// The one list of a list-of-lists argument (one device per process).
+std::vector<at::Tensor> onlyList(const char* op, const char* argument, const std::vector<std::vector<at::Tensor>>& lists);
+
+// gather's gather_list / scatter's scatter_list: one tensor per rank like `like` on the root, nothing
+// elsewhere. Returns the list (empty off the root).
+std::vector<at::Tensor> rootList(
     const char* op,
     const char* argument,
-    const at::Tensor& tensor,
-    const at::Tensor& like,
-    Devices devices = Devices::Cpu);
+    const std::vector<std::vector<at::Tensor>>& lists,
+    bool isRoot,
+    int size,
+    const at::Tensor& like);
+
+// `whole` has `part`'s dtype and world_size times its elements (all_gather_into_tensor's output,
+// reduce_scatter_tensor's input); `index` names the pair in a coalesced call (-1: none).
+void checkWorldBlocks(
+    const char* op,
+    const char* wholeName,
+    const at::Tensor& whole,
+    const char* partName,
+    const at::Tensor& part,
+    int size,
+    int index = -1);
+
+// Elements per rank of an all_to_all_single buffer: even rows when `splits` is empty.
+std::vector<int64_t> splitCounts(
+    const char* op, const char* argument, const at::Tensor& tensor, const std::vector<int64_t>& splits, int size);
 
 // The group's allreduce strategy can reduce this tensor (pure_nccl refuses CPU tensors).
 void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Tensor& tensor);
@@ -52,17 +71,17 @@ void checkTag(const char* op, int tag);
 
 // How a c10d::ReduceOp is carried out on a transport for one dtype.
 struct Reduction {
-  ReduceKind kind;                    // what the transport reduces with
-  at::ScalarType wireType;            // what the transport reduces (bool travels as uint8)
-  std::optional<double> scaleBefore;  // PREMUL_SUM's factor; 1/size for AVG in 16-bit floats
-  std::optional<double> divideAfter;  // size, for AVG in 32/64-bit floats
+  ReduceKind kind;          // what the transport reduces with
+  at::ScalarType wireType;  // what the transport reduces (bool travels as uint8)
+  Scaling scaling;          // PREMUL_SUM's factor before; AVG's 1/size before (16-bit) or after
 };
 
 // Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on integers, ...).
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
 
-// CUDA tensors go through NCCL, which has no bitwise reductions: refused for them (bool's SUM/MAX
-// and PRODUCT/MIN are carried as MAX/MIN and pass).
-void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor);
+// Bitwise reductions need transports that have them: NCCL has none, so CUDA tensors are refused
+// them unless the group's CUDA transport stages through the host (bool's SUM/MAX and PRODUCT/MIN are
+// carried as MAX/MIN and pass).
+void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise);
 
 } // namespace chainermn

@@ -16,11 +16,18 @@
 
 namespace chainermn {
 
+// What a staging buffer holds. Each op uses a slot for one purpose only, so an op and the strategy
+// it runs never hand each other's buffers around.
+enum class Slot : int {
+  Packed = 0,         // an op's input, packed (the mean's packed buffer) or scaled
+  Received = 1,       // what an op receives before it is unpacked (gathered blocks, a reduce's sink)
+  StrategyWhole = 2,  // a strategy's working copy of the whole buffer
+  StrategyBlock = 3,  // a strategy's one-block buffer
+};
+
 class Scratch {
  public:
-  // Slots 0 and 1 stage collectives' inputs and outputs (slot 0 holds packed tensors); strategies
-  // use slots 1 and 2 for their own intermediate buffers.
-  static constexpr int kSlots = 3;
+  static constexpr int kSlots = 4;
 
   explicit Scratch(at::Device device = at::kCPU);
   ~Scratch();
@@ -32,8 +39,8 @@ class Scratch {
   }
 
   // At least `bytes` of memory in `slot`; the contents are not kept when it grows.
-  void* get(int slot, size_t bytes) {
-    at::Tensor& buffer = buffers_[slot];
+  void* get(Slot slot, size_t bytes) {
+    at::Tensor& buffer = buffers_[static_cast<int>(slot)];
     if (!buffer.defined() || static_cast<size_t>(buffer.numel()) < bytes) {
       // Grow geometrically so a slowly rising size does not reallocate every call.
       const size_t current = buffer.defined() ? static_cast<size_t>(buffer.numel()) : 0;
@@ -44,7 +51,7 @@ class Scratch {
   }
 
   // `count` elements of `dtype` in `slot`, as a tensor view of the scratch memory.
-  at::Tensor tensor(int slot, int64_t count, at::ScalarType dtype) {
+  at::Tensor tensor(Slot slot, int64_t count, at::ScalarType dtype) {
     void* data = get(slot, static_cast<size_t>(count) * c10::elementSize(dtype));
     return at::from_blob(data, {count}, at::TensorOptions().dtype(dtype).device(device_));
   }
@@ -53,7 +60,8 @@ class Scratch {
   void copy(void* dst, const void* src, size_t bytes);
 
   // The parts back to back into `packed` in the wire dtype, cast and scaled in one pass (see
-  // kernels/pack.h); unpack is the reverse.
+  // kernels/pack.h); unpack is the reverse. Parts already in the wire dtype with scale 1 are copied
+  // (any dtype; the CUDA kernels cast floating dtypes only). `packed` may be a single part itself.
   void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale);
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale);
 

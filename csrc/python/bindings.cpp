@@ -1,6 +1,7 @@
 // torch_chainermn._C: the backend class for torch.distributed, its transports' factories, and the
 // MPI runtime helpers the launcher needs.
 #include "backend/process_group.h"
+#include "backend/transports.h"
 #include "backend/worker.h"
 #include "comm/gloo.h"
 #include "python/testing.h"
@@ -8,6 +9,7 @@
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
 #include "comm/mpi.h"
+#include "comm/mpi_runtime.h"
 #endif
 
 #include <pybind11/chrono.h>
@@ -20,60 +22,28 @@ using chainermn::Topology;
 
 namespace {
 
-using chainermn::TransportSet;
 using chainermn::GroupOptions;
+using chainermn::GroupSetup;
+using chainermn::Level;
 
-GroupOptions groupOptions(
-    std::string communicator,
-    std::string allreduceGradDtype,
-    bool sharedMemory,
-    std::string cudaTransport) {
-  return GroupOptions{std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)};
+// The host library's transport for one level, made by a Python callable (key, rank, size) -> a
+// c10d Backend (Gloo's ProcessGroup is made in Python: no Gloo headers here). The callable is held
+// so that copying or dropping it, on whatever thread, takes the GIL first.
+chainermn::TransportFactory glooFactory(py::function make) {
+  std::shared_ptr<py::function> held(new py::function(std::move(make)), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [held](const Level& level) {
+    c10::intrusive_ptr<c10d::Backend> backend;
+    {
+      py::gil_scoped_acquire gil;
+      backend = (*held)(level.key, level.index, static_cast<int>(level.ranks.size()))
+                    .cast<c10::intrusive_ptr<c10d::Backend>>();
+    }
+    return chainermn::gloo::createTransport(std::move(backend));
+  };
 }
-
-c10::intrusive_ptr<ProcessGroupChainerMN> withGloo(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout,
-    std::string groupName,
-    Topology topology,
-    c10::intrusive_ptr<c10d::Backend> world,
-    c10::intrusive_ptr<c10d::Backend> intra,
-    c10::intrusive_ptr<c10d::Backend> inter,
-    std::string communicator,
-    std::string allreduceGradDtype,
-    bool sharedMemory,
-    std::string cudaTransport) {
-  // One Gloo group serves every level it spans (the world is also the intra level on one node).
-  TransportSet transports;
-  transports.world = chainermn::gloo::createTransport(world);
-  transports.intra = intra == world ? transports.world : chainermn::gloo::createTransport(intra);
-  transports.inter = inter == world ? transports.world : chainermn::gloo::createTransport(inter);
-  return c10::make_intrusive<ProcessGroupChainerMN>(
-      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(transports),
-      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
-}
-
-#ifdef CHAINERMN_WITH_MPI
-c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    int rank,
-    int size,
-    std::chrono::milliseconds timeout,
-    std::string groupName,
-    Topology topology,
-    const std::vector<int64_t>& worldRanks,
-    std::string communicator,
-    std::string allreduceGradDtype,
-    bool sharedMemory,
-    std::string cudaTransport) {
-  auto transports = chainermn::mpi::createTransports(worldRanks, topology);
-  return c10::make_intrusive<ProcessGroupChainerMN>(
-      store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(transports),
-      groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
-}
-#endif
 
 } // namespace
 
@@ -112,47 +82,61 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   m.attr("communicator_names") = chainermn::strategyNames();
 
+  py::class_<GroupOptions>(m, "GroupOptions", "torch_chainermn.Options as the C++ backend holds it")
+      .def(py::init<>())
+      .def_readwrite("communicator", &GroupOptions::communicator)
+      .def_readwrite("allreduce_grad_dtype", &GroupOptions::allreduceGradDtype)
+      .def_readwrite("transport", &GroupOptions::transport)
+      .def_readwrite("shared_memory", &GroupOptions::sharedMemory)
+      .def_readwrite("cuda_transport", &GroupOptions::cudaTransport);
+
+  py::class_<GroupSetup>(m, "GroupSetup", "who a group is, and the host library its ranks agreed on")
+      .def(
+          py::init([](const c10::intrusive_ptr<c10d::Store>& store,
+                      int rank,
+                      int size,
+                      std::chrono::milliseconds timeout,
+                      std::string name,
+                      Topology topology) {
+            return GroupSetup{store, rank, size, timeout, std::move(name), std::move(topology), nullptr};
+          }),
+          py::arg("store"),
+          py::arg("rank"),
+          py::arg("size"),
+          py::arg("timeout"),
+          py::arg("name"),
+          py::arg("topology"))
+      .def(
+          "use_gloo",
+          [](GroupSetup& setup, py::function make) { setup.makeHost = glooFactory(std::move(make)); },
+          py::arg("make_gloo"),
+          "between ranks, Gloo groups made by make_gloo(key, rank, size)")
+#ifdef CHAINERMN_WITH_MPI
+      .def(
+          "use_mpi",
+          [](GroupSetup& setup, std::vector<int64_t> worldRanks) {
+            setup.makeHost = [worldRanks](const Level& level) {
+              return chainermn::mpi::createTransport(worldRanks, level);
+            };
+          },
+          py::arg("world_ranks"),
+          "between ranks, MPI over these MPI_COMM_WORLD ranks (group rank r is world_ranks[r])")
+#endif
+      ;
+
   py::class_<ProcessGroupChainerMN, c10d::Backend, c10::intrusive_ptr<ProcessGroupChainerMN>>(
       m, "ProcessGroupChainerMN")
-      .def_static(
-          "with_gloo",
-          &withGloo,
-          py::arg("store"),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("timeout"),
-          py::arg("group_name"),
-          py::arg("topology"),
-          py::arg("world"),
-          py::arg("intra"),
-          py::arg("inter"),
-          py::arg("communicator"),
-          py::arg("allreduce_grad_dtype"),
-          py::arg("shared_memory"),
-          py::arg("cuda_transport") = "nccl",
+      .def(
+          py::init([](const GroupSetup& setup, GroupOptions options) {
+            TORCH_CHECK(setup.makeHost, "chainermn: GroupSetup needs use_gloo() or use_mpi() first");
+            return c10::make_intrusive<ProcessGroupChainerMN>(setup, std::move(options));
+          }),
+          py::arg("setup"),
+          py::arg("options"),
           py::call_guard<py::gil_scoped_release>())
-#ifdef CHAINERMN_WITH_MPI
-      .def_static(
-          "with_mpi",
-          &withMpi,
-          py::arg("store"),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("timeout"),
-          py::arg("group_name"),
-          py::arg("topology"),
-          py::arg("world_ranks"),
-          py::arg("communicator"),
-          py::arg("allreduce_grad_dtype"),
-          py::arg("shared_memory"),
-          py::arg("cuda_transport") = "nccl",
-          py::call_guard<py::gil_scoped_release>())
-#endif
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
       .def_property_readonly("transport", &ProcessGroupChainerMN::transport)
-      .def_property_readonly("communicator", [](const ProcessGroupChainerMN& pg) { return pg.options().communicator; })
-      .def_property_readonly(
-          "allreduce_grad_dtype", [](const ProcessGroupChainerMN& pg) { return pg.options().allreduceGradDtype; })
+      .def_property_readonly("options", &ProcessGroupChainerMN::options, py::return_value_policy::copy)
       .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
       .def_property_readonly("shared_memory", &ProcessGroupChainerMN::sharedMemory)
       .def_property_readonly("cuda_transport", &ProcessGroupChainerMN::cudaTransport)
@@ -170,7 +154,7 @@ PYBIND11_MODULE(_C, m) {
   chainermn::bindTesting(testing);
 
   m.attr("cuda_built") = chainermn::cudaBuilt();
-  m.attr("cuda_transports") = chainermn::cudaTransports();
+  m.attr("cuda_transports") = chainermn::cudaTransportNames();
   m.def("nccl_version", &chainermn::ncclVersion);
 
 #ifdef CHAINERMN_WITH_MPI

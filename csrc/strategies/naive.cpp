@@ -12,10 +12,15 @@ class Naive : public Strategy {
   void allreduce(TransportSet& transports, Scratch&, const FlatBuffer& buf, ReduceKind op) override {
     transports.world->allreduce(buf.data, buf.count, buf.dtype, op);
   }
-  void allreduceMany(TransportSet& transports, Scratch& scratch, const std::vector<FlatBuffer>& bufs, ReduceKind op)
-      override {
-    for (const auto& buf : bufs) {
-      allreduce(transports, scratch, buf, op);
+  void allreduceParts(
+      TransportSet& transports,
+      Scratch& scratch,
+      const std::vector<FlatBuffer>& parts,
+      c10::ScalarType wire,
+      ReduceKind op,
+      Scaling scaling) override {
+    for (const auto& part : parts) {
+      Strategy::allreduceParts(transports, scratch, {part}, wire, op, scaling);
     }
   }
 };

@@ -6,25 +6,36 @@
 
 namespace chainermn {
 
-void Strategy::allreduceMany(
+void Strategy::allreduceParts(
     TransportSet& transports,
     Scratch& scratch,
-    const std::vector<FlatBuffer>& bufs,
-    ReduceKind op) {
-  if (bufs.empty()) {
+    const std::vector<FlatBuffer>& parts,
+    c10::ScalarType wire,
+    ReduceKind op,
+    Scaling scaling) {
+  int64_t total = 0;
+  for (const auto& part : parts) {
+    total += part.count;
+  }
+  if (total == 0) {
     return;
   }
-  const auto dtype = bufs[0].dtype;
-  int64_t total = 0;
-  for (const auto& buf : bufs) {
-    total += buf.count;
+  if (parts.size() == 1 && parts[0].dtype == wire) {
+    // Reduced where it lies: packing would be a copy for nothing. Scaling is a pass only when asked.
+    const FlatBuffer& whole = parts[0];
+    if (scaling.before != 1.0) {
+      scratch.pack(parts, whole.data, wire, scaling.before);
+    }
+    allreduce(transports, scratch, whole, op);
+    if (scaling.after != 1.0) {
+      scratch.unpack(whole.data, wire, parts, scaling.after);
+    }
+    return;
   }
-  // Slot 0 holds the pack (one pass; one kernel launch on CUDA); strategies use slot 1 for their own
-  // staging.
-  void* packed = scratch.get(0, total * c10::elementSize(dtype));
-  scratch.pack(bufs, packed, dtype, 1.0);
-  allreduce(transports, scratch, FlatBuffer{packed, total, dtype}, op);
-  scratch.unpack(packed, dtype, bufs, 1.0);
+  void* packed = scratch.get(Slot::Packed, total * c10::elementSize(wire));
+  scratch.pack(parts, packed, wire, scaling.before);
+  allreduce(transports, scratch, FlatBuffer{packed, total, wire}, op);
+  scratch.unpack(packed, wire, parts, scaling.after);
 }
 
 bool singleLevel(TransportSet& transports, const FlatBuffer& buf, ReduceKind op) {

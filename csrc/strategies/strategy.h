@@ -19,6 +19,14 @@
 
 namespace chainermn {
 
+// How a reduction scales its parts: each input is multiplied by `before` as it is packed, each
+// result by `after` as it is unpacked (1 means no pass). ChainerMN's mean is 1/size before the sum
+// for 16-bit wire dtypes (so the sum cannot overflow) and after it otherwise; PREMUL_SUM scales before.
+struct Scaling {
+  double before = 1.0;
+  double after = 1.0;
+};
+
 class Strategy {
  public:
   virtual ~Strategy() = default;
@@ -31,13 +39,18 @@ class Strategy {
   // buf becomes the reduction of every rank's buf (every rank passes the same count and dtype).
   virtual void allreduce(TransportSet& transports, Scratch& scratch, const FlatBuffer& buf, ReduceKind op) = 0;
 
-  // Many tensors of one dtype: by default packed into one buffer and reduced in one call; `naive`
-  // reduces them one by one instead.
-  virtual void allreduceMany(
+  // The one reduction flow every caller uses (all_reduce, all_reduce_coalesced, mean_coalesced):
+  // the parts (any mix of floating dtypes, or all of `wire`) are packed back to back into one buffer
+  // of `wire` (cast and scaled by `before` in the same pass: one kernel launch on CUDA), reduced by
+  // allreduce(), and unpacked (cast back, scaled by `after`). A single part already of `wire` is
+  // reduced where it lies. `naive` runs this flow part by part instead of packing.
+  virtual void allreduceParts(
       TransportSet& transports,
       Scratch& scratch,
-      const std::vector<FlatBuffer>& bufs,
-      ReduceKind op);
+      const std::vector<FlatBuffer>& parts,
+      c10::ScalarType wire,
+      ReduceKind op,
+      Scaling scaling);
 };
 
 // The communicator names users choose from.

@@ -24,11 +24,11 @@ class TwoDimensional : public Strategy {
     // A buffer that does not split evenly is staged into a padded copy (the pad is reduced and dropped).
     char* whole = static_cast<char*>(buf.data);
     if (padded) {
-      whole = static_cast<char*>(scratch.get(1, block * local * width));
+      whole = static_cast<char*>(scratch.get(Slot::StrategyWhole, block * local * width));
       scratch.copy(whole, buf.data, buf.count * width);
     }
     // The reduced block gets its own memory: a reduce-scatter may not write into its own input.
-    void* mine = scratch.get(2, block * width);
+    void* mine = scratch.get(Slot::StrategyBlock, block * width);
     transports.intra->reduceScatter(whole, mine, block, buf.dtype, op);
     transports.inter->allreduce(mine, block, buf.dtype, op);
     transports.intra->allgather(mine, whole, block, buf.dtype);

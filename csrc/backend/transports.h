@@ -1,0 +1,44 @@
+// The one place a group's transports are built, for each device, from the group's setup and options.
+//
+//   CPU:  the host library (MPI or Gloo) on every level; with shared memory on, the node's ranks
+//         reduce through a shared-memory segment (on a single node that is the whole group).
+//   CUDA: "nccl"       NCCL on every level;
+//         "nccl_intra" NCCL within a node, the host transport staged through pinned memory between
+//                      nodes (ChainerMN's non_cuda_aware);
+//         "staged"     the host transports staged through pinned memory on every level.
+// The levels' members come from topology (Level), computed once for every library.
+#pragma once
+
+#include "backend/options.h"
+#include "comm/transport.h"
+
+#include <c10/core/Device.h>
+
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+// Collective over the group. The factory in `setup` is called once per level, in the same order on
+// every rank.
+TransportSet buildHostTransports(const GroupSetup& setup, bool sharedMemory);
+
+// The names CHAINERMN_CUDA_TRANSPORT / Options.cuda_transport take.
+const std::vector<std::string>& cudaTransportNames();
+
+// Whether the CUDA transport can reduce with bitwise ops (NCCL cannot; the host libraries can).
+bool cudaTransportHasBitwise(const std::string& cudaTransport);
+
+#ifdef CHAINERMN_WITH_CUDA
+// Collective over the group, on the worker thread at the group's first CUDA op. `stream` is the
+// group's cudaStream_t on `device`; `host` the group's CPU transports (what "staged" stages through).
+TransportSet buildCudaTransports(
+    c10d::Store& store,
+    const Topology& topology,
+    const std::string& cudaTransport,
+    const TransportSet& host,
+    c10::DeviceIndex device,
+    void* stream);
+#endif
+
+} // namespace chainermn
