@@ -1,49 +1,16 @@
 #include "comm/mpi.h"
 
-#include <c10/util/BFloat16.h>
+#include "comm/mpi_runtime.h"
+#include "comm/mpi_types.h"
+
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 #include <mpi.h>
 
-#include <algorithm>
-#include <atomic>
 #include <climits>
-#include <cstdlib>
-#include <mutex>
-#include <unordered_map>
+#include <string>
 
 namespace chainermn::mpi {
 namespace {
-
-bool gInitializedHere = false;
-std::atomic<bool> gAbandoned{false};
-// Blocking calls in progress on any thread. One that never returns (a peer never joined, and the
-// watchdog failed the op) makes MPI_Finalize unsafe: it would wait for that call forever.
-std::atomic<int> gCallsInProgress{0};
-
-struct CallInProgress {
-  CallInProgress() {
-    gCallsInProgress.fetch_add(1);
-  }
-  ~CallInProgress() {
-    gCallsInProgress.fetch_sub(1);
-  }
-};
-int gThreadLevel = MPI_THREAD_SINGLE;
-
-std::string errorString(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  return std::string(text, length);
-}
-
-// Turns an MPI error code into an exception that names the call.
-void check(int code, const char* call) {
-  if (code != MPI_SUCCESS) {
-    C10_THROW_ERROR(DistBackendError, std::string("MPI ") + call + " failed: " + errorString(code));
-  }
-}
 
 int checkedCount(int64_t count, const char* op) {
   TORCH_CHECK(
@@ -56,136 +23,6 @@ int checkedCount(int64_t count, const char* op) {
       INT_MAX,
       ")");
   return static_cast<int>(count);
-}
-
-// ---- float16 / bfloat16: MPI has no such types, so they travel as 2-byte types with our own ops.
-
-MPI_Datatype gHalfType = MPI_DATATYPE_NULL;
-MPI_Datatype gBFloat16Type = MPI_DATATYPE_NULL;
-
-template <typename T, typename Combine>
-void combineInto(void* in, void* inout, int* len, Combine combine) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    b[i] = static_cast<T>(combine(static_cast<float>(a[i]), static_cast<float>(b[i])));
-  }
-}
-
-template <typename T>
-struct HalfOps {
-  static void sum(void* in, void* inout, int* len, MPI_Datatype*) {
-    combineInto<T>(in, inout, len, [](float a, float b) { return a + b; });
-  }
-  static void product(void* in, void* inout, int* len, MPI_Datatype*) {
-    combineInto<T>(in, inout, len, [](float a, float b) { return a * b; });
-  }
-  static void min(void* in, void* inout, int* len, MPI_Datatype*) {
-    combineInto<T>(in, inout, len, [](float a, float b) { return std::min(a, b); });
-  }
-  static void max(void* in, void* inout, int* len, MPI_Datatype*) {
-    combineInto<T>(in, inout, len, [](float a, float b) { return std::max(a, b); });
-  }
-};
-
-// [dtype 0 = Half, 1 = BFloat16][Sum, Product, Min, Max]
-MPI_Op gHalfOps[2][4];
-
-void createHalfTypesAndOps() {
-  check(MPI_Type_contiguous(2, MPI_BYTE, &gHalfType), "Type_contiguous");
-  check(MPI_Type_commit(&gHalfType), "Type_commit");
-  check(MPI_Type_contiguous(2, MPI_BYTE, &gBFloat16Type), "Type_contiguous");
-  check(MPI_Type_commit(&gBFloat16Type), "Type_commit");
-  MPI_User_function* half[4] = {
-      HalfOps<c10::Half>::sum, HalfOps<c10::Half>::product, HalfOps<c10::Half>::min, HalfOps<c10::Half>::max};
-  MPI_User_function* bf16[4] = {
-      HalfOps<c10::BFloat16>::sum,
-      HalfOps<c10::BFloat16>::product,
-      HalfOps<c10::BFloat16>::min,
-      HalfOps<c10::BFloat16>::max};
-  for (int i = 0; i < 4; ++i) {
-    check(MPI_Op_create(half[i], /*commute=*/1, &gHalfOps[0][i]), "Op_create");
-    check(MPI_Op_create(bf16[i], /*commute=*/1, &gHalfOps[1][i]), "Op_create");
-  }
-}
-
-// Types without an MPI counterpart (complex, float8, ...) only move, never reduce: carry them as
-// contiguous runs of bytes of their element size.
-MPI_Datatype opaqueType(size_t elementSize) {
-  static std::mutex mutex;
-  static std::unordered_map<size_t, MPI_Datatype> types;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = types.find(elementSize);
-  if (it != types.end()) {
-    return it->second;
-  }
-  MPI_Datatype type;
-  check(MPI_Type_contiguous(static_cast<int>(elementSize), MPI_BYTE, &type), "Type_contiguous");
-  check(MPI_Type_commit(&type), "Type_commit");
-  types.emplace(elementSize, type);
-  return type;
-}
-
-MPI_Datatype mpiType(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::ScalarType::Float:
-      return MPI_FLOAT;
-    case c10::ScalarType::Double:
-      return MPI_DOUBLE;
-    case c10::ScalarType::Half:
-      return gHalfType;
-    case c10::ScalarType::BFloat16:
-      return gBFloat16Type;
-    case c10::ScalarType::Char:
-      return MPI_INT8_T;
-    case c10::ScalarType::Byte:
-    case c10::ScalarType::Bool:
-      return MPI_UINT8_T;
-    case c10::ScalarType::Short:
-      return MPI_INT16_T;
-    case c10::ScalarType::Int:
-      return MPI_INT32_T;
-    case c10::ScalarType::Long:
-      return MPI_INT64_T;
-    default:
-      return opaqueType(c10::elementSize(dtype));
-  }
-}
-
-MPI_Op mpiOp(ReduceKind op, c10::ScalarType dtype) {
-  const bool half = dtype == c10::ScalarType::Half || dtype == c10::ScalarType::BFloat16;
-  if (half) {
-    const int which = dtype == c10::ScalarType::Half ? 0 : 1;
-    switch (op) {
-      case ReduceKind::Sum:
-        return gHalfOps[which][0];
-      case ReduceKind::Product:
-        return gHalfOps[which][1];
-      case ReduceKind::Min:
-        return gHalfOps[which][2];
-      case ReduceKind::Max:
-        return gHalfOps[which][3];
-      default:
-        TORCH_CHECK(false, "chainermn: ", reduceKindName(op), " is not defined for ", dtype);
-    }
-  }
-  switch (op) {
-    case ReduceKind::Sum:
-      return MPI_SUM;
-    case ReduceKind::Product:
-      return MPI_PROD;
-    case ReduceKind::Min:
-      return MPI_MIN;
-    case ReduceKind::Max:
-      return MPI_MAX;
-    case ReduceKind::BitAnd:
-      return MPI_BAND;
-    case ReduceKind::BitOr:
-      return MPI_BOR;
-    case ReduceKind::BitXor:
-      return MPI_BXOR;
-  }
-  return MPI_OP_NULL;
 }
 
 // ---- requests
@@ -238,9 +75,7 @@ class MpiTransport : public Transport {
   }
 
   ~MpiTransport() override {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized && !gAbandoned.load() && gCallsInProgress.load() == 0) {
+    if (quiescent()) {
       MPI_Comm_free(&comm_);
     }
   }
@@ -362,104 +197,70 @@ class MpiTransport : public Transport {
   int size_ = 0;
 };
 
+// The tag of a level's MPI_Comm_create_group: the same on every rank of the level (it depends on
+// the level's key and members only), and different, but for a rare hash collision, for every other
+// level. The standard asks only that concurrent creations within one process differ, and creations
+// here are sequential; but creations do overlap across processes: the nodes create their disjoint
+// intra levels at the same time, and a rank that is done with its node starts the inter level while
+// its inter peer still creates its own node's. Distinct tags keep each creation's messages apart
+// even in an MPI that matched them by tag alone. FNV-1a, not std::hash: the same in every build.
+int creationTag(const Level& level, const std::vector<int>& members) {
+  uint32_t hash = 2166136261u;
+  auto mix = [&hash](uint32_t byte) {
+    hash = (hash ^ byte) * 16777619u;
+  };
+  for (const char c : level.key) {
+    mix(static_cast<unsigned char>(c));
+  }
+  for (const int rank : members) {
+    for (int shift = 0; shift < 32; shift += 8) {
+      mix((static_cast<uint32_t>(rank) >> shift) & 0xff);
+    }
+  }
+  return static_cast<int>(hash % 32768);  // MPI guarantees tags up to at least 32767
+}
+
 } // namespace
 
-bool launchedByMpiexec() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"}) {
-    if (std::getenv(name) != nullptr) {
-      return true;
-    }
-  }
-  return false;
-}
-
-void initialize() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    int initialized = 0;
-    check(MPI_Initialized(&initialized), "Initialized");
-    if (initialized) {
-      check(MPI_Query_thread(&gThreadLevel), "Query_thread");
-    } else {
-      check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &gThreadLevel), "Init_thread");
-      gInitializedHere = true;
-    }
-    createHalfTypesAndOps();
-  });
-}
-
-bool threadMultiple() {
-  return gThreadLevel >= MPI_THREAD_MULTIPLE;
-}
-
-int worldRank() {
-  int rank = 0;
-  check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "Comm_rank");
-  return rank;
-}
-
-int worldSize() {
-  int size = 0;
-  check(MPI_Comm_size(MPI_COMM_WORLD, &size), "Comm_size");
-  return size;
-}
-
-std::string broadcastString(const std::string& text, int root) {
-  int length = static_cast<int>(text.size());
-  check(MPI_Bcast(&length, 1, MPI_INT, root, MPI_COMM_WORLD), "Bcast");
-  std::string result = text;
-  result.resize(length);
-  check(MPI_Bcast(result.data(), length, MPI_CHAR, root, MPI_COMM_WORLD), "Bcast");
-  return result;
-}
-
-void finalize() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (gInitializedHere && !finalized && !gAbandoned.load() && gCallsInProgress.load() == 0) {
-    MPI_Finalize();
-  }
-}
-
-void abortJob(int code) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (initialized) {
-    MPI_Abort(MPI_COMM_WORLD, code);
-  }
-  std::_Exit(code);
-}
-
-void noteAbandonedRequest() {
-  gAbandoned.store(true);
-}
-
-TransportSet createTransports(const std::vector<int64_t>& worldRanks, const Topology& topology) {
+TransportPtr createTransport(const std::vector<int64_t>& worldRanks, const Level& level) {
   initialize();
   TORCH_CHECK(threadMultiple(), "chainermn: the MPI transport needs MPI_THREAD_MULTIPLE");
+  createTypes();
+  std::vector<int> members;
+  members.reserve(level.ranks.size());
+  for (const int rank : level.ranks) {
+    TORCH_CHECK(
+        rank >= 0 && rank < static_cast<int>(worldRanks.size()),
+        "chainermn: level ",
+        level.key,
+        " names group rank ",
+        rank,
+        " of a group of ",
+        worldRanks.size());
+    members.push_back(static_cast<int>(worldRanks[rank]));
+  }
   MPI_Group world;
   check(MPI_Comm_group(MPI_COMM_WORLD, &world), "Comm_group");
-  std::vector<int> ranks(worldRanks.begin(), worldRanks.end());
   MPI_Group group;
-  check(MPI_Group_incl(world, static_cast<int>(ranks.size()), ranks.data(), &group), "Group_incl");
-  MPI_Comm groupComm;
-  // Collective over the group's members only, as torch creates a backend on members only.
-  check(MPI_Comm_create_group(MPI_COMM_WORLD, group, /*tag=*/0, &groupComm), "Comm_create_group");
-  MPI_Group_free(&group);
+  const int included = MPI_Group_incl(world, static_cast<int>(members.size()), members.data(), &group);
   MPI_Group_free(&world);
-
-  TransportSet transports;
-  transports.world = std::make_shared<MpiTransport>(groupComm);
-  // Every rank takes the same branches: they depend on the whole group's topology only.
-  const bool oneRankPerNode = topology.interSize == topology.size;
-  auto split = [&](int color) {
-    MPI_Comm part;
-    check(MPI_Comm_split(groupComm, color, topology.rank, &part), "Comm_split");
-    return std::make_shared<MpiTransport>(part);
-  };
-  transports.intra = topology.interSize == 1 ? transports.world : split(topology.interRank);
-  transports.inter = oneRankPerNode ? transports.world : split(topology.intraRank);
-  return transports;
+  check(included, "Group_incl");
+  MPI_Comm comm;
+  // Collective over the level's members only, as torch creates a backend on a group's members only.
+  const int created = MPI_Comm_create_group(MPI_COMM_WORLD, group, creationTag(level, members), &comm);
+  MPI_Group_free(&group);
+  check(created, "Comm_create_group");
+  auto transport = std::make_shared<MpiTransport>(comm);
+  TORCH_CHECK(
+      transport->rank() == level.index,
+      "chainermn: rank ",
+      transport->rank(),
+      " in the MPI communicator of level ",
+      level.key,
+      ", position ",
+      level.index,
+      " in the level");
+  return transport;
 }
 
 } // namespace chainermn::mpi

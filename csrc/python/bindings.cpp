@@ -8,6 +8,7 @@
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
 #include "comm/mpi.h"
+#include "comm/mpi_runtime.h"
 #endif
 
 #include <pybind11/chrono.h>
@@ -68,7 +69,9 @@ c10::intrusive_ptr<ProcessGroupChainerMN> withMpi(
     std::string allreduceGradDtype,
     bool sharedMemory,
     std::string cudaTransport) {
-  auto transports = chainermn::mpi::createTransports(worldRanks, topology);
+  auto transports = chainermn::makeTransportSet(topology, [&](const chainermn::Level& level) {
+    return chainermn::mpi::createTransport(worldRanks, level);
+  });
   return c10::make_intrusive<ProcessGroupChainerMN>(
       store, rank, size, timeout, std::move(groupName), std::move(topology), std::move(transports),
       groupOptions(std::move(communicator), std::move(allreduceGradDtype), sharedMemory, std::move(cudaTransport)));
