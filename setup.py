@@ -63,7 +63,7 @@ cuda = with_cuda()
 
 flags = mpi_flags()
 if flags is None:
-    sources = [s for s in sources if not s.startswith("csrc/comm/mpi")]
+    sources = [s for s in sources if not s.startswith("csrc/comm/mpi")]  # csrc/comm/mpi*.cpp
 else:
     define_macros.append(("CHAINERMN_WITH_MPI", "1"))
     # Only MPI's C API: keep the deprecated C++ bindings out of the link.

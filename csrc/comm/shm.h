@@ -4,10 +4,10 @@
 // A collective runs chunk by chunk: every rank copies its chunk into its slot, a barrier, every rank
 // reduces its own slice of the chunk from all slots (the ranks reduce in parallel), a barrier, every
 // rank copies the result out. Collectives that gain nothing from this (gather, scatter, all-to-all,
-// point to point, barrier) go to `fallback`, the library's transport over the same ranks.
+// point to point) go to `fallback`, the library's transport over the same ranks.
 //
-// The segment is unlinked as soon as every rank has mapped it, so it disappears with the processes
-// even after a crash; segments whose creator died before that are reclaimed when the next is made.
+// The segment's life (creation, the store handshake, unlinking, reclaiming orphans) is in
+// comm/shm_segment.h; the barrier (flags, futex waits, dead peers, the timeout) in comm/shm_barrier.h.
 #pragma once
 
 #include "comm/transport.h"

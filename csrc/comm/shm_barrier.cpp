@@ -1,0 +1,170 @@
+#include "comm/shm_barrier.h"
+
+#include <c10/util/Exception.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <string>
+
+namespace chainermn::shm {
+
+// One cache line per rank, so ranks publishing their flags do not slow each other down.
+struct alignas(64) Flag {
+  // The number of barriers this rank has entered. 32 bits, so that a waiter can sleep on it with a
+  // futex; it wraps (after 2^32 barriers, hours of small collectives), hence reached() below.
+  std::atomic<uint32_t> sequence;
+  std::atomic<uint32_t> sleepers;  // ranks inside futexWait on `sequence`: the publisher must wake them
+  std::atomic<int64_t> pid;        // lets a waiting rank tell a slow peer from a dead one
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "flags must be lock-free to live in shared memory");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
+
+
+namespace {
+
+// A hint to the core that this is a spin-wait (lets the sibling hyperthread run).
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Whether a sequence number has reached `target`, across wrap-around (ranks are never more than a
+// couple of barriers apart).
+inline bool reached(uint32_t sequence, uint32_t target) {
+  return static_cast<int32_t>(sequence - target) >= 0;
+}
+
+// The futex is shared between processes (no FUTEX_PRIVATE_FLAG). Spurious and early returns are
+// fine: the caller re-checks the word.
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {
+  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout);
+  timespec relative{static_cast<time_t>(seconds.count()), static_cast<long>((timeout - seconds).count() * 1000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &relative, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// How a rank waits for a peer at a barrier. Peers usually arrive within microseconds (they run the
+// same copies), so it spins first; ranks may outnumber cores, so then it yields; and a peer may be
+// busy for seconds (a node leader inside an inter-node allreduce on a slow network), so in the end
+// it sleeps on the peer's futex rather than burn a core the leader's network stack needs.
+constexpr int kSpins = 256;
+constexpr auto kYieldFor = std::chrono::microseconds(500);
+constexpr auto kSleepSlice = std::chrono::milliseconds(20);  // re-check liveness and the timeout this often
+
+// Alive and not a zombie (an exited child its parent has not reaped yet still answers kill(pid, 0)).
+bool processAlive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    return false;
+  }
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* file = std::fopen(path, "r");
+  if (file == nullptr) {
+    return true;  // no /proc: trust kill()
+  }
+  char state = '?';
+  const int matched = std::fscanf(file, "%*d (%*[^)]) %c", &state);
+  std::fclose(file);
+  return matched != 1 || (state != 'Z' && state != 'X');
+}
+
+} // namespace
+
+size_t Barrier::bytes(int size) {
+  constexpr size_t kPage = 4096;
+  return (sizeof(Flag) * size + kPage - 1) / kPage * kPage;
+}
+
+Barrier::Barrier(void* flags, int rank, int size, std::chrono::milliseconds timeout)
+    : flags_(static_cast<Flag*>(flags)), rank_(rank), size_(size), timeout_(timeout) {
+  flags_[rank_].pid.store(getpid(), std::memory_order_release);
+}
+
+void Barrier::sync() {
+  const uint32_t target = ++sequence_;
+  Flag& mine = flags_[rank_];
+  // seq_cst on both sides (here and in waitFor): either the sleeper sees the new sequence before
+  // it sleeps, or this rank sees the sleeper and wakes it.
+  mine.sequence.store(target, std::memory_order_seq_cst);
+  if (mine.sleepers.load(std::memory_order_seq_cst) != 0) {
+    futexWakeAll(&mine.sequence);
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) {
+      waitFor(r, target);
+    }
+  }
+}
+
+void Barrier::waitFor(int r, uint32_t target) {
+  Flag& peer = flags_[r];
+  for (int spin = 0; spin < kSpins; ++spin) {
+    if (reached(peer.sequence.load(std::memory_order_acquire), target)) {
+      return;
+    }
+    cpuRelax();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    const uint32_t seen = peer.sequence.load(std::memory_order_acquire);
+    if (reached(seen, target)) {
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    checkPeer(r, start, now);
+    if (now - start < kYieldFor) {
+      sched_yield();
+      continue;
+    }
+    peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (!reached(peer.sequence.load(std::memory_order_seq_cst), target)) {
+      futexWait(&peer.sequence, seen, kSleepSlice);
+    }
+    peer.sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+// Fails fast when the peer's process is gone, and at the timeout when it is only absent.
+void Barrier::checkPeer(
+    int r,
+    std::chrono::steady_clock::time_point start,
+    std::chrono::steady_clock::time_point now) {
+  if (watchPids_ && now - lastLivenessCheck_ > std::chrono::milliseconds(50)) {
+    lastLivenessCheck_ = now;
+    const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
+    if (pid > 0 && !processAlive(pid)) {
+      C10_THROW_ERROR(
+          DistBackendError,
+          "shared memory: local rank " + std::to_string(r) + " of this node (pid " + std::to_string(pid) +
+              ") died");
+    }
+  }
+  if (now - start > timeout_) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "shared memory: local rank " + std::to_string(r) + " of this node did not arrive within " +
+            std::to_string(timeout_.count()) + " ms");
+  }
+}
+
+void Barrier::startWatchingPeers() {
+  watchPids_ = true;
+  for (int r = 0; r < size_; ++r) {
+    const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
+    watchPids_ = watchPids_ && pid > 0 && kill(static_cast<pid_t>(pid), 0) == 0;
+  }
+}
+
+} // namespace chainermn::shm
