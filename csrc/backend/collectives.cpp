@@ -17,15 +17,6 @@ size_t bytesOf(const at::Tensor& tensor) {
   return static_cast<size_t>(tensor.numel()) * tensor.element_size();
 }
 
-std::vector<FlatBuffer> partsOf(const std::vector<at::Tensor>& tensors) {
-  std::vector<FlatBuffer> parts;
-  parts.reserve(tensors.size());
-  for (const auto& tensor : tensors) {
-    parts.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), tensor.scalar_type()});
-  }
-  return parts;
-}
-
 // Tensors of any dtypes as raw bytes, so packing them is a plain copy.
 std::vector<FlatBuffer> bytesOfParts(const std::vector<at::Tensor>& tensors) {
   std::vector<FlatBuffer> parts;
@@ -101,7 +92,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
     if (input.numel() > 0) {
       void* gathered = on.scratch.get(Slot::Received, bytesOf(input) * size);
       on.transports.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
-      on.scratch.unpack(gathered, input.scalar_type(), partsOf(outputs), 1.0);
+      on.scratch.unpack(gathered, input.scalar_type(), flatParts(outputs), 1.0);
     }
     return RequestPtr();
   });
@@ -193,7 +184,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::gather(
       void* gathered = outputs.empty() ? nullptr : on.scratch.get(Slot::Received, bytesOf(input) * size);
       on.transports.world->gather(input.data_ptr(), gathered, input.numel(), input.scalar_type(), root);
       if (!outputs.empty()) {
-        on.scratch.unpack(gathered, input.scalar_type(), partsOf(outputs), 1.0);
+        on.scratch.unpack(gathered, input.scalar_type(), flatParts(outputs), 1.0);
       }
     }
     return RequestPtr();
@@ -215,7 +206,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::scatter(
       void* packed = nullptr;
       if (!inputs.empty()) {
         packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
-        on.scratch.pack(partsOf(inputs), packed, output.scalar_type(), 1.0);
+        on.scratch.pack(flatParts(inputs), packed, output.scalar_type(), 1.0);
       }
       on.transports.world->scatter(packed, output.data_ptr(), output.numel(), output.scalar_type(), root);
     }
@@ -242,11 +233,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter(
         if (output.numel() > 0) {
           // Packed with the scale in the same pass.
           void* packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
-          std::vector<FlatBuffer> parts = partsOf(inputs);
-          for (auto& part : parts) {
-            part.dtype = plan.wireType;
-          }
-          on.scratch.pack(parts, packed, plan.wireType, plan.scaling.before);
+          on.scratch.pack(flatParts(inputs, plan.wireType), packed, plan.wireType, plan.scaling.before);
           on.transports.world->reduceScatter(packed, output.data_ptr(), output.numel(), plan.wireType, plan.kind);
           scaleResult(on.scratch, output, plan);
         }
@@ -347,9 +334,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall(
         const int64_t recvTotal = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
         void* packed = on.scratch.get(Slot::Packed, sendTotal * width);
         void* received = on.scratch.get(Slot::Received, recvTotal * width);
-        on.scratch.pack(partsOf(inputs), packed, dtype, 1.0);
+        on.scratch.pack(flatParts(inputs), packed, dtype, 1.0);
         on.transports.world->alltoallv(packed, sendCounts, received, recvCounts, dtype);
-        on.scratch.unpack(received, dtype, partsOf(outputs), 1.0);
+        on.scratch.unpack(received, dtype, flatParts(outputs), 1.0);
         return RequestPtr();
       });
 }

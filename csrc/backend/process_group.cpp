@@ -118,17 +118,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
 
 // ---- the allreduce family: one flow (pack with cast and scale -> strategy -> unpack) -------------
 
-namespace {
-std::vector<FlatBuffer> partsOf(const std::vector<at::Tensor>& tensors, std::optional<at::ScalarType> as = {}) {
-  std::vector<FlatBuffer> parts;
-  parts.reserve(tensors.size());
-  for (const auto& tensor : tensors) {
-    parts.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), as.value_or(tensor.scalar_type())});
-  }
-  return parts;
-}
-} // namespace
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
@@ -139,7 +128,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
   checkDeviceReduction(op, plan, tensor, cudaBitwise_);
   return post({c10d::OpType::ALLREDUCE, op, {tensor}, {}, opts.timeout}, [tensor, plan](DeviceContext& on) {
     on.strategy.allreduceParts(
-        on.transports, on.scratch, partsOf({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
+        on.transports, on.scratch, flatParts({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
     return RequestPtr();
   });
 }
@@ -159,7 +148,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
   return post(
       {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, opts.timeout}, [tensors, plan](DeviceContext& on) {
         on.strategy.allreduceParts(
-            on.transports, on.scratch, partsOf(tensors, plan.wireType), plan.wireType, plan.kind, plan.scaling);
+            on.transports, on.scratch, flatParts(tensors, plan.wireType), plan.wireType, plan.kind, plan.scaling);
         return RequestPtr();
       });
 }
@@ -185,7 +174,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
   return post(
       {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, c10d::kUnsetTimeout},
       [tensors, wire, scaling](DeviceContext& on) {
-        on.strategy.allreduceParts(on.transports, on.scratch, partsOf(tensors), wire, ReduceKind::Sum, scaling);
+        on.strategy.allreduceParts(on.transports, on.scratch, flatParts(tensors), wire, ReduceKind::Sum, scaling);
         return RequestPtr();
       });
 }

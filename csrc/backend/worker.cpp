@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <mutex>
 
 namespace chainermn {
@@ -68,6 +69,7 @@ struct Worker::State {
   std::vector<InFlight> inFlight;
   std::string brokenReason;
   std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
+  std::thread::id workerThread;        // set once, before the first op can be queued
   bool closed = false;    // stop() began: enqueue refuses
   bool stopping = false;  // the threads should leave
 
@@ -106,9 +108,13 @@ void failAll(std::deque<Op>& ops, const std::string& why) {
 
 void Worker::State::run(Op& op) {
   std::string notRun;
+  // An op posted by a completion callback runs inside the op whose completion ran the callback:
+  // that op stays `current` again once the nested one is over.
+  c10::intrusive_ptr<WorkChainerMN> outer;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (brokenReason.empty()) {
+      outer = current;
       current = op.work;
     } else {
       notRun = brokenReason;
@@ -139,7 +145,7 @@ void Worker::State::run(Op& op) {
   }
   {
     std::lock_guard<std::mutex> lock(mutex);
-    current.reset();
+    current = outer;
     if (request) {
       inFlight.push_back({op.work, std::move(op.body), std::move(request)});
     }
@@ -275,7 +281,13 @@ void Worker::State::watchdogLoop() {
 Worker::Worker(std::string groupName) : state_(std::make_shared<State>(std::move(groupName))) {
   // The threads share the state, so a worker stuck in a transport call that never returns can be
   // detached without leaving it pointing at freed memory.
-  worker_ = std::thread([state = state_] { state->workerLoop(); });
+  std::promise<void> started;
+  worker_ = std::thread([state = state_, &started] {
+    state->workerThread = std::this_thread::get_id();
+    started.set_value();
+    state->workerLoop();
+  });
+  started.get_future().wait();
   watchdog_ = std::thread([state = state_] { state->watchdogLoop(); });
   std::lock_guard<std::mutex> lock(gLiveMutex);
   liveWorkers().push_back(this);
@@ -332,6 +344,15 @@ void Worker::stop() {
 }
 
 void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
+  if (std::this_thread::get_id() == state_->workerThread) {
+    // Posted by a completion callback (a then() callback runs where its Work completes: here). The
+    // callback may wait for this op (torch's PowerSGD hook does), and this thread is the one that
+    // must run it, so it runs now, nested in the op that completed. Every rank completes its ops in
+    // issue order, so every rank runs the callback's ops at the same point of its sequence.
+    Op op{std::move(work), std::move(body)};
+    state_->run(op);
+    return;
+  }
   std::string notRun;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);

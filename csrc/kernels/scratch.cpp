@@ -51,33 +51,9 @@ void Scratch::copy(void* dst, const void* src, size_t bytes) {
 #endif
 }
 
-namespace {
-// True when packing is a plain copy of every part.
-bool copiesOnly(const std::vector<FlatBuffer>& parts, c10::ScalarType wire, double scale) {
-  if (scale != 1.0) {
-    return false;
-  }
-  for (const auto& part : parts) {
-    if (part.dtype != wire) {
-      return false;
-    }
-  }
-  return true;
-}
-} // namespace
-
 void Scratch::pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) {
   if (device_.is_cpu()) {
     packCpu(parts, packed, wire, scale);
-    return;
-  }
-  if (copiesOnly(parts, wire, scale)) {
-    auto* out = static_cast<char*>(packed);
-    for (const auto& part : parts) {
-      const size_t bytes = part.count * c10::elementSize(wire);
-      copy(out, part.data, bytes);
-      out += bytes;
-    }
     return;
   }
 #ifdef CHAINERMN_WITH_CUDA
@@ -88,15 +64,6 @@ void Scratch::pack(const std::vector<FlatBuffer>& parts, void* packed, c10::Scal
 void Scratch::unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) {
   if (device_.is_cpu()) {
     unpackCpu(packed, wire, parts, scale);
-    return;
-  }
-  if (copiesOnly(parts, wire, scale)) {
-    const auto* in = static_cast<const char*>(packed);
-    for (const auto& part : parts) {
-      const size_t bytes = part.count * c10::elementSize(wire);
-      copy(part.data, in, bytes);
-      in += bytes;
-    }
     return;
   }
 #ifdef CHAINERMN_WITH_CUDA

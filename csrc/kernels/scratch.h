@@ -13,8 +13,22 @@
 
 #include <array>
 #include <memory>
+#include <optional>
+#include <vector>
 
 namespace chainermn {
+
+// The tensors' memory as parts to pack or unpack, each as `as` (the same bytes read as another dtype
+// of the same width: bool as uint8) or its own dtype.
+inline std::vector<FlatBuffer> flatParts(
+    const std::vector<at::Tensor>& tensors, std::optional<c10::ScalarType> as = std::nullopt) {
+  std::vector<FlatBuffer> parts;
+  parts.reserve(tensors.size());
+  for (const auto& tensor : tensors) {
+    parts.push_back(FlatBuffer{tensor.data_ptr(), tensor.numel(), as.value_or(tensor.scalar_type())});
+  }
+  return parts;
+}
 
 // What a staging buffer holds. Each op uses a slot for one purpose only, so an op and the strategy
 // it runs never hand each other's buffers around.
@@ -60,8 +74,8 @@ class Scratch {
   void copy(void* dst, const void* src, size_t bytes);
 
   // The parts back to back into `packed` in the wire dtype, cast and scaled in one pass (see
-  // kernels/pack.h); unpack is the reverse. Parts already in the wire dtype with scale 1 are copied
-  // (any dtype; the CUDA kernels cast floating dtypes only). `packed` may be a single part itself.
+  // kernels/pack.h); unpack is the reverse. Parts already in the wire dtype with scale 1 are moved
+  // as bytes (any dtype; only floating dtypes are cast). `packed` may be a single part itself.
   void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale);
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale);
 

@@ -1,0 +1,80 @@
+"""Torch's own DDP communication hooks run on chainermn and train what they train on gloo.
+
+PowerSGD's hooks wait for collectives inside their then() callbacks; those callbacks run where the
+Work completes (the group's worker), so this also checks that a callback may issue collectives and
+wait for them without deadlock, in the same order on every rank.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.harness import run_spawn
+from tests.training_reference import LR, loss_of, make_model
+
+STEPS = 6
+
+
+def hook_and_state(name: str, group, subgroup):
+    """Torch's hook `name` and a fresh state for it, on `group` (with `subgroup` for local SGD)."""
+    if name == "allreduce":
+        return default_hooks.allreduce_hook, group
+    if name == "fp16_compress":
+        return default_hooks.fp16_compress_hook, group
+    if name == "bf16_compress":
+        return default_hooks.bf16_compress_hook, group
+    if name == "fp16_compress_wrapper":
+        return default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook), group
+    if name in ("powerSGD", "batched_powerSGD"):
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=0)
+        hook = powerSGD_hook.powerSGD_hook if name == "powerSGD" else powerSGD_hook.batched_powerSGD_hook
+        return hook, state
+    if name == "post_localSGD":
+        return post_localSGD_hook, PostLocalSGDState(process_group=group, subgroup=subgroup, start_localSGD_iter=2)
+    raise ValueError(name)
+
+
+def train(name: str, group, subgroup):
+    rank = dist.get_rank()
+    model = DDP(make_model(), process_group=group)
+    hook, state = hook_and_state(name, group, subgroup)
+    model.register_comm_hook(state, hook)
+    averager = PeriodicModelAverager(period=2, warmup_steps=2, process_group=group) if name == "post_localSGD" else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, rank, step).backward()
+        optimizer.step()
+        if averager is not None:
+            averager.average_parameters(model.parameters())
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+HOOKS = ["allreduce", "fp16_compress", "bf16_compress", "fp16_compress_wrapper", "powerSGD", "batched_powerSGD",
+         "post_localSGD"]
+
+
+def hooks_against_gloo():
+    """For every hook: the largest difference between chainermn's and gloo's parameters, and whether
+    training moved them."""
+    gloo = dist.new_group(backend="gloo")
+    # Local SGD averages within a subgroup: one per simulated node, on each backend.
+    ours_sub, _ = dist.new_subgroups(group_size=1)
+    gloo_sub, _ = dist.new_subgroups(group_size=1, backend="gloo")
+    start = torch.cat([p.detach().flatten() for p in make_model().parameters()])
+    outcome = {}
+    for name in HOOKS:
+        ours = train(name, None, ours_sub)
+        reference = train(name, gloo, gloo_sub)
+        outcome[name] = ((ours - reference).abs().max().item(), not torch.allclose(ours, start))
+    return outcome
+
+
+def test_torch_hooks_match_gloo():
+    for outcome in run_spawn(hooks_against_gloo, 2, timeout=300):
+        for name, (difference, moved) in outcome.items():
+            assert difference < 1e-5, f"{name}: parameters differ from gloo's by {difference}"
+            assert moved, f"{name}: training did not change the model"
