@@ -8,7 +8,8 @@
 
 namespace chainermn {
 
-// dst[i] = sources[0][i] op sources[1][i] op ... for i < count. dst may be one of the sources.
+// dst[i] = sources[0][i] op sources[1][i] op ... for i < count. dst may be sources[0] or sources[1]
+// (the first pass writes sources[0] op sources[1] into dst), never a later source.
 void reduceBuffers(
     void* dst,
     const void* const* sources,

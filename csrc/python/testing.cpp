@@ -1,7 +1,194 @@
+// torch_chainermn._C.testing: the in-process harness (csrc/testing/) for Python tests. Ranks are
+// threads; every call below releases the GIL while they run, and a rank's Python function takes it
+// only while it runs Python code.
 #include "python/testing.h"
 
-namespace chainermn {
+#include "kernels/scratch.h"
+#include "strategies/strategy.h"
+#include "testing/runner.h"
 
-void bindTesting(pybind11::module_& testing) {}
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <map>
+#include <optional>
+#include <thread>
+
+namespace py = pybind11;
+
+namespace chainermn {
+namespace {
+
+using testing::RankGroup;
+using testing::RunOptions;
+
+ReduceKind reduceKind(const std::string& name) {
+  static const std::map<std::string, ReduceKind> kinds{
+      {"sum", ReduceKind::Sum},      {"product", ReduceKind::Product}, {"min", ReduceKind::Min},
+      {"max", ReduceKind::Max},      {"band", ReduceKind::BitAnd},     {"bor", ReduceKind::BitOr},
+      {"bxor", ReduceKind::BitXor}};
+  const auto found = kinds.find(name);
+  TORCH_CHECK_VALUE(found != kinds.end(), "unknown reduction '", name, "' (sum, product, min, max, band, bor, bxor)");
+  return found->second;
+}
+
+RunOptions runOptions(bool sharedMemory, double timeoutSeconds) {
+  return RunOptions{sharedMemory, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))};
+}
+
+// A tensor's memory as a transport sees it; an absent tensor (a non-root's recv) is no memory.
+void* data(const std::optional<at::Tensor>& tensor) {
+  if (!tensor) {
+    return nullptr;
+  }
+  TORCH_CHECK_VALUE(tensor->device().is_cpu() && tensor->is_contiguous(), "expected a contiguous CPU tensor");
+  return tensor->data_ptr();
+}
+
+// A Request that keeps its tensor alive, and can be waited for (bounded: test() throws at the timeout).
+struct PyRequest {
+  RequestPtr request;
+  at::Tensor tensor;
+  bool done = false;
+
+  bool test() {
+    done = done || request->test();
+    return done;
+  }
+  void wait() {
+    while (!test()) {
+      std::this_thread::yield();
+    }
+  }
+};
+
+// One reduction for the strategy to run: the op, and the input of every rank.
+using Case = std::pair<std::string, std::vector<at::Tensor>>;
+
+// The cases in order on one set of ranks, each with its strategy and Scratch reused from case to case
+// as in a process group. Returns every case's result on every rank; the inputs are not modified.
+std::vector<std::vector<at::Tensor>> allreduceCases(
+    const std::string& strategy,
+    const std::vector<std::string>& nodeNames,
+    const std::vector<Case>& cases,
+    bool sharedMemory,
+    double timeout) {
+  std::vector<ReduceKind> kinds;
+  std::vector<std::vector<at::Tensor>> outputs;
+  for (const auto& [op, inputs] : cases) {
+    TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
+    kinds.push_back(reduceKind(op));
+    outputs.emplace_back();
+    for (const auto& input : inputs) {
+      TORCH_CHECK_VALUE(input.device().is_cpu(), "the harness reduces CPU tensors");
+      outputs.back().push_back(input.clone(at::MemoryFormat::Contiguous));
+    }
+  }
+  py::gil_scoped_release release;
+  testing::runRanks(nodeNames, runOptions(sharedMemory, timeout), [&](RankGroup& group) {
+    auto algorithm = makeStrategy(strategy, group.topology);
+    Scratch scratch(at::kCPU);
+    for (size_t c = 0; c < cases.size(); ++c) {
+      at::Tensor& tensor = outputs[c][group.topology.rank];
+      algorithm->allreduce(
+          group.transports, scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), tensor.scalar_type()}, kinds[c]);
+    }
+  });
+  return outputs;
+}
+
+py::list run(const std::vector<std::string>& nodeNames, const py::function& perRank, bool sharedMemory, double timeout) {
+  std::vector<py::object> results(nodeNames.size());
+  {
+    py::gil_scoped_release release;
+    testing::runRanks(nodeNames, runOptions(sharedMemory, timeout), [&](RankGroup& group) {
+      py::gil_scoped_acquire gil;
+      results[group.topology.rank] = perRank(RankGroup(group));  // a copy: Python may keep it
+    });
+  }
+  py::list out;
+  for (auto& result : results) {
+    out.append(result);
+  }
+  return out;
+}
+
+void bindTransport(py::module_& testing) {
+  using T = Transport;
+  using Tensor = at::Tensor;
+  using Maybe = std::optional<at::Tensor>;
+  const auto noGil = py::call_guard<py::gil_scoped_release>();
+  py::class_<PyRequest>(testing, "Request")
+      .def("test", &PyRequest::test, noGil)
+      .def("wait", &PyRequest::wait, noGil)
+      .def_property_readonly("source", [](const PyRequest& r) { return r.request->source(); });
+  py::class_<T, std::shared_ptr<T>>(testing, "Transport")
+      .def_property_readonly("rank", &T::rank)
+      .def_property_readonly("size", &T::size)
+      .def_property_readonly("library", &T::library)
+      .def("allreduce", [](T& t, Tensor& x, const std::string& op) {
+        t.allreduce(data(x), x.numel(), x.scalar_type(), reduceKind(op)); }, py::arg("tensor"), py::arg("op") = "sum", noGil)
+      .def("broadcast", [](T& t, Tensor& x, int root) {
+        t.broadcast(data(x), x.numel(), x.scalar_type(), root); }, py::arg("tensor"), py::arg("root"), noGil)
+      .def("reduce", [](T& t, Tensor& send, Maybe recv, const std::string& op, int root) {
+        t.reduce(data(send), data(recv), send.numel(), send.scalar_type(), reduceKind(op), root);
+      }, py::arg("send"), py::arg("recv"), py::arg("op"), py::arg("root"), noGil)
+      .def("allgather", [](T& t, Tensor& send, Tensor& recv) {
+        t.allgather(data(send), data(recv), send.numel(), send.scalar_type()); }, noGil)
+      .def("gather", [](T& t, Tensor& send, Maybe recv, int root) {
+        t.gather(data(send), data(recv), send.numel(), send.scalar_type(), root); }, noGil)
+      .def("scatter", [](T& t, Maybe send, Tensor& recv, int root) {
+        t.scatter(data(send), data(recv), recv.numel(), recv.scalar_type(), root); }, noGil)
+      .def("reduce_scatter", [](T& t, Tensor& send, Tensor& recv, const std::string& op) {
+        t.reduceScatter(data(send), data(recv), recv.numel(), recv.scalar_type(), reduceKind(op));
+      }, py::arg("send"), py::arg("recv"), py::arg("op") = "sum", noGil)
+      .def("alltoallv", [](T& t, Tensor& send, const std::vector<int64_t>& sendCounts, Tensor& recv,
+                           const std::vector<int64_t>& recvCounts) {
+        t.alltoallv(data(send), sendCounts, data(recv), recvCounts, send.scalar_type()); }, noGil)
+      .def("send", [](T& t, Tensor& x, int peer, int tag) {
+        return PyRequest{t.send(data(x), x.numel(), x.scalar_type(), peer, tag), x}; },
+        py::arg("tensor"), py::arg("peer"), py::arg("tag") = 0, noGil)
+      .def("recv", [](T& t, Tensor& x, int peer, int tag) {
+        return PyRequest{t.recv(data(x), x.numel(), x.scalar_type(), peer, tag), x}; },
+        py::arg("tensor"), py::arg("peer") = kAnySource, py::arg("tag") = 0, noGil)
+      .def("barrier", &T::barrier, noGil);
+  py::class_<RankGroup>(testing, "Rank")
+      .def_property_readonly("rank", [](const RankGroup& g) { return g.topology.rank; })
+      .def_readonly("topology", &RankGroup::topology)
+      .def_property_readonly("world", [](const RankGroup& g) { return g.transports.world; })
+      .def_property_readonly("intra", [](const RankGroup& g) { return g.transports.intra; })
+      .def_property_readonly("inter", [](const RankGroup& g) { return g.transports.inter; });
+}
+
+} // namespace
+
+void bindTesting(py::module_& testing) {
+  testing.attr("any_source") = kAnySource;
+  testing.def(
+      "allreduce_cases", &allreduceCases,
+      "Strategy allreduce of each case (op, [input of rank r]) in order on one set of ranks (threads); "
+      "returns [case][rank] results",
+      py::arg("strategy"), py::arg("node_names"), py::arg("cases"), py::arg("shared_memory") = false,
+      py::arg("timeout") = 30.0);
+  testing.def(
+      "allreduce",
+      [](const std::string& strategy, const std::vector<std::string>& nodeNames, const std::vector<at::Tensor>& inputs,
+         const std::string& op, bool sharedMemory, double timeout) {
+        return allreduceCases(strategy, nodeNames, {Case{op, inputs}}, sharedMemory, timeout).front();
+      },
+      "Strategy allreduce of inputs[r] on rank r (ranks as threads); returns every rank's result",
+      py::arg("strategy"), py::arg("node_names"), py::arg("inputs"), py::arg("op") = "sum",
+      py::arg("shared_memory") = false, py::arg("timeout") = 30.0);
+  testing.def(
+      "algorithm",
+      [](const std::string& strategy, const std::vector<std::string>& nodeNames) {
+        return std::string(makeStrategy(strategy, topologyFromNames(nodeNames, 0))->name());
+      },
+      "The algorithm the named strategy runs on these nodes", py::arg("strategy"), py::arg("node_names"));
+  bindTransport(testing);
+  testing.def(
+      "run", &run, "per_rank(Rank) on one thread per rank; returns its results, or raises the first error",
+      py::arg("node_names"), py::arg("per_rank"), py::arg("shared_memory") = false, py::arg("timeout") = 30.0);
+}
 
 } // namespace chainermn
