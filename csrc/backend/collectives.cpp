@@ -3,6 +3,7 @@
 // runs on CPU and CUDA tensors alike. Packing goes through Scratch (memcpy or one kernel launch).
 #include "backend/process_group.h"
 
+#include "backend/reduction.h"
 #include "backend/validate.h"
 
 #include <c10/util/Exception.h>

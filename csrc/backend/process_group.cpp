@@ -1,6 +1,7 @@
 #include "backend/process_group.h"
 
 #include "backend/transports.h"
+#include "backend/reduction.h"
 #include "backend/validate.h"
 
 #include <c10/util/Exception.h>

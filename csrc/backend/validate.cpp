@@ -2,18 +2,14 @@
 
 #include "backend/device_context.h"
 
-#include <numeric>
-
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cctype>
+#include <numeric>
 
 namespace chainermn {
 
-namespace {
-
-// torch's spelling of a dtype, as users see it in Python.
 std::string dtypeName(at::ScalarType dtype) {
   switch (dtype) {
     case at::kHalf:
@@ -50,51 +46,6 @@ std::string dtypeName(at::ScalarType dtype) {
     }
   }
 }
-
-bool isReducible(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kFloat:
-    case at::kDouble:
-    case at::kChar:
-    case at::kByte:
-    case at::kInt:
-    case at::kLong:
-    case at::kBool:
-      return true;
-    default:
-      // int16 among them: Gloo cannot reduce it, and a dtype should not work on one transport only.
-      return false;
-  }
-}
-
-const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
-  switch (op) {
-    case c10d::ReduceOp::SUM:
-      return "SUM";
-    case c10d::ReduceOp::AVG:
-      return "AVG";
-    case c10d::ReduceOp::PRODUCT:
-      return "PRODUCT";
-    case c10d::ReduceOp::MIN:
-      return "MIN";
-    case c10d::ReduceOp::MAX:
-      return "MAX";
-    case c10d::ReduceOp::BAND:
-      return "BAND";
-    case c10d::ReduceOp::BOR:
-      return "BOR";
-    case c10d::ReduceOp::BXOR:
-      return "BXOR";
-    case c10d::ReduceOp::PREMUL_SUM:
-      return "PREMUL_SUM";
-    default:
-      return "UNUSED";
-  }
-}
-
-} // namespace
 
 void checkTensor(const char* op, const char* argument, const at::Tensor& tensor) {
   TORCH_CHECK_VALUE(tensor.defined(), op, ": ", argument, " is an undefined tensor");
@@ -340,18 +291,6 @@ void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Te
       "'flat', 'naive' or 'single_node'");
 }
 
-void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise) {
-  const bool bitwise =
-      plan.kind == ReduceKind::BitAnd || plan.kind == ReduceKind::BitOr || plan.kind == ReduceKind::BitXor;
-  TORCH_CHECK_VALUE(
-      !(tensor.device().is_cuda() && bitwise && !cudaBitwise),
-      op,
-      ": ReduceOp.",
-      reduceKindName(plan.kind),
-      " is not available for CUDA tensors over NCCL, which has no bitwise reductions "
-      "(CHAINERMN_CUDA_TRANSPORT=staged has them)");
-}
-
 void checkRank(const char* op, const char* argument, int64_t rank, int size) {
   TORCH_CHECK_VALUE(
       rank >= 0 && rank < size, op, ": ", argument, " ", rank, " is not a rank of this group (size ", size, ")");
@@ -359,76 +298,6 @@ void checkRank(const char* op, const char* argument, int64_t rank, int size) {
 
 void checkTag(const char* op, int tag) {
   TORCH_CHECK_VALUE(tag >= 0, op, ": tag must be non-negative, got ", tag);
-}
-
-Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size) {
-  const auto which = reduceOp.op_;
-  TORCH_CHECK_VALUE(
-      isReducible(dtype),
-      op,
-      ": cannot reduce tensors of dtype ",
-      dtypeName(dtype),
-      " (supported: float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)");
-  const bool floating = at::isFloatingType(dtype);
-  const bool sixteenBit = dtype == at::kHalf || dtype == at::kBFloat16;
-
-  Reduction plan{ReduceKind::Sum, dtype, Scaling{}};
-  switch (which) {
-    case c10d::ReduceOp::SUM:
-      plan.kind = ReduceKind::Sum;
-      break;
-    case c10d::ReduceOp::PRODUCT:
-      plan.kind = ReduceKind::Product;
-      break;
-    case c10d::ReduceOp::MIN:
-      plan.kind = ReduceKind::Min;
-      break;
-    case c10d::ReduceOp::MAX:
-      plan.kind = ReduceKind::Max;
-      break;
-    case c10d::ReduceOp::BAND:
-    case c10d::ReduceOp::BOR:
-    case c10d::ReduceOp::BXOR:
-      TORCH_CHECK_VALUE(
-          !floating, op, ": ReduceOp.", reduceOpName(which), " needs an integer or bool tensor, got ", dtypeName(dtype));
-      plan.kind = which == c10d::ReduceOp::BAND ? ReduceKind::BitAnd
-          : which == c10d::ReduceOp::BOR        ? ReduceKind::BitOr
-                                                : ReduceKind::BitXor;
-      break;
-    case c10d::ReduceOp::AVG:
-      TORCH_CHECK_VALUE(floating, op, ": ReduceOp.AVG needs a floating-point tensor, got ", dtypeName(dtype));
-      plan.kind = ReduceKind::Sum;
-      // 16-bit sums can overflow before the division: scale first, as ChainerMN's mean does.
-      if (sixteenBit) {
-        plan.scaling.before = 1.0 / size;
-      } else {
-        plan.scaling.after = 1.0 / size;
-      }
-      break;
-    case c10d::ReduceOp::PREMUL_SUM: {
-      TORCH_CHECK_VALUE(floating, op, ": ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtypeName(dtype));
-      // NCCLPreMulSumSupplement: torch 2.11 knows only this name; 2.13 keeps it as an alias.
-      auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduceOp.supplement_.get());
-      TORCH_CHECK_VALUE(supplement != nullptr, op, ": ReduceOp.PREMUL_SUM without a factor");
-      plan.kind = ReduceKind::Sum;
-      plan.scaling.before = supplement->tensor_factor.defined() ? supplement->tensor_factor.item<double>()
-                                                             : supplement->double_factor;
-      break;
-    }
-    default:
-      TORCH_CHECK_VALUE(false, op, ": unsupported reduce op ", reduceOpName(which));
-  }
-
-  if (dtype == at::kBool) {
-    // Bool sums are logical: SUM and MAX are OR, PRODUCT and MIN are AND; XOR stays bitwise on 0/1.
-    plan.wireType = at::kByte;
-    if (plan.kind == ReduceKind::Sum || plan.kind == ReduceKind::BitOr) {
-      plan.kind = ReduceKind::Max;
-    } else if (plan.kind == ReduceKind::Product || plan.kind == ReduceKind::BitAnd) {
-      plan.kind = ReduceKind::Min;
-    }
-  }
-  return plan;
 }
 
 } // namespace chainermn

@@ -10,9 +10,13 @@
 
 #include <atomic>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace chainermn {
+
+// torch's spelling of a dtype, as users see it in Python ("torch.float16").
+std::string dtypeName(at::ScalarType dtype);
 
 // A tensor the transports can read and write: defined, dense, contiguous, on the CPU or (in a build
 // with CUDA) on a GPU. Which ops a device serves follows from its transports, not from a list here.
@@ -68,20 +72,5 @@ void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Te
 
 void checkRank(const char* op, const char* argument, int64_t rank, int size);
 void checkTag(const char* op, int tag);
-
-// How a c10d::ReduceOp is carried out on a transport for one dtype.
-struct Reduction {
-  ReduceKind kind;          // what the transport reduces with
-  at::ScalarType wireType;  // what the transport reduces (bool travels as uint8)
-  Scaling scaling;          // PREMUL_SUM's factor before; AVG's 1/size before (16-bit) or after
-};
-
-// Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on integers, ...).
-Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
-
-// Bitwise reductions need transports that have them: NCCL has none, so CUDA tensors are refused
-// them unless the group's CUDA transport stages through the host (bool's SUM/MAX and PRODUCT/MIN are
-// carried as MAX/MIN and pass).
-void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise);
 
 } // namespace chainermn

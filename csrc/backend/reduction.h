@@ -1,0 +1,28 @@
+// How a c10d::ReduceOp is carried out on the transports: the kind they reduce with, the dtype they
+// reduce, and the scaling before and after (AVG, PREMUL_SUM). Checked on the caller's thread, with
+// the other checks (validate.h), before anything is queued.
+#pragma once
+
+#include "strategies/strategy.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+namespace chainermn {
+
+// How a c10d::ReduceOp is carried out on a transport for one dtype.
+struct Reduction {
+  ReduceKind kind;          // what the transport reduces with
+  at::ScalarType wireType;  // what the transport reduces (bool travels as uint8)
+  Scaling scaling;          // PREMUL_SUM's factor before; AVG's 1/size before (16-bit) or after
+};
+
+// Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on integers, ...).
+Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
+
+// Bitwise reductions need transports that have them: NCCL has none, so CUDA tensors are refused
+// them unless the group's CUDA transport stages through the host (bool's SUM/MAX and PRODUCT/MIN are
+// carried as MAX/MIN and pass).
+void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise);
+
+} // namespace chainermn

@@ -1,0 +1,47 @@
+"""The C++ layers call down only: no include points up a layer, and no two folders include each other.
+
+Layers, top to bottom (a file may include its own folder and any folder below it):
+    python/                       the bindings
+    backend/, testing/            the c10d surface; the in-process harness (never includes backend/)
+    strategies/, cuda/            allreduce algorithms; CUDA-only implementations of comm/ and kernels/
+    comm/                         transports
+    kernels/                      packing, casting, reduction, staging buffers
+    types.h, topology.h           the vocabulary every layer shares
+"""
+import re
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+LEVEL = {"": 0, "kernels": 1, "comm": 2, "strategies": 3, "cuda": 3, "backend": 4, "testing": 4, "python": 5}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+LINE_LIMIT = 420  # "no file in csrc/ over ~400 lines"
+
+
+def folder_of(path: str) -> str:
+    parts = Path(path).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def sources():
+    return sorted(p for p in CSRC.rglob("*") if p.suffix in (".h", ".cpp", ".cu"))
+
+
+def test_every_folder_has_a_layer():
+    assert {folder_of(str(p.relative_to(CSRC))) for p in sources()} <= set(LEVEL)
+
+
+def test_no_include_points_up_or_sideways():
+    wrong = []
+    for path in sources():
+        here = folder_of(str(path.relative_to(CSRC)))
+        for included in INCLUDE.findall(path.read_text()):
+            there = folder_of(included)
+            if there != here and LEVEL[there] >= LEVEL[here]:
+                wrong.append(f"{path.relative_to(CSRC)} includes {included}")
+    assert wrong == []
+
+
+def test_no_source_file_is_long():
+    long = [f"{p.relative_to(CSRC)}: {n} lines" for p in sources()
+            if (n := len(p.read_text().splitlines())) > LINE_LIMIT]
+    assert long == []
