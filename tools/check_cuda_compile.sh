@@ -2,6 +2,8 @@
 # Compile-check (no link, no run) the CUDA build of torch_chainermn._C on a machine without a GPU
 # or a CUDA torch: every .cpp and .cu that setup.py would build with CUDA is compiled with -c
 # against the headers of a CUDA build of torch and of NCCL, with the flags BuildExtension uses.
+# tools/check_cuda_build.sh is the full check (setup.py's real build, compile and link, against a
+# CUDA torch installed from PyPI); this one needs only unzipped headers.
 #
 #   TORCH_INCLUDE   torch/include of a CUDA torch wheel (has c10/cuda, ATen/cuda); required
 #   NCCL_INCLUDE    dir holding nccl.h (nvidia/nccl/include of nvidia-nccl-cu13); required
