@@ -12,7 +12,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja
-SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked
 DEPS_STAMP := $(VENV)/.deps-installed

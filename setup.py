@@ -3,23 +3,24 @@
 MPI support is compiled in when `mpicc` is found (Open MPI's wrapper tells us its flags);
 without it the backend still builds and runs on Gloo.
 
-CUDA support (CUDA tensors, the NCCL transport, the pack kernels in csrc/**/*.cu) is compiled in
+CUDA support (CUDA tensors, the NCCL transport, the pack kernels: csrc/cuda/) is compiled in
 when the installed torch has CUDA (torch.version.cuda is set) and a CUDA toolkit is found
 (CUDA_HOME); CHAINERMN_NO_CUDA=1 turns it off. NCCL is the one torch loads: the `nvidia/nccl`
 package in site-packages (nvidia-nccl-cu13/-cu12), or NCCL_HOME / a system NCCL otherwise.
 """
-import glob
 import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 
 import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-# Files that exist only for CUDA builds (everything else compiles in both).
-CUDA_ONLY = "csrc/cuda/"
+# The one source list (also read by CMakeLists.txt and tools/check_cuda_compile.sh).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+import build_sources  # noqa: E402
 
 
 def mpi_flags():
@@ -54,7 +55,6 @@ def nccl_paths():
     return None, None  # a system NCCL (nccl.h on the default include path, libnccl.so.2 linkable)
 
 
-sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 define_macros = []
 extra_compile_args = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
 extra_link_args = []
@@ -62,9 +62,8 @@ include_dirs = [os.path.abspath("csrc")]
 cuda = with_cuda()
 
 flags = mpi_flags()
-if flags is None:
-    sources = [s for s in sources if not s.startswith("csrc/comm/mpi")]  # csrc/comm/mpi*.cpp
-else:
+sources = build_sources.sources(cuda=cuda, mpi=flags is not None)
+if flags is not None:
     define_macros.append(("CHAINERMN_WITH_MPI", "1"))
     # Only MPI's C API: keep the deprecated C++ bindings out of the link.
     define_macros += [("OMPI_SKIP_MPICXX", "1"), ("MPICH_SKIP_MPICXX", "1")]
@@ -72,7 +71,6 @@ else:
     extra_link_args += flags[1]
 
 if cuda:
-    sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
     define_macros.append(("CHAINERMN_WITH_CUDA", "1"))
     nccl_include, nccl_lib = nccl_paths()
     if nccl_include:
@@ -84,9 +82,12 @@ if cuda:
     extension = CUDAExtension
     compile_args = {"cxx": extra_compile_args, "nvcc": ["-O3", "-std=c++17"]}
 else:
-    sources = [s for s in sources if not s.replace(os.sep, "/").startswith(CUDA_ONLY)]
     extension = CppExtension
     compile_args = extra_compile_args
+
+# Before anything compiles: two sources that BuildExtension would compile to the same object file
+# (csrc/kernels/pack.cpp and pack.cu were both pack.o once) stop the build with both names.
+build_sources.object_names(sources)
 
 setup(
     name="torch-chainermn",
