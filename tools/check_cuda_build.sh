@@ -38,7 +38,14 @@ fi
   || { echo "$VENV has a CPU-only torch" >&2; exit 2; }
 
 mkdir -p "$BUILD_DIR"
-(cd "$repo" && git ls-files -co --exclude-standard | tar -cf - -T -) | tar -xf - -C "$BUILD_DIR"
+# Copy only what differs, with a fresh mtime, so ninja rebuilds exactly the changed sources (tar
+# would restore the checkout's older mtimes, and ninja would keep objects of other contents).
+(cd "$repo" && git ls-files -co --exclude-standard) | while read -r file; do
+  if ! cmp -s "$repo/$file" "$BUILD_DIR/$file"; then
+    mkdir -p "$BUILD_DIR/$(dirname "$file")"
+    cp "$repo/$file" "$BUILD_DIR/$file"
+  fi
+done
 cd "$BUILD_DIR"
 "$VENV/bin/python" setup.py build_ext --inplace
 
