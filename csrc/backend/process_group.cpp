@@ -1,5 +1,6 @@
 #include "backend/process_group.h"
 
+#include "backend/health.h"
 #include "backend/transports.h"
 #include "backend/reduction.h"
 #include "backend/validate.h"
@@ -54,7 +55,11 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
     return buildCudaTransports(*store, topology, transport, host, device, stream);
   };
 #endif
-  worker_ = std::make_unique<Worker>(setup.name);
+  std::shared_ptr<Monitor> health;
+  if (size_ > 1) {
+    health = std::make_shared<GroupHealth>(setup.store, rank_, size_);
+  }
+  worker_ = std::make_unique<Worker>(setup.name, std::move(health));
 }
 
 ProcessGroupChainerMN::~ProcessGroupChainerMN() {

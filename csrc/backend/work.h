@@ -51,6 +51,13 @@ class WorkChainerMN : public c10d::Work {
   Clock::time_point deadline() const {
     return deadline_;
   }
+  // When it was issued.
+  Clock::time_point issued() const {
+    return deadline_ - label_.timeout;
+  }
+  std::string opName() const {
+    return label_.op;
+  }
 
  private:
   bool claim();  // true for the first completion only

@@ -1,99 +1,18 @@
 #include "backend/worker.h"
 
+#include "backend/backoff.h"
+#include "backend/worker_state.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <deque>
 #include <future>
-#include <mutex>
 
 namespace chainermn {
 
 namespace {
-
 constexpr auto kLinger = std::chrono::microseconds(50);
-
-struct Op {
-  c10::intrusive_ptr<WorkChainerMN> work;
-  Worker::Body body;  // owns the tensors and buffers the transport reads and writes
-};
-
-struct InFlight {
-  c10::intrusive_ptr<WorkChainerMN> work;
-  Worker::Body body;  // kept alive until the transfer is over
-  RequestPtr request;
-};
-
-// Polling of point-to-point requests: yield at first (a reply is often microseconds away), then
-// sleep longer and longer so an idle wait does not steal a core from other ranks.
-class Backoff {
- public:
-  std::chrono::microseconds next() {
-    if (round_ < 64) {
-      ++round_;
-      return std::chrono::microseconds(0);
-    }
-    delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
-    return delay_;
-  }
-  void reset() {
-    round_ = 0;
-    delay_ = std::chrono::microseconds(10);
-  }
-
- private:
-  int round_ = 0;
-  std::chrono::microseconds delay_{10};
-};
-
-std::string describeError(const std::exception& error) {
-  if (auto* c10error = dynamic_cast<const c10::Error*>(&error)) {
-    return c10error->what_without_backtrace();
-  }
-  return error.what();
-}
-
-// What a Work fails with when its body or request throws. A ValueError stays one: the ranks
-// disagreed on the call (backend/agreement.h) or a receive did not match its send, and the group is
-// still in step. Anything else is the backend's failure.
-std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e) {
-  if (dynamic_cast<const c10::ValueError*>(&e) != nullptr) {
-    return std::make_exception_ptr(
-        c10::ValueError({__func__, __FILE__, __LINE__}, "chainermn " + work.description() + ": " + describeError(e)));
-  }
-  return backendError("chainermn " + work.description() + " failed: " + describeError(e));
-}
-
 } // namespace
-
-struct Worker::State {
-  explicit State(std::string name) : groupName(std::move(name)) {}
-
-  const std::string groupName;
-  mutable std::mutex mutex;
-  std::condition_variable wakeWorker;    // an op was queued, or stop
-  std::condition_variable wakeWatchdog;  // a deadline started, or stop
-  std::condition_variable idle;          // the queue emptied or the worker left a call
-  std::deque<Op> queue;
-  c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
-  std::vector<InFlight> inFlight;
-  std::string brokenReason;
-  std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
-  std::thread::id workerThread;        // set once, before the first op can be queued
-  bool closed = false;    // stop() began: enqueue refuses
-  bool stopping = false;  // the threads should leave
-
-  void workerLoop();
-  void watchdogLoop();
-  void run(Op& op);
-  bool progressInFlight();
-  std::deque<Op> takeQueued();  // with mutex held
-};
-
-// Completing or failing a Work runs its future's callbacks, which may issue more operations on this
-// group: it is never done with the mutex held.
-void failAll(std::deque<Op>& ops, const std::string& why);
 
 // Every live Worker, for stopWorkersAtExit(). Its mutex is held while that function stops them, so a
 // Worker being destroyed meanwhile waits, and is never freed while it is being stopped.
@@ -103,21 +22,21 @@ std::vector<Worker*>& liveWorkers() {
   return *workers;
 }
 
-std::deque<Op> Worker::State::takeQueued() {
-  std::deque<Op> taken;
+std::deque<QueuedOp> Worker::State::takeQueued() {
+  std::deque<QueuedOp> taken;
   taken.swap(queue);
   hasQueued.store(false, std::memory_order_release);
   idle.notify_all();
   return taken;
 }
 
-void failAll(std::deque<Op>& ops, const std::string& why) {
+void failAll(std::deque<QueuedOp>& ops, const std::string& why) {
   for (auto& op : ops) {
     op.work->fail(backendError("chainermn " + op.work->description() + ": " + why));
   }
 }
 
-void Worker::State::run(Op& op) {
+void Worker::State::run(QueuedOp& op) {
   std::string notRun;
   // An op posted by a completion callback runs inside the op whose completion ran the callback:
   // that op stays `current` again once the nested one is over.
@@ -141,7 +60,7 @@ void Worker::State::run(Op& op) {
   try {
     request = op.body();
   } catch (const std::exception& e) {
-    error = failure(*op.work, e);
+    error = failed(*op.work, e);
   }
   if (!request) {
     // Let go of the op's tensors before anyone can see it finish: a tensor whose Python object is gone
@@ -206,7 +125,7 @@ bool Worker::State::progressInFlight() {
 void Worker::State::workerLoop() {
   Backoff backoff;
   while (true) {
-    std::optional<Op> op;
+    std::optional<QueuedOp> op;
     {
       std::unique_lock<std::mutex> lock(mutex);
       if (queue.empty() && !stopping && inFlight.empty()) {
@@ -244,52 +163,8 @@ void Worker::State::workerLoop() {
   }
 }
 
-void Worker::State::watchdogLoop() {
-  std::unique_lock<std::mutex> lock(mutex);
-  while (!stopping) {
-    const auto now = Clock::now();
-    auto nextCheck = now + std::chrono::seconds(1);
-    std::vector<c10::intrusive_ptr<WorkChainerMN>> overdue;
-    if (current && !current->isCompleted()) {
-      if (current->deadline() <= now) {
-        overdue.push_back(current);
-      } else {
-        nextCheck = std::min(nextCheck, current->deadline());
-      }
-    }
-    for (auto& entry : inFlight) {
-      if (entry.work->isCompleted()) {
-        continue;  // failed earlier; the request stays until the transport lets go of it
-      }
-      if (entry.work->deadline() <= now) {
-        overdue.push_back(entry.work);
-      } else {
-        nextCheck = std::min(nextCheck, entry.work->deadline());
-      }
-    }
-    if (!overdue.empty()) {
-      if (brokenReason.empty()) {
-        brokenReason = "the group is unusable after " + overdue.front()->description() + " timed out";
-      }
-      auto queued = takeQueued();
-      const std::string reason = brokenReason;
-      lock.unlock();
-      for (auto& work : overdue) {
-        work->fail(backendError(
-            "chainermn " + work->description() +
-            " timed out: a peer did not take part before the group timeout (a rank may have died, or the "
-            "ranks issued different collectives)"));
-      }
-      failAll(queued, "not run, " + reason);
-      lock.lock();
-      idle.notify_all();
-      continue;
-    }
-    wakeWatchdog.wait_until(lock, nextCheck);
-  }
-}
-
-Worker::Worker(std::string groupName) : state_(std::make_shared<State>(std::move(groupName))) {
+Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor)
+    : state_(std::make_shared<State>(std::move(groupName), std::move(monitor))) {
   // The threads share the state, so a worker stuck in a transport call that never returns can be
   // detached without leaving it pointing at freed memory.
   std::promise<void> started;
@@ -316,7 +191,7 @@ Worker::~Worker() {
 void Worker::stop() {
   std::call_once(stopped_, [this] {
     bool stuck = false;
-    std::deque<Op> queued;
+    std::deque<QueuedOp> queued;
     std::vector<c10::intrusive_ptr<WorkChainerMN>> unfinished;
     {
       std::unique_lock<std::mutex> lock(state_->mutex);
@@ -325,8 +200,10 @@ void Worker::stop() {
       lock.unlock();
       failAll(queued, "not run: the process group was destroyed");
       lock.lock();
-      // Let an operation inside the transport finish, up to its deadline.
-      const auto deadline = state_->current ? state_->current->deadline() : Clock::now();
+      // Let an operation inside the transport finish, up to its deadline; not when the group is
+      // broken (its peers are gone or gave up: it will not finish).
+      const bool wait = state_->current && state_->brokenReason.empty();
+      const auto deadline = wait ? state_->current->deadline() : Clock::now();
       state_->idle.wait_until(lock, deadline, [this] { return !state_->current; });
       stuck = static_cast<bool>(state_->current);
       for (auto& entry : state_->inFlight) {
@@ -360,7 +237,7 @@ void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
     // callback may wait for this op (torch's PowerSGD hook does), and this thread is the one that
     // must run it, so it runs now, nested in the op that completed. Every rank completes its ops in
     // issue order, so every rank runs the callback's ops at the same point of its sequence.
-    Op op{std::move(work), std::move(body)};
+    QueuedOp op{std::move(work), std::move(body)};
     state_->run(op);
     return;
   }

@@ -6,9 +6,12 @@
 // Request; the worker polls it between operations, so a send and a receive issued in order never
 // wait for each other.
 //
-// When an operation outlives its deadline the watchdog fails its Work with an error that names it,
-// fails everything queued behind it, and marks the group unusable: the transport may still be inside
-// that call, and nothing can safely be issued behind it (as with NCCL after a timeout).
+// When an operation outlives its deadline the watchdog fails its Work with an error that names it
+// and says which ranks waited where, fails everything queued behind it, and marks the group
+// unusable: the transport may still be inside that call, and nothing can safely be issued behind it
+// (as with NCCL after a timeout). A transport failure makes the group unusable too. Either way the
+// peers are told (Monitor), so their ops fail within a couple of seconds instead of at their own
+// timeouts.
 #pragma once
 
 #include "backend/work.h"
@@ -21,11 +24,29 @@
 
 namespace chainermn {
 
+// How a worker reaches its group's other ranks when something goes wrong (backend/health.h). Called
+// on the watchdog and worker threads, only on slow paths; never throws.
+class Monitor {
+ public:
+  virtual ~Monitor() = default;
+  // A peer's reason for aborting the group, or "".
+  virtual std::string peerAbort() = 0;
+  // Tells the peers this rank's reason for aborting the group (the first reason published stays).
+  virtual void abort(const std::string& reason) = 0;
+  // Tells the peers that this rank has waited a while in `work`.
+  virtual void waiting(const WorkChainerMN& work) = 0;
+  // At `work`'s timeout: which ranks waited in it, where the others were, which died.
+  virtual std::string whoIsWhere(const WorkChainerMN& work) = 0;
+  // After a transport failure: the ranks found dead ("rank 1 (host a, pid 7) died"), or "".
+  virtual std::string deadRanks() = 0;
+};
+
 class Worker {
  public:
   using Body = std::function<RequestPtr()>;
 
-  explicit Worker(std::string groupName);
+  // `monitor` may be null (no relay between ranks).
+  Worker(std::string groupName, std::shared_ptr<Monitor> monitor);
   // stop(), unless stopWorkersAtExit() already did.
   ~Worker();
 

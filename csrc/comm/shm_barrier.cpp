@@ -1,5 +1,7 @@
 #include "comm/shm_barrier.h"
 
+#include "process.h"
+
 #include <c10/util/Exception.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -62,23 +64,6 @@ void futexWakeAll(std::atomic<uint32_t>* word) {
 constexpr int kSpins = 256;
 constexpr auto kYieldFor = std::chrono::microseconds(500);
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);  // re-check liveness and the timeout this often
-
-// Alive and not a zombie (an exited child its parent has not reaped yet still answers kill(pid, 0)).
-bool processAlive(int64_t pid) {
-  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-    return false;
-  }
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
-  FILE* file = std::fopen(path, "r");
-  if (file == nullptr) {
-    return true;  // no /proc: trust kill()
-  }
-  char state = '?';
-  const int matched = std::fscanf(file, "%*d (%*[^)]) %c", &state);
-  std::fclose(file);
-  return matched != 1 || (state != 'Z' && state != 'X');
-}
 
 } // namespace
 

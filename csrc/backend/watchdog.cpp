@@ -1,0 +1,153 @@
+// The watchdog of a Worker: deadlines, transport failures, and what the group's ranks tell each
+// other about them (Monitor), so a failure on one rank reaches every rank within a couple of seconds.
+#include "backend/worker_state.h"
+
+#include <algorithm>
+
+namespace chainermn {
+
+namespace {
+// An op that has waited this long makes the watchdog ask the store whether a peer aborted the group
+// (then twice a second): fast ops never touch the store.
+constexpr auto kAskPeersAfter = std::chrono::seconds(1);
+constexpr auto kAskPeersEvery = std::chrono::milliseconds(500);
+} // namespace
+
+std::string describeError(const std::exception& error) {
+  if (auto* c10error = dynamic_cast<const c10::Error*>(&error)) {
+    return c10error->what_without_backtrace();
+  }
+  return error.what();
+}
+
+std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e) {
+  if (dynamic_cast<const c10::ValueError*>(&e) != nullptr) {
+    return std::make_exception_ptr(
+        c10::ValueError({__func__, __FILE__, __LINE__}, "chainermn " + work.description() + ": " + describeError(e)));
+  }
+  return backendError("chainermn " + work.description() + " failed: " + describeError(e));
+}
+
+std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::exception& e) {
+  if (dynamic_cast<const c10::ValueError*>(&e) != nullptr || !monitor) {
+    return failure(work, e);
+  }
+  // The transport failed: a peer may be gone. Name it if this host can tell, tell every rank, and
+  // issue nothing more on transports that may be half-way through a call.
+  std::string message = "chainermn " + work.description() + " failed: " + describeError(e);
+  const std::string dead = monitor->deadRanks();
+  if (!dead.empty()) {
+    message += " (" + dead + ")";
+  }
+  monitor->abort(message);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (brokenReason.empty()) {
+    brokenReason = "the group is unusable after " + work.description() + " failed";
+  }
+  return backendError(message);
+}
+
+// Fails every op not yet done with `reason` and makes the group unusable. Called with the lock
+// held; completes the Works without it.
+void Worker::State::breakGroup(std::unique_lock<std::mutex>& lock, const std::string& reason) {
+  brokenReason = reason;
+  std::vector<c10::intrusive_ptr<WorkChainerMN>> pending;
+  if (current && !current->isCompleted()) {
+    pending.push_back(current);
+  }
+  for (auto& entry : inFlight) {
+    if (!entry.work->isCompleted()) {
+      pending.push_back(entry.work);
+    }
+  }
+  auto queued = takeQueued();
+  lock.unlock();
+  for (auto& work : pending) {
+    work->fail(backendError("chainermn " + work->description() + ": " + reason));
+  }
+  failAll(queued, "not run, " + reason);
+  lock.lock();
+  idle.notify_all();
+}
+
+// While an op has waited over kAskPeersAfter: tells the peers once, and asks whether one of them
+// aborted the group. Returns true when it did (the group is then broken). Lock held on entry and exit.
+bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck) {
+  c10::intrusive_ptr<WorkChainerMN> waiter;
+  auto consider = [&](const c10::intrusive_ptr<WorkChainerMN>& work) {
+    if (work && !work->isCompleted() && (!waiter || work->issued() < waiter->issued())) {
+      waiter = work;
+    }
+  };
+  consider(current);
+  for (auto& entry : inFlight) {
+    consider(entry.work);
+  }
+  if (!monitor || !waiter || !brokenReason.empty()) {
+    return false;
+  }
+  if (now < waiter->issued() + kAskPeersAfter) {
+    nextCheck = std::min(nextCheck, waiter->issued() + kAskPeersAfter);
+    return false;
+  }
+  const bool tell = waiter != reportedWaiting;
+  reportedWaiting = waiter;
+  lock.unlock();
+  if (tell) {
+    monitor->waiting(*waiter);
+  }
+  const std::string reason = monitor->peerAbort();
+  lock.lock();
+  nextCheck = std::min(nextCheck, Clock::now() + kAskPeersEvery);
+  if (reason.empty() || !brokenReason.empty()) {
+    return false;
+  }
+  breakGroup(lock, "the group was aborted: " + reason);
+  return true;
+}
+
+void Worker::State::watchdogLoop() {
+  std::unique_lock<std::mutex> lock(mutex);
+  while (!stopping) {
+    const auto now = Clock::now();
+    auto nextCheck = now + std::chrono::seconds(1);
+    c10::intrusive_ptr<WorkChainerMN> overdue;
+    auto check = [&](const c10::intrusive_ptr<WorkChainerMN>& work) {
+      if (!work || work->isCompleted()) {
+        return;  // a failed request stays until the transport lets go of it
+      }
+      if (work->deadline() <= now) {
+        overdue = overdue ? overdue : work;
+      } else {
+        nextCheck = std::min(nextCheck, work->deadline());
+      }
+    };
+    check(current);
+    for (auto& entry : inFlight) {
+      check(entry.work);
+    }
+    if (overdue) {
+      // Who waited where, asked of the store without the lock; then every pending op fails.
+      lock.unlock();
+      std::string where = monitor ? monitor->whoIsWhere(*overdue) : "";
+      const std::string message = "chainermn " + overdue->description() +
+          " timed out: a peer did not take part before the group timeout" +
+          (where.empty() ? " (a rank may have died, or the ranks issued different collectives)" : ": " + where);
+      if (monitor) {
+        monitor->abort(message);
+      }
+      overdue->fail(backendError(message));
+      lock.lock();
+      if (brokenReason.empty()) {
+        breakGroup(lock, "the group is unusable after " + overdue->description() + " timed out");
+      }
+      continue;
+    }
+    if (askPeers(lock, now, nextCheck)) {
+      continue;
+    }
+    wakeWatchdog.wait_until(lock, nextCheck);
+  }
+}
+
+} // namespace chainermn

@@ -1,0 +1,72 @@
+// The inside of a Worker, shared by its two threads: the queue and the op running (worker.cpp), and
+// the watchdog with what it tells and asks the group's other ranks (watchdog.cpp).
+#pragma once
+
+#include "backend/worker.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace chainermn {
+
+struct QueuedOp {
+  c10::intrusive_ptr<WorkChainerMN> work;
+  Worker::Body body;  // owns the tensors and buffers the transport reads and writes
+};
+
+struct InFlight {
+  c10::intrusive_ptr<WorkChainerMN> work;
+  Worker::Body body;  // kept alive until the transfer is over
+  RequestPtr request;
+};
+
+// An exception's message without c10's backtrace.
+std::string describeError(const std::exception& error);
+
+// What a Work fails with when its body or request throws. A ValueError stays one: the ranks
+// disagreed on the call (backend/agreement.h) or a receive did not match its send, and the group is
+// still in step. Anything else is the backend's failure.
+std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e);
+
+
+struct Worker::State {
+  State(std::string name, std::shared_ptr<Monitor> monitor) : groupName(std::move(name)), monitor(std::move(monitor)) {}
+
+  const std::string groupName;
+  const std::shared_ptr<Monitor> monitor;  // may be null
+  c10::intrusive_ptr<WorkChainerMN> reportedWaiting;  // watchdog only: the op the peers were told of
+  mutable std::mutex mutex;
+  std::condition_variable wakeWorker;    // an op was queued, or stop
+  std::condition_variable wakeWatchdog;  // a deadline started, or stop
+  std::condition_variable idle;          // the queue emptied or the worker left a call
+  std::deque<QueuedOp> queue;
+  c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
+  std::vector<InFlight> inFlight;
+  std::string brokenReason;
+  std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
+  std::thread::id workerThread;        // set once, before the first op can be queued
+  bool closed = false;    // stop() began: enqueue refuses
+  bool stopping = false;  // the threads should leave
+
+  void workerLoop();
+  void watchdogLoop();
+  bool askPeers(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
+  void breakGroup(std::unique_lock<std::mutex>& lock, const std::string& reason);
+  std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
+  void run(QueuedOp& op);
+  bool progressInFlight();
+  std::deque<QueuedOp> takeQueued();  // with mutex held
+};
+
+// Completing or failing a Work runs its future's callbacks, which may issue more operations on this
+// group: it is never done with the mutex held.
+void failAll(std::deque<QueuedOp>& ops, const std::string& why);
+
+} // namespace chainermn
