@@ -42,7 +42,7 @@ def transport(group=None) -> str:
     return _backend.backend_of(group, "transport").transport
 
 
-_launch.prepare_mpiexec_environment()
+_launch.prepare_environment()  # torchrun's variables, else mpiexec's or srun's
 _backend.register()
 global_except_hook._install_from_environment()  # CHAINERMN_FORCE_ABORT_ON_EXCEPTION
 # Finish and stop the groups' worker threads while the interpreter can still serve them (see
