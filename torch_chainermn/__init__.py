@@ -14,6 +14,7 @@ import torch.distributed  # noqa: F401
 from . import _C, _backend, _launch, communicator, datasets, extensions, global_except_hook, hooks, iterators, nn
 from ._C import Topology
 from ._backend import get_options
+from ._version import __version__
 from .communicator import Communicator, create_communicator
 from .datasets import create_empty_dataset, scatter_dataset
 from .extensions import (AllreducePersistent, create_multi_node_checkpoint, create_multi_node_checkpointer,
@@ -26,7 +27,6 @@ from .optimizers import create_multi_node_optimizer
 from .options import Options
 from .topology import topology
 
-__version__ = "0.1.0"
 __all__ = [
     "AllreducePersistent", "Communicator", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
     "Options", "Topology", "communicator", "convert_mnbn_model", "create_communicator", "create_empty_dataset",
