@@ -82,4 +82,4 @@ def instance_store(store, rank: int, size: int, timeout: datetime.timedelta):
         instance = store.get(_answer_key(nonce)).decode()
         store.delete_key(_answer_key(nonce))
         store.set(_joined_key(instance, rank), b"")
-    return dist.PrefixStore(f"chainermn/instance/{instance}/", store), instance
+    return dist.PrefixStore(f"chainermn/instance/{instance}", store), instance  # PrefixStore adds the "/"
