@@ -2,24 +2,24 @@
 store outlives the attempts) and groups destroyed and created again never use an old instance's shared-
 memory segment or Gloo addresses.
 
-One real elastic job (tests/elastic_worker.py) covers it all: two torchrun agents, as two nodes of an
-`--nnodes 1:2` c10d rendezvous, one rank each, on this host (so the ranks share memory and Gloo too).
-Every attempt destroys and re-creates its groups three times; rank 1 dies in the first attempt; the
-second attempt trains and checkpoints. Before the instances had keys of their own, the second attempt
-failed every time (the first attempt's segment name, or its Gloo addresses).
+One real elastic job (tests/elastic_worker.py) covers it all, as the issue saw it: `torchrun
+--standalone --nproc-per-node 2 --max-restarts 1` (c10d rendezvous; its agent's store outlives the
+attempts), two ranks on this host sharing memory and Gloo. Every attempt destroys and re-creates its
+groups three times; rank 1 dies in the first attempt; the second attempt trains and checkpoints.
+Before the instances had keys of their own, the second attempt failed every time (the first attempt's
+segment name, or its Gloo addresses). (Two agents as two nodes of an `--nnodes 1:2` rendezvous pass
+too, but take 8 s more; tests/test_instance.py covers arrival orders a launcher cannot force.)
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import torch
 
-from tests.harness import REPO, RankFailure, free_port, job_environment
+from tests.harness import REPO, job_environment, run_job
 
 WORKER = REPO / "tests" / "elastic_worker.py"
-JOB_TIMEOUT_S = 120  # about 20 s here; a hang (old keys, old addresses) ends in a failed test
+JOB_TIMEOUT_S = 120  # about 15 s here; a hang (old keys, old addresses) ends in a failed test
 
 
 def orphan_segments() -> set:
@@ -37,40 +37,17 @@ def orphan_segments() -> set:
     return orphans
 
 
-def run_agents(commands: list, env: dict, timeout: float) -> list:
-    """Start every command at once, each in a session of its own; (exit status, output) of each.
-    A hang kills them all and fails."""
-    procs = [subprocess.Popen(c, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True) for c in commands]
-    results = []
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, output.decode(errors="replace")))
-    except subprocess.TimeoutExpired:
-        outputs = []
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            outputs.append(proc.communicate()[0].decode(errors="replace")[-3000:])
-        raise RankFailure(f"the job was still running after {timeout:.0f} s:\n" + "\n----\n".join(outputs)) from None
-    return results
-
-
 def test_restarted_job_trains_with_fresh_groups_and_leaks_no_segment(tmp_path):
     orphans_before = orphan_segments()
-    endpoint = f"127.0.0.1:{free_port()}"
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "instances",
-             # With fewer nodes than the maximum, wait this long for the other (default 30 s).
-             "--rdzv-conf", "last_call_timeout=2", "--max-restarts", "1", str(WORKER), str(tmp_path)]
-    results = run_agents([agent, agent], job_environment(), JOB_TIMEOUT_S)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "1", str(WORKER), str(tmp_path)]
+    returncode, output = run_job(torchrun, job_environment(), JOB_TIMEOUT_S, what="torchrun")
 
-    report = "\n----\n".join(f"agent exit status {rc}:\n{out[-3000:]}" for rc, out in results)
+    report = f"torchrun exited with {returncode}:\n{output[-6000:]}"
     assert (tmp_path / "rank1-died").exists(), report  # the first attempt did lose a rank
-    assert all(rc == 0 for rc, _ in results), report
+    assert returncode == 0, report
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["world"] == 2, result
+    assert result["world"] == 2 and result["restart"] == "1", result  # written by the second attempt
     assert result["losses"][-1] < result["losses"][0] / 4, result  # it trained
     state = torch.load(tmp_path / "checkpoint.pt")
     assert set(state) == {"weight", "bias"} and state["weight"].shape == (1, 4)
