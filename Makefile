@@ -5,16 +5,19 @@
 #
 # `make install` is idempotent and quick when nothing changed: it creates .venv with the pinned CPU
 # torch (found through PIP_FIND_LINKS, which must stay in the environment), installs Open MPI from
-# Debian when mpicc is missing, and builds the extension in place.
+# Debian when mpicc is missing and Slurm (for tests/test_slurm.py's one-node cluster) when srun is,
+# and builds the extension in place.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
-PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja
+# tqdm: the examples' progress bars.
+PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked
+SLURM_STAMP := $(VENV)/.slurm-checked
 DEPS_STAMP := $(VENV)/.deps-installed
 NPROC ?= 4
 
@@ -22,7 +25,7 @@ BENCH_STAMP := $(VENV)/.bench-deps-installed
 
 .PHONY: install demo test bench clean
 
-install: $(EXTENSION_STAMP)
+install: $(EXTENSION_STAMP) $(SLURM_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +46,21 @@ $(MPI_STAMP): $(PY)
 	  fi; \
 	fi
 	@command -v mpicc > $@ || true
+
+# Slurm (slurmctld, slurmd, srun; munge comes with them), about 15 s: tests/test_slurm.py starts a
+# one-node cluster of its own. After the MPI rule, whose apt-get update it reuses.
+$(SLURM_STAMP): $(MPI_STAMP)
+	@if ! command -v srun >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Slurm from Debian"; \
+	    slurm="slurmd slurmctld slurm-client"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$slurm >/dev/null 2>&1 || \
+	      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$slurm >/dev/null; }; \
+	  else \
+	    echo "warning: srun not found and not root: tests/test_slurm.py will fail"; \
+	  fi; \
+	fi
+	@command -v srun > $@ || true
 
 $(EXTENSION_STAMP): $(DEPS_STAMP) $(MPI_STAMP) $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation -e .

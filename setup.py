@@ -10,6 +10,7 @@ package in site-packages (nvidia-nccl-cu13/-cu12), or NCCL_HOME / a system NCCL 
 """
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,16 @@ def mpi_flags():
     except (OSError, subprocess.CalledProcessError):
         return None
     return compile_args, link_args
+
+
+def version():
+    """torch_chainermn/_version.py's __version__, read as text (importing the package needs _C)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_chainermn", "_version.py")
+    with open(path) as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"no __version__ = \"...\" line in {path}")
+    return match.group(1)
 
 
 def with_cuda():
@@ -91,7 +102,7 @@ build_sources.object_names(sources)
 
 setup(
     name="torch-chainermn",
-    version="0.1.0",
+    version=version(),
     description="ChainerMN's distributed training strategies as a torch.distributed backend",
     packages=find_packages(include=["torch_chainermn", "torch_chainermn.*"]),
     python_requires=">=3.9",

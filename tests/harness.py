@@ -1,8 +1,9 @@
 """Run a function on N real processes joined by the chainermn backend, and collect what each returns.
 
-Two launchers, both with real processes:
+Three launchers, all with real processes:
 - `run_spawn`: multiprocessing's spawn with env:// rendezvous, as torchrun does (transport: Gloo);
-- `run_mpiexec`: Open MPI's mpiexec with no rendezvous variables at all (transport: MPI).
+- `run_mpiexec`: Open MPI's mpiexec with no rendezvous variables at all (transport: MPI);
+- `run_srun`: Slurm's srun (or sbatch), likewise with none (see tests/slurm_cluster.py).
 
 `fn(*args)` runs on every rank after `dist.init_process_group("chainermn")`; its return values come
 back as a list indexed by rank. A rank that raises makes the run fail with that rank's traceback. A
@@ -116,14 +117,15 @@ def _write_args(tmp: Path, args, kwargs) -> str:
     return str(path)
 
 
-RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
 def launcher_free_environment(drop_prefixes: tuple = ()) -> dict:
-    """This process's environment without the rendezvous variables (and any `drop_prefixes`), so a
-    job started from a test takes its ranks from its own launcher, not from this one."""
-    return {k: v for k, v in os.environ.items()
-            if k not in RENDEZVOUS_VARIABLES and not (drop_prefixes and k.startswith(drop_prefixes))}
+    """This process's environment without the rendezvous variables, Slurm's (a suite run inside a Slurm
+    job would hand its task's to every job) and any `drop_prefixes`, so a job started from a test takes
+    its ranks from its own launcher, not from this one."""
+    drop = ("SLURM_",) + tuple(drop_prefixes)
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES and not k.startswith(drop)}
 
 
 def _base_env(extra: dict | None) -> dict:
@@ -222,10 +224,59 @@ def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=
         return results
 
 
+def _run_batch_job(sbatch: list, env: dict, timeout: float, output: Path) -> tuple[int, str]:
+    """Submit a batch job and wait for its end: (the batch script's exit status, its output). Polls
+    every 0.2 s (sbatch --wait polls every few seconds, which is most of a short job's time)."""
+    returncode, text = run_job(sbatch, env, 30, what="sbatch")
+    if returncode != 0:
+        raise RankFailure(f"sbatch failed with {returncode}:\n{text}")
+    job = text.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        state = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+        fields = dict(f.split("=", 1) for f in state.split() if "=" in f)
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            log = output.read_text() if output.exists() else ""
+            return int(fields.get("ExitCode", "1:0").split(":")[0]), f"{state}\n{log}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env)
+            raise RankFailure(f"Slurm job {job} was still running after {timeout:.0f} s and was cancelled:\n{state}")
+        time.sleep(0.2)
+
+
+def run_srun(fn, world_size: int, *args, slurm_conf: str, srun_args=(), batch=False, env=None, timeout=120.0,
+             op_timeout=60.0, **kwargs) -> list:
+    """Run fn under Slurm's `srun -n world_size` with no rendezvous variables: `import torch_chainermn`
+    reads rank, size and the store's address from srun's SLURM_* variables.
+
+    `slurm_conf`: the cluster's configuration (tests/slurm_cluster.py); `srun_args`: more of srun's
+    options (--mpi=pmix); `batch`: submit a batch script that runs that srun (sbatch) instead."""
+    with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
+        tmp = Path(tmp_name)
+        args_path = _write_args(tmp, args, kwargs)
+        rank_command = [sys.executable, "-m", "tests.harness", _reference(fn), args_path, str(tmp), "1",
+                        str(op_timeout)]
+        # A rank that fails ends the step (srun's default waits for the others).
+        srun = ["srun", "-n", str(world_size), "--kill-on-bad-exit=1", *srun_args, *rank_command]
+        env = job_environment({"SLURM_CONF": slurm_conf, **(env or {})})
+        if batch:
+            script = tmp / "job.sh"
+            script.write_text("#!/bin/sh\nexec " + " ".join(srun) + "\n")
+            returncode, text = _run_batch_job(
+                ["sbatch", "--parsable", "-n", str(world_size), "-o", str(tmp / "job.out"), str(script)],
+                env, timeout, tmp / "job.out")
+        else:
+            returncode, text = run_job(srun, env, timeout, what="srun")
+        results = _collect(tmp, world_size, f"the Slurm job exited with {returncode}:\n{text[-4000:]}")
+        if returncode != 0:
+            raise RankFailure(f"the Slurm job exited with {returncode}:\n{text[-4000:]}")
+        return results
+
+
 if __name__ == "__main__":
-    # Entry point of every rank under mpiexec.
+    # Entry point of every rank under mpiexec and srun.
     reference, args_path, out_dir, init, op_timeout = sys.argv[1:6]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch_chainermn  # noqa: F401  sets RANK etc. from MPI
+    import torch_chainermn  # noqa: F401  sets RANK etc. from MPI or Slurm
 
     rank_main(reference, args_path, out_dir, init == "1", float(op_timeout))

@@ -14,6 +14,7 @@ import torch.distributed  # noqa: F401
 from . import _C, _backend, _launch, communicator, datasets, extensions, global_except_hook, hooks, iterators, nn
 from ._C import Topology
 from ._backend import get_options
+from ._version import __version__
 from .communicator import Communicator, create_communicator
 from .datasets import create_empty_dataset, scatter_dataset
 from .extensions import (AllreducePersistent, create_multi_node_checkpoint, create_multi_node_checkpointer,
@@ -26,7 +27,6 @@ from .optimizers import create_multi_node_optimizer
 from .options import Options
 from .topology import topology
 
-__version__ = "0.1.0"
 __all__ = [
     "AllreducePersistent", "Communicator", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
     "Options", "Topology", "communicator", "convert_mnbn_model", "create_communicator", "create_empty_dataset",
@@ -42,7 +42,7 @@ def transport(group=None) -> str:
     return _backend.backend_of(group, "transport").transport
 
 
-_launch.prepare_mpiexec_environment()
+_launch.prepare_environment()  # torchrun's variables, else mpiexec's or srun's
 _backend.register()
 global_except_hook._install_from_environment()  # CHAINERMN_FORCE_ABORT_ON_EXCEPTION
 # Finish and stop the groups' worker threads while the interpreter can still serve them (see

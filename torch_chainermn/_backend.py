@@ -3,6 +3,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._instance import instance_store
 from ._launch import mpi_launched
 from .options import Options
 
@@ -34,12 +35,14 @@ def create_backend(dist_options, pg_options=None):
         pg_options = Options()
     elif not isinstance(pg_options, Options):
         raise ValueError(f"chainermn: pg_options must be torch_chainermn.Options, got {type(pg_options).__name__}")
-    store = dist_options.store
     rank, size = dist_options.group_rank, dist_options.group_size
     global_ranks = list(dist_options.global_ranks_in_group) or list(range(size))
     global_rank = global_ranks[rank]
     world_size = dist.get_world_size() if dist.is_initialized() else size
     timeout = dist_options.timeout
+    # Every key below, and those C++ writes (host names, segment names, NCCL ids), and the inner Gloo
+    # groups' keys, live under this instance of the group only: see _instance.py.
+    store, _ = instance_store(dist_options.store, rank, size, timeout)
 
     requested = pg_options.transport
     usable, why_not = _mpi_usable(world_size, global_rank) if requested != "gloo" else (False, "")

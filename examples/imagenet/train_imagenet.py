@@ -31,7 +31,7 @@ sum cannot overflow), makes one allreduce per step through the chosen communicat
 --double-buffering (the previous step's mean is applied while this step's allreduce runs) in the same
 code path. The multi-node BatchNorm layers share their statistics over the same communicator.
 
-Output. Rank 0 shows a progress bar on stderr (--no-progress to hide it) and prints, per epoch, the
+Output. Rank 0 shows a tqdm progress bar on stderr (--no-progress to hide it) and prints, per epoch, the
 training loss, the validation loss and top-1 accuracy and the throughput in images per second over
 all ranks; --out writes the same as JSON. --iterations caps the steps per epoch.
 
@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 import torch_chainermn  # registers the "chainermn" backend (and, under mpiexec, reads rank and size from MPI)
 from torch_chainermn.options import COMMUNICATORS
@@ -281,33 +282,6 @@ class ResNet(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- output
 
-class ProgressBar:
-    """A one-line progress bar on stderr: redrawn in place (at most ten times a second) on a terminal,
-    written once, when complete, to a file or pipe."""
-
-    def __init__(self, total: int, label: str, enabled: bool, width: int = 30):
-        self.total, self.label, self.enabled, self.width = total, label, enabled, width
-        self.live = enabled and sys.stderr.isatty()
-        self.last_draw = 0.0
-        self.line = ""
-
-    def update(self, done: int, text: str = "") -> None:
-        if not self.enabled:
-            return
-        filled = self.width * done // max(self.total, 1)
-        self.line = f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {text}"
-        now = time.monotonic()
-        if self.live and (done == self.total or now - self.last_draw >= 0.1):
-            self.last_draw = now
-            sys.stderr.write(f"\r{self.line}\033[K")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n" if self.live else f"{self.line}\n")
-            sys.stderr.flush()
-
-
 def write_json_atomically(path: Path, payload) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -383,7 +357,9 @@ def main():
     history = []
     for epoch in range(1, args.epoch + 1):
         model.train()
-        progress = ProgressBar(steps, f"epoch {epoch}", args.progress and comm.rank == 0)
+        # On stderr, rank 0 only: redrawn in place on a terminal, every few seconds to a file or pipe.
+        progress = tqdm(total=steps, desc=f"epoch {epoch}", disable=not (args.progress and comm.rank == 0),
+                        file=sys.stderr, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 5.0)
         dist.barrier(group=comm.group)  # every rank starts the clock together
         start = time.perf_counter()
         loss_sum, images = 0.0, 0
@@ -396,7 +372,9 @@ def main():
             loss_sum += loss.item() * len(t)
             images += len(t)
             seconds = time.perf_counter() - start
-            progress.update(step, f"loss {loss.item():.3f}  {images * comm.size / seconds:.1f} images/s")
+            progress.set_postfix_str(f"loss {loss.item():.3f}  {images * comm.size / seconds:.1f} images/s",
+                                     refresh=False)
+            progress.update()
             if step == steps:
                 break
         if args.double_buffering:

@@ -1,0 +1,32 @@
+"""torch_chainermn.__version__: written once (torch_chainermn/_version.py), the version setup.py builds
+and the installed distribution's metadata carry."""
+import importlib.metadata
+import re
+import runpy
+import sys
+
+import setuptools
+
+import torch_chainermn
+from tests.harness import REPO
+
+# PEP 440's public versions, in short: 1.2.3, 1.2.3rc1, 1.2.3.post1, 1.2.3.dev4
+PEP_440 = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
+
+
+def test_version_is_setup_pys_and_the_installed_metadata(monkeypatch):
+    version = torch_chainermn.__version__
+    assert PEP_440.match(version), version
+
+    captured = {}
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # setup.py prepends tools/
+    monkeypatch.setenv("CHAINERMN_NO_CUDA", "1")
+    monkeypatch.setenv("CHAINERMN_NO_MPI", "1")
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
+    runpy.run_path(str(REPO / "setup.py"), run_name="__main__")
+    assert captured["version"] == version
+
+    # What pip recorded at install (make install: pip install -e .); stale after a version change
+    # until the next install.
+    assert importlib.metadata.version("torch-chainermn") == version, "reinstall: pip install --no-build-isolation -e ."
