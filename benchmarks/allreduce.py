@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the tensors live; cuda compares against torch's nccl instead of gloo")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where --launch writes its files")
+    parser.add_argument("--checks-off-too", action="store_true",
+                        help="also measure each strategy with its cross-rank checks off (Options(checks='off')), "
+                             "to show what the checks cost")
     parser.add_argument("--plot", type=Path, help="write a log-log PNG of busbw vs message size here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed (--launch only)")
     args = parser.parse_args(argv)
@@ -247,7 +250,7 @@ class Contender:
         self.label, self.allreduce, self.barrier = label, allreduce, barrier
 
 
-def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, device: str
+def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, device: str, checks_off_too=False
                     ) -> tuple[list[Contender], list[str]]:
     """The contenders, and why any strategy was left out."""
     contenders, skipped = [], []
@@ -258,12 +261,14 @@ def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, devi
         if name == "pure_nccl" and device != "cuda":
             skipped.append("pure_nccl: CUDA tensors only")
             continue
-        group = dist.new_group(backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
-        contenders.append(Contender(
-            f"{name}/{transport}",
-            # Default arguments bind this iteration's group (a closure would see the last one).
-            lambda t, group=group: dist.all_reduce(t, group=group),
-            lambda group=group: dist.barrier(group=group)))
+        for checks in (("info", "off") if checks_off_too else ("info",)):
+            group = dist.new_group(backend="chainermn",
+                                   pg_options=torch_chainermn.Options(communicator=name, checks=checks))
+            contenders.append(Contender(
+                f"{name}/{transport}" + (" checks=off" if checks == "off" else ""),
+                # Default arguments bind this iteration's group (a closure would see the last one).
+                lambda t, group=group: dist.all_reduce(t, group=group),
+                lambda group=group: dist.barrier(group=group)))
     # torch's own backend for the device: gloo for CPU tensors, nccl for CUDA tensors.
     name = "nccl" if device == "cuda" else "gloo"
     theirs = dist.new_group(backend=name)
@@ -329,7 +334,8 @@ def run_rank(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     transport = torch_chainermn.transport()
     launcher = launcher_name()
-    contenders, skipped = make_contenders(dist, torch_chainermn, MPI, transport, args.strategies, args.device)
+    contenders, skipped = make_contenders(dist, torch_chainermn, MPI, transport, args.strategies, args.device,
+                                          args.checks_off_too)
     # A separate group for bookkeeping (agreeing on counts, checks), so it never queues behind or
     # between the measured operations of a contender's own group.
     control = dist.new_group(backend="gloo")
@@ -571,6 +577,8 @@ def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str
               "--warmup", str(args.warmup), "--repeats", str(args.repeats),
               "--seconds-per-point", str(args.seconds_per_point), "--json", str(json_path),
               "--strategies", *args.strategies, "--device", args.device]
+    if args.checks_off_too:
+        script.append("--checks-off-too")
     if launcher == "mpiexec":
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:

@@ -7,6 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import torch_chainermn
+
 from tests.harness import run_spawn
 
 
@@ -33,9 +35,25 @@ def test_a_death_reaches_every_node_named():
         assert waited < 30, (rank, waited, message)  # told, not timed out (the timeout is 60 s)
 
 
+def monitored_barriers(rank):
+    """torch's monitored_barrier semantics: all arrive; then ranks 1 and 2 come 2.5 s late."""
+    outcomes = []
+    for late in (False, True):
+        if late and rank != 0:
+            time.sleep(2.5)
+        try:
+            timeout = datetime.timedelta(seconds=1 if late else 20)
+            torch_chainermn.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+            outcomes.append("passed")
+        except dist.DistBackendError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
 def stalled_rank():
-    """Rank 2 reaches the all_reduce 6 s late on a group with a 3 s timeout."""
+    """Rank 2 reaches the all_reduce 6 s late on a group with a 3 s timeout (after monitored barriers)."""
     rank = dist.get_rank()
+    barriers = monitored_barriers(rank)
     group = dist.new_group([0, 1, 2], timeout=datetime.timedelta(seconds=3))
     if rank == 2:
         time.sleep(6)
@@ -45,15 +63,31 @@ def stalled_rank():
         outcome = "completed"
     except dist.DistBackendError as error:
         outcome = str(error)
-    return outcome, time.monotonic() - start
+    return outcome, time.monotonic() - start, barriers
+
+
+def test_monitored_barrier_names_the_late_ranks_on_every_rank():
+    for rank in range(3):
+        passed, late = stalled_outcomes()[rank][2]
+        assert passed == "passed", passed
+        assert "Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms" in late, (rank, late)
+
+
+_stalled = []
+
+
+def stalled_outcomes():
+    if not _stalled:
+        _stalled.append(run_spawn(stalled_rank, 3, timeout=120, op_timeout=60))
+    return _stalled[0]
 
 
 def test_a_timeout_says_who_waited_and_the_late_rank_fails_at_once():
-    outcomes = run_spawn(stalled_rank, 3, timeout=120, op_timeout=60)
+    outcomes = stalled_outcomes()
     for rank in (0, 1):
-        message, _ = outcomes[rank]
+        message, _, _ = outcomes[rank]
         assert "timed out" in message and "ranks 0,1 waited in all_reduce seq 1" in message, message
         assert "rank 2 (host" in message and "never waited" in message, message
-    late, waited = outcomes[2]
+    late, waited, _ = outcomes[2]
     assert "aborted" in late and "timed out" in late and "rank 2 (host" in late, late
     assert waited < 3, waited  # failed on the peers' word, before its own 3 s timeout

@@ -21,6 +21,7 @@ from .extensions import (AllreducePersistent, create_multi_node_checkpoint, crea
                          create_multi_node_evaluator)
 from .gradients import mean_coalesced
 from .iterators import create_multi_node_iterator, create_synchronized_iterator
+from .monitoring import monitored_barrier
 from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, convert_mnbn_model,
                  create_mnbn_model)
 from .optimizers import create_multi_node_optimizer
@@ -33,7 +34,7 @@ __all__ = [
     "create_mnbn_model", "create_multi_node_checkpoint", "create_multi_node_checkpointer",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
     "create_synchronized_iterator", "datasets", "extensions", "get_options", "global_except_hook", "hooks",
-    "iterators", "mean_coalesced", "nn", "scatter_dataset", "topology", "transport",
+    "iterators", "mean_coalesced", "monitored_barrier", "nn", "scatter_dataset", "topology", "transport",
 ]
 
 

@@ -123,6 +123,24 @@ std::vector<Fingerprint> exchangeFingerprints(Transport& world, const Fingerprin
   return all;
 }
 
+namespace {
+bool allSame(const std::vector<Fingerprint>& prints) {
+  return std::all_of(prints.begin(), prints.end(), [&](const Fingerprint& print) {
+    return std::memcmp(&print, &prints.front(), sizeof(Fingerprint)) == 0;
+  });
+}
+} // namespace
+
+bool agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine) {
+  // Both exchanges on every rank, whatever the first shows: the peers of the second wait for it.
+  const bool nodeSame = allSame(exchangeFingerprints(*transports.intra, mine));
+  const bool acrossSame = allSame(exchangeFingerprints(*transports.inter, mine));
+  const int64_t sawNoDifference = nodeSame && acrossSame;
+  std::vector<int64_t> node(transports.intra->size());
+  transports.intra->exchange(&sawNoDifference, node.data(), sizeof(int64_t));
+  return std::all_of(node.begin(), node.end(), [](int64_t verdict) { return verdict == 1; });
+}
+
 std::string disagreement(
     const std::vector<Fingerprint>& all,
     const std::function<std::string(int rank)>& reasonOf) {

@@ -67,6 +67,14 @@ uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes);
 // Every rank's fingerprint, in group rank order (one small collective over `world`).
 std::vector<Fingerprint> exchangeFingerprints(Transport& world, const Fingerprint& mine);
 
+// Whether every rank's fingerprint equals this one, known the same on every rank, through the
+// levels of nodes of equal size: fingerprints within the node, then across nodes among the ranks of
+// this intra rank, then the node's verdicts. If every rank's two comparisons pass, all fingerprints
+// are equal (any two ranks are linked through the rank of the same intra rank on the other's node);
+// and if any differ, every node has a rank that saw it. Two node-local exchanges (shared memory: one
+// barrier each) and one exchange among as many ranks as there are nodes, instead of one among all.
+bool agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine);
+
 // Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).
 // `reasonOf(rank)` fetches the reason of a rank that refused the call.
 std::string disagreement(

@@ -29,6 +29,10 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   context_->store = setup.store;
   context_->rank = rank_;
   context_->checks = size_ > 1 ? options_.checks : CheckLevel::Off;
+  // From the whole group's topology, so that every rank takes the same path.
+  const auto& nodes = topology_.ranksOfNode;
+  context_->checkThroughLevels = nodes.size() > 1 && nodes.front().size() > 1 &&
+      std::all_of(nodes.begin(), nodes.end(), [&](const auto& node) { return node.size() == nodes.front().size(); });
 
   TransportSet host = buildHostTransports(setup, options_.sharedMemory);
   TORCH_CHECK(
@@ -170,6 +174,14 @@ void ProcessGroupChainerMN::postRefusal(const char* op, const std::string& reaso
   });
 }
 
+namespace {
+void checkSplitsIfAny(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {
+  if (!agreement.sendCounts.empty() && world.size() > 1) {
+    checkSplits(world, op, sequence, agreement);
+  }
+}
+} // namespace
+
 void GroupContext::agree(const char* op, const Agreement& agreement, const std::string& refusal) {
   const uint64_t sequence = ++collectivesRun;
   Transport& world = *cpu->transports.world;
@@ -179,15 +191,19 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
       store->set(refusalKey(sequence, rank), std::vector<uint8_t>(refusal.begin(), refusal.end()));
       mine.refused = 1;
     }
+    // Between nodes the levels are cheaper; only a disagreement (rare) needs every fingerprint to
+    // say which ranks differ, and then every rank knows to ask.
+    if (checkThroughLevels && agreeThroughLevels(cpu->transports, mine)) {
+      checkSplitsIfAny(world, op, sequence, agreement);
+      return;
+    }
     const std::string problem = disagreement(exchangeFingerprints(world, mine), [&](int r) {
       const auto reason = store->get(refusalKey(sequence, r));
       return std::string(reason.begin(), reason.end());
     });
     TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
   }
-  if (!agreement.sendCounts.empty() && world.size() > 1) {
-    checkSplits(world, op, sequence, agreement);
-  }
+  checkSplitsIfAny(world, op, sequence, agreement);
 }
 
 // ---- the allreduce family: one flow (pack with cast and scale -> strategy -> unpack) -------------

@@ -9,6 +9,7 @@
 
 #include "backend/agreement.h"
 #include "backend/device_context.h"
+#include "backend/messages.h"
 #include "backend/options.h"
 #include "backend/worker.h"
 #include "strategies/strategy.h"
@@ -33,7 +34,9 @@ struct GroupContext {
   c10::intrusive_ptr<c10d::Store> store;  // refusals' reasons (agreement.h)
   int rank = 0;
   CheckLevel checks = CheckLevel::Info;
+  bool checkThroughLevels = false;  // several nodes of equal size: agreeThroughLevels (agreement.h)
   uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
+  MessageOrder messages;        // worker thread only: point-to-point numbering (messages.h)
 
   // Worker thread, before a collective's body: numbers it and, unless checks are off, compares its
   // fingerprint with every rank's; throws the same ValueError on every rank when they differ.
@@ -126,6 +129,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  // torch's monitored_barrier, through the store on the caller's thread: rank 0 waits for every
+  // rank's arrival and names the ranks that did not come within the timeout (all of them with
+  // waitAllRanks); every rank raises then.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
 
   // torch's sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker that
   // reads them): the number of collectives this rank has issued to the group.
@@ -210,6 +217,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};     // collectives posted (torch's sequence number)
   std::atomic<uint64_t> p2pSequence_{0};  // sends and receives posted
+  uint64_t monitoredBarriers_ = 0;         // numbers each monitored barrier's keys
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 
