@@ -301,21 +301,15 @@ def battery(sizes, parts):
 
 
 @functools.lru_cache(maxsize=None)
-def report(launcher: str):
-    """The battery's report, run once per session: {check: [None or traceback per rank]}."""
-    if launcher == "gloo":
-        results = harness.run_spawn(battery, 4, (2, 3, 4), ("functions", "model_parallel"), timeout=300,
-                                    op_timeout=60)
-    else:
-        results = harness.run_mpiexec(battery, 2, (2,), ("functions", "model_parallel"), timeout=300,
-                                      op_timeout=60)
-    names = list(results[0])
-    return {name: [r.get(name) for r in results] for name in names}
+def report():
+    """The battery's report, run once per session on 4 ranks (communicators of 2, 3 and 4 ranks in
+    it): {check: [None or traceback, per rank]}."""
+    results = harness.run_spawn(battery, 4, (2, 3, 4), ("functions", "model_parallel"), timeout=300, op_timeout=60)
+    return {name: [r.get(name) for r in results] for name in results[0]}
 
 
-def assert_passed(launcher: str, name: str) -> None:
-    results = report(launcher)
-    matching = [key for key in results if key == name or key.endswith(":" + name) or key.startswith(name)]
-    assert matching, f"no check named {name} in the report ({sorted(results)})"
-    failures = [f"{key} on rank {r}:\n{tb}" for key in matching for r, tb in enumerate(results[key]) if tb]
+def assert_passed(name: str) -> None:
+    results = report()
+    assert name in results, f"no check named {name} in the report ({sorted(results)})"
+    failures = [f"{name} on rank {r}:\n{tb}" for r, tb in enumerate(results[name]) if tb]
     assert not failures, "\n".join(failures)

@@ -33,6 +33,28 @@ class MLP(torch.nn.Module):
         return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
 
 
+class PlainSGD(torch.optim.Optimizer):
+    """Plain SGD as a torch.optim.Optimizer, without torch.optim's own machinery: its first use
+    imports torch._dynamo, which costs seconds in every process of a test job."""
+
+    def __init__(self, params, lr):  # Optimizer.__init__ is what imports torch._dynamo
+        self.param_groups = [{"params": list(params), "lr": lr}]
+        self.defaults = {"lr": lr}
+        self.state = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    def zero_grad(self, set_to_none=True):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
 def built(seed, cls, *args):
     torch.manual_seed(seed)
     return cls(*args).to(DT)
@@ -61,8 +83,8 @@ def check_split_mlp_training(comm, micro_batches):
         chain.add_link(parts[2], rank_in=1, rank_out=None)
     else:
         chain.add_link(parts[1], rank_in=0, rank_out=0)
-    optimizer = torch.optim.SGD(chain.parameters(), lr=LR)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    optimizer = PlainSGD(chain.parameters(), lr=LR)
+    ref_optimizer = PlainSGD(reference.parameters(), lr=LR)
     for step in range(3):
         x, t = data(500 + step, 10, 6), torch.arange(10) % 3
         if comm.rank == 0:
@@ -253,8 +275,8 @@ def check_hybrid():
             p.add_(replica)
     chain = MultiNodeChainList(pipe, micro_batches=2)
     chain.add_link(module, rank_in=None if stage == 0 else 0, rank_out=1 if stage == 0 else None)
-    optimizer = torch_chainermn.create_multi_node_optimizer(torch.optim.SGD(module.parameters(), lr=LR), replicas)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    optimizer = torch_chainermn.create_multi_node_optimizer(PlainSGD(module.parameters(), lr=LR), replicas)
+    ref_optimizer = PlainSGD(reference.parameters(), lr=LR)
     for step in range(4):
         x, t = data(900 + step, 8, 6), (torch.arange(8) * (step + 1)) % 3
         half = slice(4 * replica, 4 * replica + 4)
@@ -277,7 +299,7 @@ def check_forgotten_delegate():
     """Rank 1 drops the delegate of its first send (its second recv has no delegate_variable): rank 0's
     backward would wait forever for that send's gradient. It raises within the group timeout naming
     the send; rank 1's next recv finds rank 0's gradient where an activation was due, and says why."""
-    group = dist.new_group([0, 1], backend="chainermn", timeout=datetime.timedelta(seconds=3))
+    group = dist.new_group([0, 1], backend="chainermn", timeout=datetime.timedelta(seconds=2))
     if dist.get_rank() > 1:
         return
     comm = Communicator(group)

@@ -1,7 +1,8 @@
 """chainermn.functions on torch autograd: send/recv with delegate variables, pseudo_connect, and the
 differentiable collectives, each against the same computation on one process (float64), on
-communicators of 2, 3 and 4 ranks over Gloo and of 2 ranks over MPI. One job per transport runs all
-the checks (model_parallel_cases.py); each test asserts on its part of the report."""
+communicators of 2, 3 and 4 ranks. One 4-rank job (Gloo) runs all the checks of this file and of
+test_model_parallel.py (model_parallel_cases.py); each test asserts on its part of the report. MPI:
+the model-parallel example runs under mpiexec in test_examples_model_parallel.py."""
 import pytest
 
 from tests.model_parallel_cases import assert_passed
@@ -12,12 +13,7 @@ CHECKS = ["send_recv_chain", "seed_delegate_variable", "seed_two_sends_pseudo_co
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_functions_over_gloo(check):
-    assert_passed("gloo", f"functions[2]:{check}")
-    assert_passed("gloo", f"functions[3]:{check}")
-    assert_passed("gloo", f"functions[4]:{check}")
+    assert_passed(f"functions[2]:{check}")
+    assert_passed(f"functions[3]:{check}")
+    assert_passed(f"functions[4]:{check}")
 
-
-@pytest.mark.mpi
-def test_functions_over_mpi():
-    for check in CHECKS:
-        assert_passed("mpi", f"functions[2]:{check}")

@@ -13,25 +13,19 @@ CHAIN_CHECKS = ["split_mlp_training", "split_mlp_training_pipelined", "pipeline_
 @pytest.mark.parametrize("check", CHAIN_CHECKS)
 def test_chain_over_gloo(check):
     for size in (2, 3, 4):
-        assert_passed("gloo", f"chain[{size}]:{check}")
+        assert_passed(f"chain[{size}]:{check}")
 
 
 @pytest.mark.parametrize("check", ["graph_chain", "graph_chain_pipelined"])
 def test_graph_chain_with_tuples_and_several_ranks(check):
-    assert_passed("gloo", f"chain[3]:{check}")
-    assert_passed("gloo", f"chain[4]:{check}")
+    assert_passed(f"chain[3]:{check}")
+    assert_passed(f"chain[4]:{check}")
 
 
 def test_hybrid_model_and_data_parallel():
-    assert_passed("gloo", "world:hybrid_parallel")
+    assert_passed("world:hybrid_parallel")
 
 
 def test_forgotten_delegate_is_an_error_not_a_hang():
-    assert_passed("gloo", "world:forgotten_delegate")
+    assert_passed("world:forgotten_delegate")
 
-
-@pytest.mark.mpi
-def test_model_parallel_over_mpi():
-    for check in CHAIN_CHECKS:
-        assert_passed("mpi", f"chain[2]:{check}")
-    assert_passed("mpi", "world:forgotten_delegate")

@@ -180,7 +180,7 @@ class _Allgather(torch.autograd.Function):
         for r, g in enumerate(grads):
             blocks[r, :g.numel()] = g.reshape(-1)
         mine = torch.empty(width, dtype=blocks.dtype, device=blocks.device)
-        dist.reduce_scatter_tensor(mine, blocks.reshape(-1), op=dist.ReduceOp.SUM, group=comm.group)
+        dist.reduce_scatter_single(mine, blocks.reshape(-1), op=dist.ReduceOp.SUM, group=comm.group)
         gx = mine[:ctx.numels[comm.rank]].reshape(ctx.shape)
         return None, None, None, (gx if ctx.is_x else _zeros_like_meta(ctx.meta))
 
