@@ -64,6 +64,7 @@ def check_send_recv_chain(comm):
         h, got_labels, got_extra = F.recv(comm, rank=rank - 1)
         assert torch.equal(got_labels, labels) and not got_labels.requires_grad
         assert torch.equal(got_extra, extra.contiguous()) and got_extra.dtype == torch.float32
+        got_extra.add_(0)  # a tensor of its own: in-place ops are allowed
         h = torch.tanh(h @ ws[rank])
         if rank < size - 1:
             F.send((h, got_labels, got_extra), comm, rank=rank + 1).backward()
@@ -238,8 +239,9 @@ def expect(error_type, fn, *words):
 def check_function_errors(comm):
     rank, size = comm.rank, comm.size
     x = torch.ones(2, requires_grad=True)
-    expect(ValueError, lambda: F.send(x, comm, rank=size), "send", "rank")
-    expect(ValueError, lambda: F.send(x, comm, rank=rank), "send", "another rank")
+    expect(ValueError, lambda: F.send(x, comm, rank=size), "send", "rank", f"on rank {rank}")
+    expect(ValueError, lambda: F.send(x, comm, rank=rank), "send", "other than this one")
+    expect(ValueError, lambda: F.gather(comm, x, root=-1), "gather", "root", f"on rank {rank}")
     expect(ValueError, lambda: F.send(comm, x, 1 - rank if size > 1 else 0), "send", "swapped")
     expect(ValueError, lambda: F.recv(comm, rank=-1), "recv", "rank")
     expect(ValueError, lambda: F.recv(comm, (rank + 1) % size, tag=-3), "recv", "tag")

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._messages import RESERVED_TAG, check_rank
+from .._messages import RESERVED_TAG
 from ..communicator import Communicator
 
 _wrapped: "weakref.WeakKeyDictionary[dist.ProcessGroup, Communicator]" = weakref.WeakKeyDictionary()
@@ -39,15 +39,16 @@ def check_tensor(op: str, name: str, x, usage: str, rank: int | None = None) -> 
 
 
 def check_peer(op: str, name: str, peer, comm: Communicator) -> int:
-    peer = check_rank(op, name, peer, comm.size)
-    if peer == comm.rank:
-        raise ValueError(f"{op}: {name} must be another rank than this one ({comm.rank})")
-    return peer
+    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < comm.size \
+            or peer == comm.rank:
+        raise ValueError(f"{op}: {name} must be a rank in [0, {comm.size}) other than this one, got {peer!r} "
+                         f"(on rank {comm.rank})")
+    return int(peer)
 
 
-def check_tag(op: str, tag) -> int:
+def check_tag(op: str, tag, comm: Communicator) -> int:
     if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or not 0 <= tag < RESERVED_TAG:
-        raise ValueError(f"{op}: tag must be an int in [0, {RESERVED_TAG}), got {tag!r}")
+        raise ValueError(f"{op}: tag must be an int in [0, {RESERVED_TAG}), got {tag!r} (on rank {comm.rank})")
     return int(tag)
 
 

@@ -182,10 +182,9 @@ def _header(kind: int, seq: int, spec: Spec | None, payload: int, extra: list[in
 
 
 def _pack(tensors, spec: Spec) -> torch.Tensor:
-    """The tensors' bytes, back to back at aligned offsets (one tensor: its own memory if contiguous)."""
+    """A copy of the tensors' bytes, back to back at aligned offsets. A copy, because the send is not
+    waited for: the caller may change its tensors at once (autograd accumulates gradients in place)."""
     spans, total = spec.offsets()
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].detach().reshape(-1).view(torch.uint8)
     payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for t, (b, e) in zip(tensors, spans):
         if e > b:
@@ -247,7 +246,12 @@ def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, 
     wire = torch.device(spec.device) if spec.device == "cpu" else (
         device if device is not None and torch.device(device).type == "cuda" else torch.device("cuda"))
     spans, total = spec.offsets()
-    buffer = torch.empty(total, dtype=torch.uint8, device=wire)
+    # One tensor lands in a tensor of its own; several land in one buffer and are copied out, so that
+    # every received tensor is a tensor of its own (not a view: autograd forbids in-place ops on views
+    # made in a custom Function's forward).
+    single = torch.empty(spec.meta[0][2], dtype=spec.meta[0][0], device=wire) if len(spec.meta) == 1 else None
+    buffer = single.reshape(-1).view(torch.uint8) if single is not None else \
+        torch.empty(total, dtype=torch.uint8, device=wire)
     if total:
         _recv_wait(group, buffer, peer, tag, f"{what}: the data from rank {peer} never came after its header")
     if kind != expect_kind:
@@ -256,12 +260,11 @@ def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, 
         raise RuntimeError(f"{what}: got {KIND_NAMES[kind]} for message #{seq} of the pair where #{expect_seq} "
                            f"was due: the ranks ran their sends/recvs (or their backward passes) in different "
                            f"orders. {DELEGATE_HINT}")
-    tensors = []
-    for (dtype, _, shape), (b, e) in zip(spec.meta, spans):
-        if e > b:
-            tensors.append(buffer[b:e].view(dtype).reshape(shape))
-        else:
-            tensors.append(torch.empty(shape, dtype=dtype, device=wire))
+    if single is not None:
+        tensors = [single]
+    else:
+        tensors = [buffer[b:e].view(dtype).reshape(shape).clone() if e > b else
+                   torch.empty(shape, dtype=dtype, device=wire) for (dtype, _, shape), (b, e) in zip(spec.meta, spans)]
     if device is not None:
         tensors = [t.to(device) for t in tensors]
     return tensors, spec

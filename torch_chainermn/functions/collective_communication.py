@@ -30,6 +30,13 @@ def _comm(op, comm, usage):
     return as_communicator(op, comm, usage)
 
 
+def _root(op, root, comm) -> int:
+    try:
+        return check_rank(op, "root", root, comm.size)
+    except ValueError as error:
+        raise ValueError(f"{error} (on rank {comm.rank})") from None
+
+
 def _zeros_like_meta(meta):
     shape, dtype, device = meta
     return torch.zeros(shape, dtype=dtype, device=device)
@@ -71,7 +78,7 @@ def bcast(comm, x, root: int = 0):
     rank's gradient into root's x."""
     op, usage = "bcast", "bcast(comm, x, root=0)"
     comm = _comm(op, comm, usage)
-    root = check_rank(op, "root", root, comm.size)
+    root = _root(op, root, comm)
     if comm.rank == root:
         x = check_tensor(op, "x", x, usage, comm.rank)
     y = comm.bcast(_flagged(x, grad_needed(x)) if comm.rank == root else None, root=root)
@@ -106,7 +113,7 @@ def gather(comm, x, root: int = 0):
     gradients are scattered back from root)."""
     op, usage = "gather", "gather(comm, x, root=0)"
     comm = _comm(op, comm, usage)
-    root = check_rank(op, "root", root, comm.size)
+    root = _root(op, root, comm)
     x = check_tensor(op, "x", x, usage, comm.rank)
     needs = _anyone_needs_grad(comm, grad_needed(x))
     ys = comm.gather(x.detach(), root=root)
@@ -138,7 +145,7 @@ def scatter(comm, xs, root: int = 0):
     ignored elsewhere); backward gathers the gradients back into root's xs."""
     op, usage = "scatter", "scatter(comm, xs, root=0)"
     comm = _comm(op, comm, usage)
-    root = check_rank(op, "root", root, comm.size)
+    root = _root(op, root, comm)
     xs_list = None
     if comm.rank == root:
         if isinstance(xs, torch.Tensor):

@@ -91,7 +91,7 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
     is_tuple = isinstance(x, (tuple, list))
     xs = list(x) if is_tuple else [check_tensor(op, "x", x, SEND_USAGE)]
     peer = check_peer(op, "rank", rank, comm)
-    tag = check_tag(op, tag)
+    tag = check_tag(op, tag, comm)
     state = _wire.pair(comm.group, peer, tag)
     seq = next(state.sent)
     link = _Link(comm, peer, tag, seq)
@@ -125,7 +125,7 @@ def recv(communicator, rank: int, delegate_variable: torch.Tensor | None = None,
     op = "recv"
     comm = as_communicator(op, communicator, RECV_USAGE)
     peer = check_peer(op, "rank", rank, comm)
-    tag = check_tag(op, tag)
+    tag = check_tag(op, tag, comm)
     if delegate_variable is not None:
         check_tensor(op, "delegate_variable", delegate_variable, RECV_USAGE)
     state = _wire.pair(comm.group, peer, tag)
