@@ -22,6 +22,13 @@ The chainermn contenders run on the chainermn backend (MPI under mpiexec, Gloo u
 ideal speedup of M micro-batches on 2 stages is 2M/(M+1) (1.78 for 8): the pipeline fills and drains
 once per step. Every pipelined contender's gradients are checked against the unpipelined ones.
 
+Micro-batches must stay big enough to compute as efficiently as the whole batch: with 32 rows of a
+1024-wide layer, each micro-batch's weight gradient (a 4 MB GEMM of inner size 32, accumulated into
+.grad) costs more than its share, and 8 micro-batches took 1.5-2x the time of one batch on one core.
+Hence the defaults: micro-batches of 256 rows, where the split costs nothing. The script also
+measures how fast two ranks compute at once on this machine (other work may hold the cores), which
+bounds what any pipeline can gain.
+
 Run it (2 ranks; one thread each, as the machine may have only 2 cores)
 ------
     torchrun --nproc-per-node 2 benchmarks/pipeline.py
@@ -55,12 +62,12 @@ import torch_chainermn  # noqa: E402  registers the backend (and reads MPI's ran
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--width", type=int, default=1024, help="features of every layer")
-    parser.add_argument("--depth", type=int, default=2, help="Linear+tanh layers per stage")
-    parser.add_argument("--batch", type=int, default=256, help="samples per step")
+    parser.add_argument("--width", type=int, default=512, help="features of every layer")
+    parser.add_argument("--depth", type=int, default=4, help="Linear+tanh layers per stage")
+    parser.add_argument("--batch", type=int, default=2048, help="samples per step")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (M)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender")
-    parser.add_argument("--steps", type=int, default=4, help="steps per timed loop")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per contender; the median is reported")
     parser.add_argument("--skip-torch", action="store_true", help="do not measure torch.distributed.pipelining")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline.md",

@@ -248,6 +248,10 @@ def check_function_errors(comm):
     expect(ValueError, lambda: F.bcast(x, comm), "bcast", "swapped")
     expect(ValueError, lambda: F.alltoall(comm, [x]), "alltoall", "xs", f"rank {rank}")
     expect(ValueError, lambda: F.pseudo_connect(x, "y"), "pseudo_connect", "actual_variables[0]")
+    # A mistake on one rank makes every rank of a collective raise (no one is left in it alone).
+    expect(ValueError, lambda: F.allgather(comm, x if rank else "x"), "allgather", "on rank 0")
+    expect(ValueError, lambda: F.scatter(comm, [x] * (size + 1) if rank == 0 else None), "scatter", "xs")
+    expect(ValueError, lambda: F.bcast(comm, None, root=size - 1), "bcast", "x", f"on rank {size - 1}")
     # A sender's mistake reaches the receiver instead of leaving it waiting.
     if rank == 0:
         expect(ValueError, lambda: F.send((x, "not a tensor"), comm, rank=1), "send", "x[1]")
@@ -315,3 +319,43 @@ def assert_passed(name: str) -> None:
     assert name in results, f"no check named {name} in the report ({sorted(results)})"
     failures = [f"{name} on rank {r}:\n{tb}" for r, tb in enumerate(results[name]) if tb]
     assert not failures, "\n".join(failures)
+
+
+# ==== CUDA (a GPU machine only) =====================================================================
+
+def cuda_checks():
+    """send/recv, a pipelined chain and two collectives with CUDA tensors on a 2-rank world, against
+    the same computation on the CPU of one process."""
+    from tests import model_parallel_chain_cases as chain_cases
+
+    comm = Communicator()
+    rank, cuda = comm.rank, torch.device("cuda", 0)
+    w = [leaf(1 + r, 4, 4).to(cuda).detach().requires_grad_() for r in range(2)]
+    x = data(3, 5, 4).to(cuda)
+    if rank == 0:
+        phi = F.send(torch.tanh(x @ w[0]), comm, rank=1)
+        assert phi.device.type == "cuda"
+        phi.backward()
+    else:
+        h = F.recv(comm, rank=0)
+        assert h.device.type == "cuda"
+        (torch.tanh(h @ w[1]) ** 2).sum().backward()
+    F.drain(comm)
+    ref = [leaf(1 + r, 4, 4) for r in range(2)]
+    (torch.tanh(torch.tanh(data(3, 5, 4) @ ref[0]) @ ref[1]) ** 2).sum().backward()
+    close(w[rank].grad.cpu(), ref[rank].grad, "CUDA send/recv grad")
+    ys = F.allgather(comm, x[: rank + 1] * (rank + 1))
+    assert [y.device.type for y in ys] == ["cuda", "cuda"]
+    y = F.bcast(comm, x if rank == 0 else None)
+    assert y.device.type == "cuda" and torch.equal(y.cpu(), data(3, 5, 4))
+    # A pipelined 2-stage chain, 1F1B, on the GPU.
+    stage = chain_cases.built(40 + rank, chain_cases.Stage, 4)
+    reference = torch.nn.Sequential(*[chain_cases.built(40 + s, chain_cases.Stage, 4) for s in range(2)])
+    target = data(701, 10, 4)
+    torch.nn.functional.mse_loss(reference(data(700, 10, 4)), target).backward()
+    chain = torch_chainermn.MultiNodeChainList(comm, micro_batches=4, schedule="1f1b")
+    chain.add_link(stage.to(cuda), rank_in=None if rank == 0 else 0, rank_out=1 if rank == 0 else None)
+    chain.step(*((data(700, 10, 4).to(cuda),) if rank == 0 else ()), target=target.to(cuda) if rank else None,
+               loss_fn=torch.nn.functional.mse_loss)
+    close(stage.lin.weight.grad.cpu(), reference[rank].lin.weight.grad, "CUDA 1F1B grad")
+    return True

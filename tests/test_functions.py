@@ -17,3 +17,11 @@ def test_functions_over_gloo(check):
     assert_passed(f"functions[3]:{check}")
     assert_passed(f"functions[4]:{check}")
 
+
+
+@pytest.mark.cuda
+def test_model_parallel_on_cuda():
+    from tests.model_parallel_cases import cuda_checks
+    from tests.test_cuda import run_cuda
+
+    assert run_cuda(cuda_checks, 2, "nccl", timeout=300, op_timeout=120) == [True, True]

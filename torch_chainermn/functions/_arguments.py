@@ -28,11 +28,15 @@ def as_communicator(op: str, comm, usage: str) -> Communicator:
                      f"None, got {type(comm).__name__}{swapped} (ChainerMN's order is {usage})")
 
 
+def is_communicator(x) -> bool:
+    return isinstance(x, (Communicator, dist.ProcessGroup))
+
+
 def check_tensor(op: str, name: str, x, usage: str, rank: int | None = None) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     where = f" on rank {rank}" if rank is not None else ""
-    if isinstance(x, (Communicator, dist.ProcessGroup)):
+    if is_communicator(x):
         raise ValueError(f"{op}: {name} must be a torch.Tensor{where}, got a communicator: the arguments "
                          f"are swapped (ChainerMN's order is {usage})")
     raise ValueError(f"{op}: {name} must be a torch.Tensor{where}, got {type(x).__name__}")

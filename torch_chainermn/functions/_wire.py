@@ -94,9 +94,9 @@ def _numel(shape) -> int:
     return n
 
 
-def check_sendable(op: str, name: str, tensors) -> None:
+def check_sendable(op: str, name: str, tensors, rank: int) -> None:
     for i, t in enumerate(tensors):
-        where = name if len(tensors) == 1 else f"{name}[{i}]"
+        where = f"{name} on rank {rank}" if len(tensors) == 1 else f"{name}[{i}] on rank {rank}"
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: {where} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPE_CODE:
@@ -105,7 +105,7 @@ def check_sendable(op: str, name: str, tensors) -> None:
         if t.layout != torch.strided or t.device.type not in DEVICES:
             raise ValueError(f"{op}: {where} must be a dense CPU or CUDA tensor, got {t.layout} on {t.device}")
     if len({t.device.type for t in tensors}) > 1:
-        raise ValueError(f"{op}: {name} mixes devices ({', '.join(str(t.device) for t in tensors)})")
+        raise ValueError(f"{op}: {name} on rank {rank} mixes devices ({', '.join(str(t.device) for t in tensors)})")
 
 
 # ---- sequence numbers and the outbox, per group ------------------------------------------------------

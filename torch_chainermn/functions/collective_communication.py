@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._messages import allgather_small, check_rank
+from .._messages import agree, check_rank
 from ._arguments import anchor, as_communicator, check_tensor, grad_needed
 
 
@@ -46,15 +46,23 @@ def _meta(t):
     return (t.shape, t.dtype, t.device)
 
 
-def _anyone_needs_grad(comm, mine: bool) -> bool:
-    return any(allgather_small(comm.group, bool(mine)))
+def _flags(comm, check) -> list:
+    """Every rank's `check()` (whether its input needs a gradient; None off the root where only the
+    root's input counts), on every rank. A ValueError on one rank is raised on every rank, so that no
+    rank is left alone in the collective."""
+    return agree(comm.group, check)
 
 
-def _flagged(x: torch.Tensor, flag: bool) -> torch.Tensor:
-    """x's data, marked requires_grad when `flag`: the communicator's methods carry that mark to the
-    other ranks with the data, which is how they learn that backward will come."""
-    x = x.detach()
-    return x.requires_grad_(True) if flag and (x.dtype.is_floating_point or x.dtype.is_complex) else x
+def _tensors(op, name, xs, size, usage, rank) -> list:
+    if isinstance(xs, torch.Tensor):
+        if xs.dim() == 0 or xs.shape[0] != size:
+            raise ValueError(f"{op}: {name} must have {size} rows (one per rank) on rank {rank}, got shape "
+                             f"{tuple(xs.shape)}")
+        return list(xs.unbind(0))
+    if not isinstance(xs, (tuple, list)) or len(xs) != size:
+        got = f"a {type(xs).__name__} of length {len(xs)}" if isinstance(xs, (tuple, list)) else type(xs).__name__
+        raise ValueError(f"{op}: {name} must be a tuple or list of {size} tensors on rank {rank}, got {got}")
+    return [check_tensor(op, f"{name}[{i}]", t, usage, rank) for i, t in enumerate(xs)]
 
 
 # ---- bcast ---------------------------------------------------------------------------------------------
@@ -79,10 +87,10 @@ def bcast(comm, x, root: int = 0):
     op, usage = "bcast", "bcast(comm, x, root=0)"
     comm = _comm(op, comm, usage)
     root = _root(op, root, comm)
-    if comm.rank == root:
-        x = check_tensor(op, "x", x, usage, comm.rank)
-    y = comm.bcast(_flagged(x, grad_needed(x)) if comm.rank == root else None, root=root)
-    needs = y.requires_grad and torch.is_grad_enabled()  # the root's flag travels with the data
+    flags = _flags(comm, lambda: grad_needed(check_tensor(op, "x", x, usage, comm.rank))
+                   if comm.rank == root else None)
+    needs = flags[root]
+    y = comm.bcast(x.detach() if comm.rank == root else None, root=root)
     y = y.detach() if comm.rank != root else x.detach().clone()
     if not needs:
         return y
@@ -108,18 +116,17 @@ class _Gather(torch.autograd.Function):
 
 
 def gather(comm, x, root: int = 0):
-    """Every rank's x, as a tuple on `root`; on the other ranks a delegate variable (an empty tensor)
+    """Every rank's x, as a tuple on `root`; on the other ranks a delegate variable (a scalar zero)
     that carries the graph to this gather, so their backward takes part in its backward (the
     gradients are scattered back from root)."""
     op, usage = "gather", "gather(comm, x, root=0)"
     comm = _comm(op, comm, usage)
     root = _root(op, root, comm)
-    x = check_tensor(op, "x", x, usage, comm.rank)
-    needs = _anyone_needs_grad(comm, grad_needed(x))
+    flags = _flags(comm, lambda: grad_needed(check_tensor(op, "x", x, usage, comm.rank)))
     ys = comm.gather(x.detach(), root=root)
-    if not needs:
+    if not any(flags):
         return tuple(ys) if comm.rank == root else torch.zeros((), device=x.device)
-    mine = grad_needed(x)
+    mine = flags[comm.rank]
     return _Gather.apply(comm, root, [y.detach() for y in ys] if ys is not None else None, mine,
                          x if mine else anchor())
 
@@ -146,20 +153,17 @@ def scatter(comm, xs, root: int = 0):
     op, usage = "scatter", "scatter(comm, xs, root=0)"
     comm = _comm(op, comm, usage)
     root = _root(op, root, comm)
-    xs_list = None
-    if comm.rank == root:
-        if isinstance(xs, torch.Tensor):
-            xs_list = list(xs.unbind(0)) if xs.dim() > 0 else [xs]
-        elif isinstance(xs, (tuple, list)):
-            xs_list = [check_tensor(op, f"xs[{i}]", t, usage, comm.rank) for i, t in enumerate(xs)]
-        else:
-            check_tensor(op, "xs", xs, usage, comm.rank)
-    root_needs = comm.rank == root and xs_list is not None and grad_needed(*xs_list)
-    # The piece's spec carries requires_grad: mark every piece when root needs a gradient.
-    pieces = [_flagged(t, root_needs) for t in xs_list] if xs_list is not None else xs
-    y = comm.scatter(pieces, root=root)
-    needs = y.requires_grad and torch.is_grad_enabled()
-    y = y.detach()
+    checked = {}
+
+    def check():
+        if comm.rank != root:
+            return None
+        checked["xs"] = _tensors(op, "xs", xs, comm.size, usage, comm.rank)
+        return grad_needed(*checked["xs"])
+
+    needs = _flags(comm, check)[root]
+    xs_list = checked.get("xs")
+    y = comm.scatter([t.detach() for t in xs_list] if comm.rank == root else None, root=root).detach()
     if not needs:
         return y
     if comm.rank == root:
@@ -197,12 +201,10 @@ def allgather(comm, x):
     of every rank's gradient for its x (a reduce-scatter)."""
     op, usage = "allgather", "allgather(comm, x)"
     comm = _comm(op, comm, usage)
-    x = check_tensor(op, "x", x, usage, comm.rank)
-    mine = grad_needed(x)
-    ys = comm.allgather(_flagged(x, mine))
-    needs = torch.is_grad_enabled() and any(y.requires_grad for y in ys)  # every rank's flag came along
-    ys = [y.detach() for y in ys]
-    if not needs:
+    flags = _flags(comm, lambda: grad_needed(check_tensor(op, "x", x, usage, comm.rank)))
+    mine = flags[comm.rank]
+    ys = [y.detach() for y in comm.allgather(x.detach())]
+    if not any(flags):
         return tuple(ys)
     return _Allgather.apply(comm, ys, mine, x if mine else anchor())
 
@@ -227,14 +229,15 @@ def alltoall(comm, xs):
     differ); backward sends each gradient back to the rank its piece came from."""
     op, usage = "alltoall", "alltoall(comm, xs)"
     comm = _comm(op, comm, usage)
-    if not isinstance(xs, (tuple, list)) or len(xs) != comm.size:
-        raise ValueError(f"{op}: xs must be a tuple or list of {comm.size} tensors on rank {comm.rank}, "
-                         f"got {type(xs).__name__}" + (f" of length {len(xs)}" if isinstance(xs, (tuple, list))
-                                                       else ""))
-    xs = [check_tensor(op, f"xs[{i}]", t, usage, comm.rank) for i, t in enumerate(xs)]
-    mine = grad_needed(*xs)
-    needs = _anyone_needs_grad(comm, mine)
+    def check():
+        if isinstance(xs, torch.Tensor):  # alltoall takes a sequence (rows of one tensor would be views)
+            raise ValueError(f"{op}: xs must be a tuple or list of {comm.size} tensors on rank {comm.rank}, "
+                             f"got a tensor")
+        return grad_needed(*_tensors(op, "xs", xs, comm.size, usage, comm.rank))
+
+    flags = _flags(comm, check)
+    mine = flags[comm.rank]
     ys = [y.detach() for y in comm.alltoall([t.detach() for t in xs])]
-    if not needs:
+    if not any(flags):
         return tuple(ys)
     return _Alltoall.apply(comm, ys, mine, *(xs if mine else [anchor()]))

@@ -5,8 +5,8 @@
     y = recv(comm, rank=1, delegate_variable=phi)        # rank 0 again: backward reaches the send
 
 recv's backward sends the gradient back to the sender; send's backward receives it and passes it
-on. A send has no output of its own, so it returns a *delegate variable*: an empty tensor whose
-only job is to carry the graph to the send. Whatever a rank backprops from must reach every send
+on. A send has no output of its own, so it returns a *delegate variable*: a scalar zero whose only
+job is to carry the graph to the send (a scalar, so that `phi.backward()` works as in ChainerMN). Whatever a rank backprops from must reach every send
 through delegate variables, or the peer that waits for the gradient would wait forever (it raises
 within the group timeout instead, naming the send or recv and the fix).
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from . import _wire
-from ._arguments import anchor, as_communicator, check_peer, check_tag, check_tensor, differentiable, grad_needed
+from ._arguments import (anchor, as_communicator, check_peer, check_tag, check_tensor, differentiable, grad_needed,
+                         is_communicator)
 
 SEND_USAGE = "send(x, communicator, rank, tag=0)"
 RECV_USAGE = "recv(communicator, rank, delegate_variable=None, tag=0, device=None, force_tuple=False)"
@@ -26,9 +27,6 @@ class _Link:
 
     def __init__(self, comm, peer: int, tag: int, seq: int):
         self.comm, self.peer, self.tag, self.seq = comm, peer, tag, seq
-
-    def name(self, op: str) -> str:
-        return f"{op} #{self.seq} to/from rank {self.peer} (tag {self.tag}, rank {self.comm.rank} of {self.comm.size})"
 
 
 class _Send(torch.autograd.Function):
@@ -89,7 +87,9 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
     op = "send"
     comm = as_communicator(op, communicator, SEND_USAGE)
     is_tuple = isinstance(x, (tuple, list))
-    xs = list(x) if is_tuple else [check_tensor(op, "x", x, SEND_USAGE)]
+    xs = list(x) if is_tuple else [x]
+    if is_communicator(x):  # swapped arguments: this rank's own mistake, nothing was meant to be sent
+        check_tensor(op, "x", x, SEND_USAGE, comm.rank)
     peer = check_peer(op, "rank", rank, comm)
     tag = check_tag(op, tag, comm)
     state = _wire.pair(comm.group, peer, tag)
@@ -99,8 +99,9 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
             f"call the matching recv within the group timeout")
     try:
         if is_tuple and not xs:
-            raise ValueError(f"{op}: x must hold at least one tensor, got an empty {type(x).__name__}")
-        _wire.check_sendable(op, "x", xs)
+            raise ValueError(f"{op}: x must hold at least one tensor, got an empty {type(x).__name__} "
+                             f"(on rank {comm.rank})")
+        _wire.check_sendable(op, "x", xs, comm.rank)
     except ValueError as error:
         _wire.send_failure(comm.group, peer, tag, error, what)  # the receiver raises too, instead of waiting
         raise
