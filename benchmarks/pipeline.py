@@ -9,6 +9,7 @@ batch of --batch samples, MSE loss on the last stage. A step is forward and back
 batch (gradients accumulate; no optimizer: it is the same for every contender). Each contender runs
 --warmup steps, then --repeats timed loops of --steps steps, each loop started by a barrier; a loop's
 time is the slowest rank's, and the step time is the median over the loops of (loop time / steps).
+The contenders take turns loop by loop, so that a change in the machine's load hits them alike.
 
 Contenders, on the same model and data:
   unpipelined          MultiNodeChainList(comm): chain(x), loss, backward (ChainerMN's behaviour:
@@ -87,20 +88,23 @@ class Stage(torch.nn.Module):
         return h
 
 
-def timed(step, args, group) -> float:
-    """Median over loops of the slowest rank's time per step, in seconds."""
-    for _ in range(args.warmup):
-        step()
-    times = []
-    for _ in range(args.repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        for _ in range(args.steps):
+def timed(steps, args, group) -> list[float]:
+    """Per step function: the median over loops of the slowest rank's time per step, in seconds. The
+    contenders take turns loop by loop, so a change in the machine's load hits them all alike."""
+    for step in steps:
+        for _ in range(args.warmup):
             step()
-        elapsed = torch.tensor([(time.perf_counter() - start) / args.steps], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        times.append(elapsed.item())
-    return statistics.median(times)
+    times = [[] for _ in steps]
+    for _ in range(args.repeats):
+        for step, mine in zip(steps, times):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            elapsed = torch.tensor([(time.perf_counter() - start) / args.steps], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            mine.append(elapsed.item())
+    return [statistics.median(t) for t in times]
 
 
 def machine_concurrency(args, stage, x, group) -> float:
@@ -204,8 +208,8 @@ def main():
         contenders += torch_contenders(args, stage, x, target)
     rows = []
     reference = None
-    for label, step, module in contenders:
-        seconds = timed(step, args, comm.group)
+    for (label, step, module), seconds in zip(contenders, timed([step for _, step, _ in contenders], args,
+                                                                comm.group)):
         grads = [p.grad for p in module.parameters()]  # of the last step
         if reference is None:
             reference = grads

@@ -22,6 +22,7 @@ delegate variable that never reached backward.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -116,16 +117,17 @@ class _PairState:
         self.received = itertools.count()  # activations received from the peer on this tag
 
 
-_pairs: dict[tuple, _PairState] = {}
-_outbox: dict[int, list] = {}  # id(group) -> [(works, what)]
+# Per group (weakly: a destroyed group's numbers go with it, and a new group starts from zero).
+_pairs: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
+_outbox: "weakref.WeakKeyDictionary[dist.ProcessGroup, list]" = weakref.WeakKeyDictionary()  # [(works, what)]
 
 
 def pair(group, peer: int, tag: int) -> _PairState:
-    return _pairs.setdefault((id(group), peer, tag), _PairState())
+    return _pairs.setdefault(group, {}).setdefault((peer, tag), _PairState())
 
 
 def _post(group, works, what: str) -> None:
-    box = _outbox.setdefault(id(group), [])
+    box = _outbox.setdefault(group, [])
     box.append((works, what))
     if len(box) > 64:  # keep the list short: forget what has already gone (and raise what failed)
         still = []
@@ -141,7 +143,7 @@ def drain(comm=None) -> None:
     """Wait until every send this process posted on `comm` (a communicator or ProcessGroup; None: on
     every group) has gone: a send returns as soon as it is posted, and its errors surface here."""
     group = getattr(comm, "group", comm)
-    keys = list(_outbox) if group is None else [id(group)]
+    keys = list(_outbox) if group is None else [group]
     for key in keys:
         box = _outbox.pop(key, [])
         for i, (works, what) in enumerate(box):
