@@ -17,6 +17,7 @@ from . import _C
 
 COMMUNICATORS: tuple[str, ...] = tuple(_C.communicator_names)
 TRANSPORTS: tuple[str, ...] = ("auto", "mpi", "gloo")
+CHECKS: tuple[str, ...] = ("off", "info", "detail")  # torch's debug levels
 CUDA_TRANSPORTS: tuple[str, ...] = tuple(_C.cuda_transports)
 
 # Wire dtypes for gradients, by the names torch gives them.
@@ -34,6 +35,9 @@ ENVIRONMENT = {
     "transport": ("CHAINERMN_TRANSPORT", "auto"),
     "shared_memory": ("CHAINERMN_SHM", "1"),
     "cuda_transport": ("CHAINERMN_CUDA_TRANSPORT", "nccl"),
+    # The convention users know: unset (like INFO) checks every collective's fingerprint, DETAIL also
+    # every tensor's shape, and OFF (set explicitly) turns the checks off.
+    "checks": ("TORCH_DISTRIBUTED_DEBUG", "info"),
 }
 
 
@@ -84,14 +88,18 @@ class Options:
     cuda_transport: how CUDA tensors travel: "nccl", "nccl_intra" (NCCL within a node, the host
         library staged through pinned memory between nodes) or "staged". $CHAINERMN_CUDA_TRANSPORT,
         else "nccl".
+    checks: what the ranks compare before every collective, so that mismatched calls raise on every
+        rank instead of returning wrong data: "info" (op, dtype, sizes, root, reduce op, collective
+        number), "detail" (also every tensor's shape) or "off". $TORCH_DISTRIBUTED_DEBUG, else "info".
     """
 
-    __slots__ = ("_communicator", "_allreduce_grad_dtype", "_transport", "_shared_memory", "_cuda_transport")
+    __slots__ = ("_communicator", "_allreduce_grad_dtype", "_transport", "_shared_memory", "_cuda_transport",
+                 "_checks")
 
     def __init__(self, communicator: str | None = None, allreduce_grad_dtype=None, *, transport: str | None = None,
-                 shared_memory: bool | None = None, cuda_transport: str | None = None):
+                 shared_memory: bool | None = None, cuda_transport: str | None = None, checks: str | None = None):
         given = {"communicator": communicator, "allreduce_grad_dtype": allreduce_grad_dtype, "transport": transport,
-                 "shared_memory": shared_memory, "cuda_transport": cuda_transport}
+                 "shared_memory": shared_memory, "cuda_transport": cuda_transport, "checks": checks}
         if any(value is None for value in given.values()):
             defaults = environment_defaults()
             given = {field: defaults[field] if value is None else value for field, value in given.items()}
@@ -106,21 +114,24 @@ class Options:
         self._transport = _choice("transport", given["transport"], TRANSPORTS)
         self._shared_memory = _switch("shared_memory", given["shared_memory"])
         self._cuda_transport = _choice("cuda_transport", given["cuda_transport"], CUDA_TRANSPORTS)
+        self._checks = _choice("checks", given["checks"], CHECKS)
 
     communicator = property(lambda self: self._communicator)
     allreduce_grad_dtype = property(lambda self: self._allreduce_grad_dtype)
     transport = property(lambda self: self._transport)
     shared_memory = property(lambda self: self._shared_memory)
     cuda_transport = property(lambda self: self._cuda_transport)
+    checks = property(lambda self: self._checks)
 
     def _fields(self) -> tuple:
-        return (self.communicator, self.allreduce_grad_dtype, self.transport, self.shared_memory, self.cuda_transport)
+        return (self.communicator, self.allreduce_grad_dtype, self.transport, self.shared_memory, self.cuda_transport,
+                self.checks)
 
     def to_cpp(self) -> _C.GroupOptions:
         """The same settings as the C++ backend holds them."""
         held = _C.GroupOptions()
         (held.communicator, held.allreduce_grad_dtype, held.transport, held.shared_memory,
-         held.cuda_transport) = self._fields()
+         held.cuda_transport, held.checks) = self._fields()
         return held
 
     @classmethod
@@ -139,4 +150,4 @@ class Options:
     def __repr__(self):
         return (f"Options(communicator={self.communicator!r}, allreduce_grad_dtype={self.allreduce_grad_dtype}, "
                 f"transport={self.transport!r}, shared_memory={self.shared_memory}, "
-                f"cuda_transport={self.cuda_transport!r})")
+                f"cuda_transport={self.cuda_transport!r}, checks={self.checks!r})")

@@ -7,6 +7,7 @@
 #include "topology.h"
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
@@ -15,12 +16,33 @@
 
 namespace chainermn {
 
+// How deep the cross-rank checks of every collective go (backend/agreement.h): Off, the fingerprint
+// (Info, the default), or the fingerprint with every tensor's shape (Detail). Python sets it from
+// TORCH_DISTRIBUTED_DEBUG: OFF when set explicitly, unset or INFO, DETAIL.
+enum class CheckLevel : int { Off = 0, Info = 1, Detail = 2 };
+
+// "off", "info", "detail": torch's names for the debug levels.
+inline const char* checkLevelName(CheckLevel level) {
+  return level == CheckLevel::Off ? "off" : level == CheckLevel::Detail ? "detail" : "info";
+}
+inline CheckLevel checkLevelNamed(const std::string& name) {
+  if (name == "off") {
+    return CheckLevel::Off;
+  }
+  if (name == "detail") {
+    return CheckLevel::Detail;
+  }
+  TORCH_CHECK_VALUE(name == "info", "checks must be one of off, info, detail, got '", name, "'");
+  return CheckLevel::Info;
+}
+
 struct GroupOptions {
   std::string communicator = "hierarchical";         // the allreduce strategy (ChainerMN's communicator)
   std::optional<at::ScalarType> allreduceGradDtype;  // gradients' wire dtype; none: their own
   std::string transport = "auto";                    // the host library asked for: auto, mpi or gloo
   bool sharedMemory = true;                          // intra-node CPU collectives through shared memory
   std::string cudaTransport = "nccl";                // how CUDA buffers travel: nccl, nccl_intra, staged
+  CheckLevel checks = CheckLevel::Info;             // cross-rank checks before every collective
 };
 
 struct GroupSetup {

@@ -25,6 +25,9 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   cudaTransport_ = known->c_str();  // a static name, as transport_ is: Works may outlive the group
   cudaBitwise_ = cudaTransportHasBitwise(options_.cudaTransport);
   context_->strategy = makeStrategy(options_.communicator, topology_);
+  context_->store = setup.store;
+  context_->rank = rank_;
+  context_->checks = size_ > 1 ? options_.checks : CheckLevel::Off;
 
   TransportSet host = buildHostTransports(setup, options_.sharedMemory);
   TORCH_CHECK(
@@ -72,8 +75,14 @@ void ProcessGroupChainerMN::shutdown() {
 
 // ---- the funnel ---------------------------------------------------------------------------------
 
+void ProcessGroupChainerMN::setSequenceNumberForGroup() {}  // numbered from the group's creation
+
+uint64_t ProcessGroupChainerMN::getSequenceNumberForGroup() {
+  return sequence_.load();
+}
+
 c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, at::Device device) {
-  const uint64_t sequence = ++sequence_;
+  const uint64_t sequence = spec.agree.collective ? ++sequence_ : ++p2pSequence_;
   auto timeout = spec.timeout;
   if (timeout == c10d::kUnsetTimeout) {
     timeout = std::chrono::milliseconds(timeoutMs_.load());
@@ -101,14 +110,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   }
   auto work = makeWork(spec, device);
   if (device.is_cpu()) {
-    worker_->enqueue(work, [context = context_, body = std::move(body)]() { return body(*context->cpu); });
+    worker_->enqueue(work, [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
+      if (agreement.collective) {
+        context->agree(op, agreement);
+      }
+      return body(*context->cpu);
+    });
     return work;
   }
   // CUDA: the caller's current stream is marked now, on the caller's thread; the worker orders the
   // group's stream after it before running the body there.
   auto mark = markCallerStream(used.front());
   worker_->enqueue(
-      work, [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used)]() {
+      work,
+      [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used),
+       op = spec.name, agreement = std::move(spec.agree)]() {
+        if (agreement.collective) {
+          context->agree(op, agreement);  // over the host transports, before any CUDA work is queued
+        }
         auto& cuda = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
         RequestPtr request = body(cuda);
         keepUntilDone(cuda, used);
@@ -117,20 +136,71 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   return work;
 }
 
+Agreement ProcessGroupChainerMN::agreeOn(const std::vector<at::Tensor>& tensors) const {
+  Agreement agreement;
+  agreement.tensors = static_cast<int64_t>(tensors.size());
+  agreement.count = 0;
+  for (const auto& tensor : tensors) {
+    agreement.count += tensor.numel();
+  }
+  if (!tensors.empty()) {
+    agreement.dtype = tensors.front().scalar_type();
+  }
+  const bool detail = options_.checks == CheckLevel::Detail;
+  if (tensors.size() > 1 || detail) {
+    agreement.layout = layoutOf(tensors, detail);
+  }
+  return agreement;
+}
+
+void ProcessGroupChainerMN::postRefusal(const char* op, const std::string& reason) {
+  if (context_->checks == CheckLevel::Off) {
+    return;  // the peers do not compare fingerprints: they would not read a refusal either
+  }
+  OpSpec spec{c10d::OpType::UNKNOWN, op, {}, {}};
+  auto work = makeWork(spec, at::Device(at::kCPU));
+  worker_->enqueue(work, [context = context_, op, reason]() {
+    context->agree(op, Agreement{}, reason);  // throws: every rank fails this op
+    return RequestPtr();
+  });
+}
+
+void GroupContext::agree(const char* op, const Agreement& agreement, const std::string& refusal) {
+  const uint64_t sequence = ++collectivesRun;
+  Transport& world = *cpu->transports.world;
+  if (checks != CheckLevel::Off) {
+    Fingerprint mine = makeFingerprint(sequence, op, agreement);
+    if (!refusal.empty()) {
+      store->set(refusalKey(sequence, rank), std::vector<uint8_t>(refusal.begin(), refusal.end()));
+      mine.refused = 1;
+    }
+    const std::string problem = disagreement(exchangeFingerprints(world, mine), [&](int r) {
+      const auto reason = store->get(refusalKey(sequence, r));
+      return std::string(reason.begin(), reason.end());
+    });
+    TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
+  }
+  if (!agreement.sendCounts.empty() && world.size() > 1) {
+    checkSplits(world, op, sequence, agreement);
+  }
+}
+
 // ---- the allreduce family: one flow (pack with cast and scale -> strategy -> unpack) -------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
-  at::Tensor tensor = single(op, "tensor", tensors);
-  checkStrategyHandles(op, *context_->strategy, tensor);
-  const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
-  checkDeviceReduction(op, plan, tensor, cudaBitwise_);
-  return post({c10d::OpType::ALLREDUCE, op, {tensor}, {}, opts.timeout}, [tensor, plan](DeviceContext& on) {
-    on.strategy.allreduceParts(
-        on.transports, on.scratch, flatParts({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
-    return RequestPtr();
+  return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
+    at::Tensor tensor = single(op, "tensor", tensors);
+    checkStrategyHandles(op, *context_->strategy, tensor);
+    const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
+    checkDeviceReduction(op, plan, tensor, cudaBitwise_);
+    return post({c10d::OpType::ALLREDUCE, op, {tensor}, {}, opts.timeout, withReduce(agreeOn({tensor}), opts.reduceOp)}, [tensor, plan](DeviceContext& on) {
+      on.strategy.allreduceParts(
+          on.transports, on.scratch, flatParts({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
+      return RequestPtr();
+    });
   });
 }
 
@@ -138,60 +208,68 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = "all_reduce_coalesced";
-  TORCH_CHECK_VALUE(!tensors.empty(), op, ": needs at least one tensor");
-  checkTensors(op, "tensors", tensors);
-  checkSameDtype(op, tensors);
-  for (const auto& tensor : tensors) {
-    checkStrategyHandles(op, *context_->strategy, tensor);
-  }
-  const Reduction plan = planReduction(op, opts.reduceOp, tensors[0].scalar_type(), size_);
-  checkDeviceReduction(op, plan, tensors[0], cudaBitwise_);
-  return post(
-      {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, opts.timeout}, [tensors, plan](DeviceContext& on) {
-        on.strategy.allreduceParts(
-            on.transports, on.scratch, flatParts(tensors, plan.wireType), plan.wireType, plan.kind, plan.scaling);
-        return RequestPtr();
-      });
+  return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
+    TORCH_CHECK_VALUE(!tensors.empty(), op, ": needs at least one tensor");
+    checkTensors(op, "tensors", tensors);
+    checkSameDtype(op, tensors);
+    for (const auto& tensor : tensors) {
+      checkStrategyHandles(op, *context_->strategy, tensor);
+    }
+    const Reduction plan = planReduction(op, opts.reduceOp, tensors[0].scalar_type(), size_);
+    checkDeviceReduction(op, plan, tensors[0], cudaBitwise_);
+    return post(
+        {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, opts.timeout, withReduce(agreeOn(tensors), opts.reduceOp)}, [tensors, plan](DeviceContext& on) {
+          on.strategy.allreduceParts(
+              on.transports, on.scratch, flatParts(tensors, plan.wireType), plan.wireType, plan.kind, plan.scaling);
+          return RequestPtr();
+        });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
     std::vector<at::Tensor>& tensors,
     std::optional<at::ScalarType> wireDtype) {
   const char* op = "mean_coalesced";
-  checkTensors(op, "tensors", tensors);
-  std::optional<at::ScalarType> widest;
-  for (const auto& tensor : tensors) {
-    TORCH_CHECK_VALUE(
-        at::isFloatingType(tensor.scalar_type()), op, ": gradients must be floating point, got ", tensor.scalar_type());
-    checkStrategyHandles(op, *context_->strategy, tensor);
-    widest = widest ? at::promoteTypes(*widest, tensor.scalar_type()) : tensor.scalar_type();
-  }
-  const at::ScalarType wire = wireDtype.value_or(widest.value_or(at::kFloat));
-  TORCH_CHECK_VALUE(at::isFloatingType(wire), op, ": the wire dtype must be floating point, got ", wire);
-  // ChainerMN's mean: 16-bit sums could overflow before the division, so they are scaled first.
-  const bool prescale = wire == at::kHalf || wire == at::kBFloat16;
-  const double scale = 1.0 / size_;
-  const Scaling scaling{prescale ? scale : 1.0, prescale ? 1.0 : scale};
-  return post(
-      {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, c10d::kUnsetTimeout},
-      [tensors, wire, scaling](DeviceContext& on) {
-        on.strategy.allreduceParts(on.transports, on.scratch, flatParts(tensors), wire, ReduceKind::Sum, scaling);
-        return RequestPtr();
-      });
+  return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
+    checkTensors(op, "tensors", tensors);
+    std::optional<at::ScalarType> widest;
+    for (const auto& tensor : tensors) {
+      TORCH_CHECK_VALUE(
+          at::isFloatingType(tensor.scalar_type()), op, ": gradients must be floating point, got ", tensor.scalar_type());
+      checkStrategyHandles(op, *context_->strategy, tensor);
+      widest = widest ? at::promoteTypes(*widest, tensor.scalar_type()) : tensor.scalar_type();
+    }
+    const at::ScalarType wire = wireDtype.value_or(widest.value_or(at::kFloat));
+    TORCH_CHECK_VALUE(at::isFloatingType(wire), op, ": the wire dtype must be floating point, got ", wire);
+    // ChainerMN's mean: 16-bit sums could overflow before the division, so they are scaled first.
+    const bool prescale = wire == at::kHalf || wire == at::kBFloat16;
+    const double scale = 1.0 / size_;
+    const Scaling scaling{prescale ? scale : 1.0, prescale ? 1.0 : scale};
+    Agreement agreement = agreeOn(tensors);
+    agreement.dtype = wire;  // the tensors may mix dtypes: the ranks must agree on the wire's
+    return post(
+        {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, c10d::kUnsetTimeout, agreement},
+        [tensors, wire, scaling](DeviceContext& on) {
+          on.strategy.allreduceParts(on.transports, on.scratch, flatParts(tensors), wire, ReduceKind::Sum, scaling);
+          return RequestPtr();
+        });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
   const char* op = "broadcast";
-  at::Tensor tensor = single(op, "tensor", tensors);
-  checkRank(op, "src", opts.rootRank, size_);
-  const int root = static_cast<int>(opts.rootRank);
-  return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout}, [tensor, root](DeviceContext& on) {
-    if (tensor.numel() > 0) {
-      on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
-    }
-    return RequestPtr();
+  return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
+    at::Tensor tensor = single(op, "tensor", tensors);
+    checkRank(op, "src", opts.rootRank, size_);
+    const int root = static_cast<int>(opts.rootRank);
+    return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout, withRoot(agreeOn({tensor}), "src", root)}, [tensor, root](DeviceContext& on) {
+      if (tensor.numel() > 0) {
+        on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
+      }
+      return RequestPtr();
+    });
   });
 }
 

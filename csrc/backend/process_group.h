@@ -7,6 +7,7 @@
 // point_to_point.cpp; the allreduce family is here.
 #pragma once
 
+#include "backend/agreement.h"
 #include "backend/device_context.h"
 #include "backend/options.h"
 #include "backend/worker.h"
@@ -28,6 +29,16 @@ struct GroupContext {
   std::unique_ptr<DeviceContext> cpu;   // built with the group
   std::unique_ptr<DeviceContext> cuda;  // built by the first CUDA op (see device_context.h)
   CudaTransportsBuilder buildCuda;
+
+  c10::intrusive_ptr<c10d::Store> store;  // refusals' reasons (agreement.h)
+  int rank = 0;
+  CheckLevel checks = CheckLevel::Info;
+  uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
+
+  // Worker thread, before a collective's body: numbers it and, unless checks are off, compares its
+  // fingerprint with every rank's; throws the same ValueError on every rank when they differ.
+  // `refusal` is this rank's reason for refusing the call (empty: not refused).
+  void agree(const char* op, const Agreement& agreement, const std::string& refusal = "");
 };
 
 // An op as the funnel sees it: what it is, what it returns, and what it reads.
@@ -37,6 +48,7 @@ struct OpSpec {
   std::vector<at::Tensor> outputs;  // the Work's result (fut.value())
   std::vector<at::Tensor> inputs;   // read by the op: kept alive until it is done
   std::chrono::milliseconds timeout = c10d::kUnsetTimeout;  // the group's unless set
+  Agreement agree;  // what every rank must pass the same (collectives; see agreement.h)
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -115,6 +127,11 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
+  // torch's sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker that
+  // reads them): the number of collectives this rank has issued to the group.
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+
   // ChainerMN's mean of gradients: every tensor becomes its mean over the group. The tensors are
   // packed into one reused buffer of `wireDtype` (cast, and for 16-bit wire dtypes scaled by 1/size,
   // in the same pass), reduced by the group's strategy, and unpacked with the cast back (and the
@@ -164,6 +181,24 @@ class ProcessGroupChainerMN : public c10d::Backend {
 
   c10::intrusive_ptr<WorkChainerMN> makeWork(OpSpec& spec, at::Device device);
 
+  // A collective's entry point: `call` validates and posts. When validation refuses the call on this
+  // rank, a refusal takes the op's place in the group's sequence, so that the peers fail this op at
+  // once naming this rank and its reason (agreement.h), and the error propagates here.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> refusable(const char* op, Call&& call) {
+    try {
+      return call();
+    } catch (const c10::Error& error) {
+      postRefusal(op, error.what_without_backtrace());
+      throw;
+    }
+  }
+  void postRefusal(const char* op, const std::string& reason);
+
+  // What every rank must pass the same for an op over `tensors`: their dtype, total elements, count
+  // and (for several) each one's size.
+  Agreement agreeOn(const std::vector<at::Tensor>& tensors) const;
+
   std::shared_ptr<GroupContext> context_;
   std::unique_ptr<Worker> worker_;
   Topology topology_;
@@ -173,7 +208,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   const char* cudaTransport_ = "";  // how CUDA buffers travel (a static name too)
   bool sharedMemory_ = false;
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
-  std::atomic<uint64_t> sequence_{0};
+  std::atomic<uint64_t> sequence_{0};     // collectives posted (torch's sequence number)
+  std::atomic<uint64_t> p2pSequence_{0};  // sends and receives posted
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 

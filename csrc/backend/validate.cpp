@@ -297,7 +297,8 @@ void checkRank(const char* op, const char* argument, int64_t rank, int size) {
 }
 
 void checkTag(const char* op, int tag) {
-  TORCH_CHECK_VALUE(tag >= 0, op, ": tag must be non-negative, got ", tag);
+  TORCH_CHECK_VALUE(
+      tag >= 0 && tag < kHeaderTagBit, op, ": tag must be in [0, 2^30) (the backend uses the tags above), got ", tag);
 }
 
 } // namespace chainermn

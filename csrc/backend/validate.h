@@ -71,6 +71,8 @@ std::vector<int64_t> splitCounts(
 void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Tensor& tensor);
 
 void checkRank(const char* op, const char* argument, int64_t rank, int size);
+// Tags from 2^30 up carry the backend's message headers (point_to_point.cpp).
+constexpr int kHeaderTagBit = 1 << 30;
 void checkTag(const char* op, int tag);
 
 } // namespace chainermn

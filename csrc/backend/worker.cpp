@@ -54,6 +54,17 @@ std::string describeError(const std::exception& error) {
   return error.what();
 }
 
+// What a Work fails with when its body or request throws. A ValueError stays one: the ranks
+// disagreed on the call (backend/agreement.h) or a receive did not match its send, and the group is
+// still in step. Anything else is the backend's failure.
+std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e) {
+  if (dynamic_cast<const c10::ValueError*>(&e) != nullptr) {
+    return std::make_exception_ptr(
+        c10::ValueError({__func__, __FILE__, __LINE__}, "chainermn " + work.description() + ": " + describeError(e)));
+  }
+  return backendError("chainermn " + work.description() + " failed: " + describeError(e));
+}
+
 } // namespace
 
 struct Worker::State {
@@ -130,7 +141,7 @@ void Worker::State::run(Op& op) {
   try {
     request = op.body();
   } catch (const std::exception& e) {
-    error = backendError("chainermn " + op.work->description() + " failed: " + describeError(e));
+    error = failure(*op.work, e);
   }
   if (!request) {
     // Let go of the op's tensors before anyone can see it finish: a tensor whose Python object is gone
@@ -166,7 +177,7 @@ bool Worker::State::progressInFlight() {
         done = it->request->test();
       } catch (const std::exception& e) {
         done = true;
-        error = backendError("chainermn " + it->work->description() + " failed: " + describeError(e));
+        error = failure(*it->work, e);
       }
       if (done) {
         finished.push_back(std::move(*it));

@@ -18,9 +18,15 @@ size_t roundUp(size_t n, size_t to) {
   return (n + to - 1) / to * to;
 }
 
-// The segment holds the barrier's flags, then a slot per rank, then two result buffers.
+// Two rounds of kExchangeBytes per rank (see exchange()), in whole pages.
+size_t exchangeBytes(int size) {
+  return roundUp(2 * size * kExchangeBytes, 4096);
+}
+
+// The segment holds the barrier's flags, the exchange area, then a slot per rank, then two result
+// buffers.
 size_t segmentBytes(int size, size_t chunk) {
-  return Barrier::bytes(size) + (size + 2) * chunk;
+  return Barrier::bytes(size) + exchangeBytes(size) + (size + 2) * chunk;
 }
 
 class ShmTransport : public Transport {
@@ -36,7 +42,8 @@ class ShmTransport : public Transport {
         size_(fallback_->size()),
         chunk_(chunk),
         barrier_(segment_->base(), rank_, size_, timeout) {
-    char* data = segment_->base() + Barrier::bytes(size_);
+    exchangeArea_ = segment_->base() + Barrier::bytes(size_);
+    char* data = exchangeArea_ + exchangeBytes(size_);
     for (int r = 0; r < size_; ++r) {
       slots_.push_back(data + r * chunk_);
     }
@@ -145,6 +152,20 @@ class ShmTransport : public Transport {
     barrier_.sync();
   }
 
+  // One barrier: each rank writes its bytes into its cell of this round's half, then reads every
+  // cell. The halves alternate, so a rank may write the next round while a peer still reads this
+  // one; it reaches this half again only after a barrier every peer has passed since reading it.
+  void exchange(const void* mine, void* all, size_t bytes) override {
+    TORCH_CHECK(bytes <= kExchangeBytes, "shared memory: exchange of ", bytes, " bytes");
+    char* round = exchangeArea_ + exchangeParity_ * size_ * kExchangeBytes;
+    std::memcpy(round + rank_ * kExchangeBytes, mine, bytes);
+    barrier_.sync();
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(static_cast<char*>(all) + r * bytes, round + r * kExchangeBytes, bytes);
+    }
+    exchangeParity_ ^= 1;
+  }
+
  private:
   // allreduce (root < 0: everyone gets the result) or reduce to root. Every rank reduces its own
   // slice of each chunk from all slots into a result buffer; the two result buffers alternate, so a
@@ -187,6 +208,8 @@ class ShmTransport : public Transport {
   Barrier barrier_;
   std::vector<char*> slots_;
   char* results_[2] = {nullptr, nullptr};
+  char* exchangeArea_ = nullptr;
+  int exchangeParity_ = 0;
   std::vector<const void*> sources_;  // reused: no allocation per chunk
   int parity_ = 0;
 };

@@ -77,7 +77,16 @@ class Transport {
   // peer may be kAnySource; the Request's source() then tells which rank sent.
   virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
   virtual void barrier() = 0;
+
+  // Every rank's `bytes` (at most kExchangeBytes) at `mine` into `all`, rank r's at r * bytes: the
+  // few bytes of bookkeeping the ranks compare before a collective (backend/agreement.h). An
+  // allgather unless the library has something cheaper.
+  virtual void exchange(const void* mine, void* all, size_t bytes) {
+    allgather(mine, all, static_cast<int64_t>(bytes), c10::ScalarType::Byte);
+  }
 };
+
+constexpr size_t kExchangeBytes = 128;
 
 using TransportPtr = std::shared_ptr<Transport>;
 

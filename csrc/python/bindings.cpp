@@ -88,7 +88,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("allreduce_grad_dtype", &GroupOptions::allreduceGradDtype)
       .def_readwrite("transport", &GroupOptions::transport)
       .def_readwrite("shared_memory", &GroupOptions::sharedMemory)
-      .def_readwrite("cuda_transport", &GroupOptions::cudaTransport);
+      .def_readwrite("cuda_transport", &GroupOptions::cudaTransport)
+      .def_property(
+          "checks",
+          [](const GroupOptions& options) { return chainermn::checkLevelName(options.checks); },
+          [](GroupOptions& options, const std::string& name) { options.checks = chainermn::checkLevelNamed(name); });
 
   py::class_<GroupSetup>(m, "GroupSetup", "who a group is, and the host library its ranks agreed on")
       .def(

@@ -1,0 +1,214 @@
+#include "backend/agreement.h"
+
+#include "backend/validate.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <iterator>
+
+namespace chainermn {
+
+namespace {
+
+void copyName(char* to, size_t capacity, const char* from) {
+  std::strncpy(to, from == nullptr ? "" : from, capacity - 1);
+  to[capacity - 1] = '\0';
+}
+
+// 64-bit FNV-1a, folded one value at a time: the same on every rank and every build.
+uint64_t mix(uint64_t hash, int64_t value) {
+  for (int byte = 0; byte < 8; ++byte) {
+    hash ^= static_cast<uint64_t>(value >> (8 * byte)) & 0xff;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+std::string rankList(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    text += (i ? "," : "") + std::to_string(ranks[i]);
+  }
+  return text;
+}
+
+// "ranks 0,2 have 10 elements; rank 1 has 20 elements": the ranks grouped by the value they hold,
+// groups in order of their first rank.
+std::string byValue(const std::vector<Fingerprint>& all, const std::function<std::string(const Fingerprint&)>& describe) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    const std::string value = describe(all[r]);
+    auto found = std::find_if(groups.begin(), groups.end(), [&](const auto& group) { return group.first == value; });
+    if (found == groups.end()) {
+      groups.push_back({value, {r}});
+    } else {
+      found->second.push_back(r);
+    }
+  }
+  std::string text;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const bool one = groups[i].second.size() == 1;
+    text += (i ? "; " : "") + rankList(groups[i].second) + (one ? " has " : " have ") + groups[i].first;
+  }
+  return text;
+}
+
+template <typename Field>
+bool differs(const std::vector<Fingerprint>& all, Field field) {
+  for (const auto& print : all) {
+    if (field(print) != field(all.front())) {
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* reduceOpName(int32_t op) {
+  static const char* names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  return op >= 0 && op < static_cast<int32_t>(std::size(names)) ? names[op] : "none";
+}
+
+std::string dtypeOf(const Fingerprint& print) {
+  return print.dtype < 0 ? "no dtype" : dtypeName(static_cast<at::ScalarType>(print.dtype));
+}
+
+} // namespace
+
+Agreement withRoot(Agreement agreement, const char* name, int64_t root) {
+  agreement.rootName = name;
+  agreement.root = root;
+  return agreement;
+}
+
+Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op) {
+  agreement.reduce = static_cast<int>(op.op_);
+  return agreement;
+}
+
+Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement) {
+  Fingerprint print;
+  print.sequence = sequence;
+  copyName(print.op, sizeof(print.op), op);
+  print.reduce = agreement.reduce;
+  print.dtype = agreement.dtype == at::ScalarType::Undefined ? -1 : static_cast<int32_t>(agreement.dtype);
+  print.root = agreement.rootName != nullptr ? agreement.root : -1;
+  copyName(print.rootName, sizeof(print.rootName), agreement.rootName);
+  print.count = agreement.count;
+  print.tensors = agreement.tensors;
+  print.layout = agreement.layout;
+  return print;
+}
+
+uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes) {
+  uint64_t hash = 14695981039346656037ull;
+  for (const auto& tensor : tensors) {
+    hash = mix(hash, tensor.numel());
+    if (shapes) {
+      hash = mix(hash, tensor.dim());
+      for (int64_t extent : tensor.sizes()) {
+        hash = mix(hash, extent);
+      }
+    }
+  }
+  return hash;
+}
+
+std::vector<Fingerprint> exchangeFingerprints(Transport& world, const Fingerprint& mine) {
+  std::vector<Fingerprint> all(world.size());
+  world.exchange(&mine, all.data(), sizeof(Fingerprint));
+  return all;
+}
+
+std::string disagreement(
+    const std::vector<Fingerprint>& all,
+    const std::function<std::string(int rank)>& reasonOf) {
+  const Fingerprint& first = all.front();
+  const std::string head = std::string(first.op) + " (collective " + std::to_string(first.sequence) + ")";
+  if (differs(all, [](const Fingerprint& p) { return p.sequence; })) {
+    return "the ranks are out of step: " +
+        byValue(all, [](const Fingerprint& p) {
+             return "issued " + std::to_string(p.sequence - 1) + " collectives before " + p.op;
+           }) +
+        " (a rank skipped or added a collective)";
+  }
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r].refused) {
+      return head + ": rank " + std::to_string(r) + " refused the call: " + reasonOf(r);
+    }
+  }
+  if (differs(all, [](const Fingerprint& p) { return std::string(p.op); })) {
+    return "the ranks called different collectives: " +
+        byValue(all, [](const Fingerprint& p) { return std::string("called ") + p.op; });
+  }
+  if (differs(all, [](const Fingerprint& p) { return p.dtype; })) {
+    return head + ": the dtypes differ: " + byValue(all, dtypeOf);
+  }
+  if (differs(all, [](const Fingerprint& p) { return p.tensors; })) {
+    return head + ": the number of tensors differs: " +
+        byValue(all, [](const Fingerprint& p) { return std::to_string(p.tensors) + " tensors"; });
+  }
+  if (differs(all, [](const Fingerprint& p) { return p.count; })) {
+    return head + ": the sizes differ: " + byValue(all, [](const Fingerprint& p) {
+             return std::to_string(p.count) + " " + dtypeOf(p) + " elements";
+           });
+  }
+  if (differs(all, [](const Fingerprint& p) { return p.layout; })) {
+    return head + ": the tensors' sizes differ (same total): " +
+        byValue(all, [](const Fingerprint& p) { return "layout " + std::to_string(p.layout % 100000); });
+  }
+  if (differs(all, [](const Fingerprint& p) { return p.root; })) {
+    return head + ": the " + first.rootName + " differs: " +
+        byValue(all, [](const Fingerprint& p) { return std::string(p.rootName) + "=" + std::to_string(p.root); });
+  }
+  if (differs(all, [](const Fingerprint& p) { return p.reduce; })) {
+    return head + ": the reduce ops differ: " +
+        byValue(all, [](const Fingerprint& p) { return std::string("op ") + reduceOpName(p.reduce); });
+  }
+  return "";
+}
+
+void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {
+  const int size = world.size();
+  const std::vector<int64_t> ones(size, 1);
+  std::vector<int64_t> sent(size);  // sent[q]: what rank q sends this rank
+  world.alltoallv(agreement.sendCounts.data(), ones, sent.data(), ones, at::kLong);
+  struct Mismatch {
+    int64_t sender = -1;
+    int64_t sends = 0;
+    int64_t expected = 0;
+  } mine;
+  for (int q = 0; q < size; ++q) {
+    if (sent[q] != agreement.recvCounts[q]) {
+      mine = {q, sent[q], agreement.recvCounts[q]};
+      break;
+    }
+  }
+  std::vector<Mismatch> all(size);
+  world.exchange(&mine, all.data(), sizeof(Mismatch));
+  std::string problems;
+  for (int r = 0; r < size; ++r) {
+    if (all[r].sender >= 0) {
+      problems += std::string(problems.empty() ? "" : "; ") + "rank " + std::to_string(r) + " expects " +
+          std::to_string(all[r].expected) + " elements from rank " + std::to_string(all[r].sender) +
+          ", which sends " + std::to_string(all[r].sends);
+    }
+  }
+  TORCH_CHECK_VALUE(
+      problems.empty(),
+      "chainermn: ",
+      op,
+      " (collective ",
+      sequence,
+      "): the split sizes do not match between ranks: ",
+      problems);
+}
+
+std::string refusalKey(uint64_t sequence, int rank) {
+  return "chainermn/refused/" + std::to_string(sequence) + "/" + std::to_string(rank);
+}
+
+} // namespace chainermn

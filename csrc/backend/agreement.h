@@ -1,0 +1,84 @@
+// Cross-rank agreement before a collective moves data.
+//
+// Every collective carries a Fingerprint: what the op is and what every rank must pass the same
+// (dtype, element counts, root, reduce op, tensor count) plus the group's collective number. The
+// ranks exchange their fingerprints on the worker thread before the op's body runs; if any field
+// differs, every rank raises the same ValueError naming the op, the field and the ranks, and no rank
+// touches its output. Because the collective number travels too, an op can never be paired with a
+// different op of another rank: the group cannot silently fall out of step.
+//
+// A rank that refuses a call (a ValueError on its calling thread) still takes part in the exchange
+// with a `refused` fingerprint, so its peers fail that op at once, naming it and its reason, and
+// the group stays in step.
+#pragma once
+
+#include "comm/transport.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+// What a collective's caller must pass the same on every rank. Fields left at their defaults are
+// not compared.
+struct Agreement {
+  bool collective = true;  // false for point to point (not exchanged)
+  const char* rootName = nullptr;  // "src", "dst": root is compared when set
+  int64_t root = -1;
+  int reduce = -1;         // c10d::ReduceOp::RedOpType
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  int64_t count = -1;      // elements every rank passes (per rank, as the op defines it)
+  int64_t tensors = -1;    // number of tensors
+  uint64_t layout = 0;     // the tensors' element counts (and shapes, with DETAIL), hashed
+  // all-to-all: elements this rank sends to and expects from each rank, checked pairwise
+  // (checkSplits) since they legitimately differ from rank to rank.
+  std::vector<int64_t> sendCounts, recvCounts;
+};
+
+// The bytes every rank sends: plain data, the same layout on every rank.
+struct Fingerprint {
+  uint64_t sequence = 0;  // the group's collective number, counted where the ops run
+  char op[32] = {};       // "all_reduce", NUL-terminated
+  int32_t reduce = -1;
+  int32_t dtype = -1;
+  int64_t root = -1;
+  int64_t count = -1;
+  int64_t tensors = -1;
+  uint64_t layout = 0;
+  char rootName[8] = {};
+  int32_t refused = 0;  // this rank refused the call; its reason is in the store (refusalKey)
+  int32_t pad = 0;
+};
+static_assert(sizeof(Fingerprint) == 96, "the exchanged fingerprint has a fixed size");
+
+// The root and the reduce op, for the collectives that have them.
+Agreement withRoot(Agreement agreement, const char* name, int64_t root);
+Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op);
+
+Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement);
+
+// Hash of the tensors' element counts, and with `shapes` of their sizes too.
+uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes);
+
+// Every rank's fingerprint, in group rank order (one small collective over `world`).
+std::vector<Fingerprint> exchangeFingerprints(Transport& world, const Fingerprint& mine);
+
+// Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).
+// `reasonOf(rank)` fetches the reason of a rank that refused the call.
+std::string disagreement(
+    const std::vector<Fingerprint>& all,
+    const std::function<std::string(int rank)>& reasonOf);
+
+// All-to-all: every rank's count for each peer is what that peer expects from it. One small
+// all-to-all and one exchange; throws the same ValueError on every rank otherwise (a transport given
+// disagreeing counts may abort the process).
+void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement);
+
+// Where a refusing rank leaves its reason, for its peers to quote.
+std::string refusalKey(uint64_t sequence, int rank);
+
+} // namespace chainermn
