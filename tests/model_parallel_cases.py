@@ -307,10 +307,20 @@ def battery(sizes, parts):
 
 
 @functools.lru_cache(maxsize=None)
+def _run_battery():
+    try:
+        return harness.run_spawn(battery, 4, (2, 3, 4), ("functions", "model_parallel"), timeout=300,
+                                 op_timeout=60), None
+    except harness.RankFailure as failure:  # kept, so that the other tests do not run the job again
+        return None, failure
+
+
 def report():
     """The battery's report, run once per session on 4 ranks (communicators of 2, 3 and 4 ranks in
     it): {check: [None or traceback, per rank]}."""
-    results = harness.run_spawn(battery, 4, (2, 3, 4), ("functions", "model_parallel"), timeout=300, op_timeout=60)
+    results, failure = _run_battery()
+    if failure is not None:
+        raise AssertionError(f"the model-parallel job failed as a whole:\n{failure}")
     return {name: [r.get(name) for r in results] for name in results[0]}
 
 

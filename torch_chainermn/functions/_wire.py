@@ -1,7 +1,8 @@
 """How the model-parallel functions' tensors travel point to point, and how their waits fail.
 
-A transfer is two messages on the pair's tag: a fixed-size int64 header, then one payload of bytes
-(every tensor of the message packed, each at a 16-byte boundary), skipped when empty. The header
+A transfer is two messages: a fixed-size int64 header on the pair's tag, then one payload of bytes
+(every tensor of the message packed, each at a 16-byte boundary; skipped when empty) on the tag
+plus BODY_TAG_OFFSET, so that a pipeline can post the receives of headers ahead (receive_ahead). The header
 says what the message is, so the receiver needs to know neither shapes nor dtypes in advance:
 
     [MAGIC, kind, seq, count, spec_len, payload_bytes, device, tuple, spec...]
@@ -31,6 +32,9 @@ MAGIC = 0x4D4E4D50  # "MNMP"
 KIND_ACTIVATION, KIND_GRADIENT, KIND_FAILURE = 1, 2, 3
 KIND_NAMES = {KIND_ACTIVATION: "an activation", KIND_GRADIENT: "a gradient", KIND_FAILURE: "a failure report"}
 HEADER_LEN = 32
+# A message's body (payload, long spec, failure reason) travels on a tag of its own, so that headers
+# can be received ahead of time (receive_ahead) without taking an earlier message's body.
+BODY_TAG_OFFSET = 1 << 20
 _FIXED = 8  # header slots before the inline spec
 _ALIGN = 16
 
@@ -201,10 +205,11 @@ def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tu
     header = _header(kind, seq, spec, total)
     works = [dist.isend(header, group=group, group_dst=peer, tag=tag)]
     ints = spec.ints()
+    body = tag + BODY_TAG_OFFSET
     if _FIXED + len(ints) > HEADER_LEN:
-        works.append(dist.isend(torch.tensor(ints, dtype=torch.int64), group=group, group_dst=peer, tag=tag))
+        works.append(dist.isend(torch.tensor(ints, dtype=torch.int64), group=group, group_dst=peer, tag=body))
     if total:
-        works.append(dist.isend(_pack(tensors, spec), group=group, group_dst=peer, tag=tag))
+        works.append(dist.isend(_pack(tensors, spec), group=group, group_dst=peer, tag=body))
     _post(group, works, what)
 
 
@@ -214,8 +219,39 @@ def send_failure(group, peer: int, tag: int, error: BaseException, what: str) ->
     works = [dist.isend(_header(KIND_FAILURE, 0, None, len(reason)), group=group, group_dst=peer, tag=tag)]
     if reason:
         works.append(dist.isend(torch.frombuffer(bytearray(reason), dtype=torch.uint8), group=group,
-                                group_dst=peer, tag=tag))
+                                group_dst=peer, tag=tag + BODY_TAG_OFFSET))
     _post(group, works, what)
+
+
+_ahead: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
+# Set while a pipeline schedule runs forward and backward itself: every send that needs a gradient
+# then posts the receive of the gradient's header at once (the schedule will surely run its backward).
+gradients_ahead = False
+
+
+class _Ahead:
+    """The header receives of one (peer, tag) pair still to be posted ahead, and the one posted."""
+
+    def __init__(self):
+        self.expected = 0
+        self.posted = None  # (header, work)
+
+    def post_next(self, group, peer: int, tag: int) -> None:
+        # One at a time: with several receives pending on one peer and tag, the backend may pair
+        # a later receive with an earlier message (it posts each data receive when its header lands).
+        if self.posted is None and self.expected > 0:
+            self.expected -= 1
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            self.posted = (header, dist.irecv(header, group=group, group_src=peer, tag=tag))
+
+
+def receive_ahead(group, peer: int, tag: int, count: int) -> None:
+    """Expect `count` more messages from `peer` on `tag`: their header receives are posted ahead, each
+    as soon as the one before it has landed, so that a header arrives while this rank computes
+    (a pipeline knows what it will receive). Only for messages that will surely come."""
+    ahead = _ahead.setdefault(group, {}).setdefault((peer, tag), _Ahead())
+    ahead.expected += count
+    ahead.post_next(group, peer, tag)
 
 
 def _recv_wait(group, tensor, peer: int, tag: int, what: str) -> None:
@@ -226,9 +262,16 @@ def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, 
                  device: torch.device | None = None):
     """Receive one message from `peer`: (tensors, spec). Raises if it is not what this rank expects.
     `what` names the receiving op in errors; `waiting` says, for a timeout, what never came and why."""
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    _recv_wait(group, header, peer, tag, f"{what}: {waiting}")
+    ahead = _ahead.get(group, {}).get((peer, tag))
+    if ahead is not None and ahead.posted is not None:
+        (header, work), ahead.posted = ahead.posted, None
+        _wait_all([work], f"{what}: {waiting}")
+        ahead.post_next(group, peer, tag)
+    else:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        _recv_wait(group, header, peer, tag, f"{what}: {waiting}")
     head = header.tolist()
+    body = tag + BODY_TAG_OFFSET  # the rest of the message
     if head[0] != MAGIC:
         raise RuntimeError(f"{what}: received a message that is not a model-parallel message (another "
                            f"send on the same tag {tag}?)")
@@ -236,13 +279,13 @@ def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, 
     if kind == KIND_FAILURE:
         reason = torch.empty(payload, dtype=torch.uint8)
         if payload:
-            _recv_wait(group, reason, peer, tag, f"{what}: the failure report from rank {peer} was cut short")
+            _recv_wait(group, reason, peer, body, f"{what}: the failure report from rank {peer} was cut short")
         raise RuntimeError(f"{what}: rank {peer} could not send: {bytes(reason.tolist()).decode(errors='replace')}")
     if _FIXED + spec_len <= HEADER_LEN:
         ints = head[_FIXED:_FIXED + spec_len]
     else:
         long_spec = torch.empty(spec_len, dtype=torch.int64)
-        _recv_wait(group, long_spec, peer, tag, f"{what}: the header from rank {peer} was cut short")
+        _recv_wait(group, long_spec, peer, body, f"{what}: the header from rank {peer} was cut short")
         ints = long_spec.tolist()
     spec = Spec.from_ints(ints, count, DEVICES[device_code], bool(is_tuple))
     wire = torch.device(spec.device) if spec.device == "cpu" else (
@@ -255,7 +298,7 @@ def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, 
     buffer = single.reshape(-1).view(torch.uint8) if single is not None else \
         torch.empty(total, dtype=torch.uint8, device=wire)
     if total:
-        _recv_wait(group, buffer, peer, tag, f"{what}: the data from rank {peer} never came after its header")
+        _recv_wait(group, buffer, peer, body, f"{what}: the data from rank {peer} never came after its header")
     if kind != expect_kind:
         raise RuntimeError(_wrong_kind(what, peer, tag, kind, seq, expect_kind))
     if seq != expect_seq:

@@ -110,6 +110,8 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
     spec = _wire.Spec.of(xs, is_tuple)
     _wire.send_tensors(comm.group, peer, tag, _wire.KIND_ACTIVATION, seq, xs, is_tuple, what)
     if grad_needed(*xs):
+        if _wire.gradients_ahead:
+            _wire.receive_ahead(comm.group, peer, tag, 1)
         return _Send.apply(link, spec, *xs)
     return torch.zeros((), device=xs[0].device)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .._messages import allgather_small
+from ..functions import _wire
 
 
 def split_batch(op: str, values, m: int):
@@ -62,9 +63,19 @@ def _join_delegates(delegates):
     return joined
 
 
+def receive_ahead(chain, m: int) -> None:
+    """Post the header receives of every activation the m micro-batches will receive, so that they
+    arrive while this rank computes (only the payload's receive is left for when it is needed)."""
+    for _, rank_in, _ in chain.components():
+        for source in rank_in or ():
+            if source != chain.comm.rank:
+                _wire.receive_ahead(chain.comm.group, source, 0, m)
+
+
 def gpipe_forward(chain, inputs, m: int):
     op = "MultiNodeChainList"
     batches, _ = split_batch(op, inputs, m)
+    receive_ahead(chain, m)
     results = [chain.run_components(*batch) for batch in batches]
     if results[0][1]:
         return _concat(op, [value for value, _ in results])
@@ -133,6 +144,15 @@ def run_schedule(chain, inputs, target, loss_fn, losses):
         stage, stages = stage_of(chain)
     else:
         stage, stages = 0, 1
+    receive_ahead(chain, m)
+    _wire.gradients_ahead = True  # this schedule runs every backward itself
+    try:
+        return _run(chain, batches, targets, sizes, total, loss_fn, losses, m, stage, stages, has_output)
+    finally:
+        _wire.gradients_ahead = False
+
+
+def _run(chain, batches, targets, sizes, total, loss_fn, losses, m, stage, stages, has_output):
     pending, loss_sum = {}, None
     for kind, k in _order(chain.schedule, m, stage, stages):
         if kind == "F":
