@@ -11,7 +11,7 @@ import atexit
 import torch  # noqa: F401  (loads libtorch before our extension)
 import torch.distributed  # noqa: F401
 
-from . import _C, _backend, _launch, communicator, datasets, extensions, global_except_hook, hooks, iterators, nn
+from . import _C, _backend, _launch, communicator, datasets, extensions, functions, global_except_hook, hooks, iterators, links, nn
 from ._C import Topology
 from ._backend import get_options
 from ._version import __version__
@@ -21,6 +21,7 @@ from .extensions import (AllreducePersistent, create_multi_node_checkpoint, crea
                          create_multi_node_evaluator)
 from .gradients import mean_coalesced
 from .iterators import create_multi_node_iterator, create_synchronized_iterator
+from .links import MultiNodeChainList, create_multi_node_n_step_rnn
 from .monitoring import monitored_barrier
 from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, convert_mnbn_model,
                  create_mnbn_model)
@@ -32,9 +33,10 @@ __all__ = [
     "AllreducePersistent", "Communicator", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
     "Options", "Topology", "communicator", "convert_mnbn_model", "create_communicator", "create_empty_dataset",
     "create_mnbn_model", "create_multi_node_checkpoint", "create_multi_node_checkpointer",
-    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
-    "create_synchronized_iterator", "datasets", "extensions", "get_options", "global_except_hook", "hooks",
-    "iterators", "mean_coalesced", "monitored_barrier", "nn", "scatter_dataset", "topology", "transport",
+    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_n_step_rnn",
+    "create_multi_node_optimizer", "create_synchronized_iterator", "datasets", "extensions", "functions",
+    "get_options", "global_except_hook", "hooks", "iterators", "links", "mean_coalesced", "monitored_barrier",
+    "MultiNodeChainList", "nn", "scatter_dataset", "topology", "transport",
 ]
 
 
