@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,10 @@ class CheckedSend : public Request {
   }
   bool test() override {
     return headerSent_->test() && dataSent_->test();
+  }
+  void wakeWhenReady(std::function<void()> wake) override {
+    headerSent_->wakeWhenReady(wake);
+    dataSent_->wakeWhenReady(std::move(wake));
   }
 
  private:
@@ -82,6 +87,9 @@ class CheckedReceive : public Request {
         drain_.resize(static_cast<size_t>(received_.count) * width);
         data_ = transport_.recv(drain_.data(), received_.count, static_cast<at::ScalarType>(received_.dtype), source_, tag_);
       }
+      if (wake_) {
+        data_->wakeWhenReady(wake_);
+      }
     }
     if (!data_->test()) {
       return false;
@@ -92,6 +100,12 @@ class CheckedReceive : public Request {
 
   int source() const override {
     return source_;
+  }
+
+  // The header's arrival, then the data's (the worker must test to post the data's receive).
+  void wakeWhenReady(std::function<void()> wake) override {
+    wake_ = wake;
+    header_->wakeWhenReady(std::move(wake));
   }
 
  private:
@@ -107,6 +121,7 @@ class CheckedReceive : public Request {
   int source_ = -1;
   std::string mismatch_;
   std::vector<char> drain_;  // only when the sizes differ
+  std::function<void()> wake_;
 };
 
 } // namespace

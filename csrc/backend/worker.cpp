@@ -77,6 +77,14 @@ void Worker::State::run(QueuedOp& op) {
     std::lock_guard<std::mutex> lock(mutex);
     current = outer;
     if (request) {
+      // Libraries that progress in threads of their own wake the worker when the transfer is done;
+      // the others are polled. The wake takes no lock: it may run at once, here.
+      request->wakeWhenReady([weak = weak_from_this()] {
+        if (auto state = weak.lock()) {
+          state->requestReady.store(true, std::memory_order_release);
+          state->wakeWorker.notify_one();
+        }
+      });
       inFlight.push_back({op.work, std::move(op.body), std::move(request)});
     }
   }
@@ -142,7 +150,9 @@ void Worker::State::workerLoop() {
         if (inFlight.empty()) {
           wakeWorker.wait(lock, [this] { return stopping || !queue.empty(); });
         } else {
-          wakeWorker.wait_for(lock, backoff.next(), [this] { return stopping || !queue.empty(); });
+          wakeWorker.wait_for(lock, backoff.next(), [this] {
+            return stopping || !queue.empty() || requestReady.load(std::memory_order_acquire);
+          });
         }
       }
       if (!queue.empty()) {
@@ -157,6 +167,7 @@ void Worker::State::workerLoop() {
       run(*op);
       backoff.reset();
     }
+    requestReady.store(false, std::memory_order_release);  // before testing: a later wake stays seen
     if (progressInFlight()) {
       backoff.reset();
     }

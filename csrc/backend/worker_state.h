@@ -36,7 +36,7 @@ std::string describeError(const std::exception& error);
 std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e);
 
 
-struct Worker::State {
+struct Worker::State : std::enable_shared_from_this<Worker::State> {
   State(std::string name, std::shared_ptr<Monitor> monitor) : groupName(std::move(name)), monitor(std::move(monitor)) {}
 
   const std::string groupName;
@@ -51,6 +51,7 @@ struct Worker::State {
   std::vector<InFlight> inFlight;
   std::string brokenReason;
   std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
+  std::atomic<bool> requestReady{false};  // a request in flight may have completed (wakeWhenReady)
   std::thread::id workerThread;        // set once, before the first op can be queued
   bool closed = false;    // stop() began: enqueue refuses
   bool stopping = false;  // the threads should leave

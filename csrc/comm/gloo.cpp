@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <functional>
+#include <mutex>
 #include <cstring>
 #include <thread>
 
@@ -25,8 +27,27 @@ class GlooRequest : public Request {
       } catch (...) {
         state->error = std::current_exception();
       }
-      state->done.store(true, std::memory_order_release);
+      std::function<void()> wake;
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->done.store(true, std::memory_order_release);
+        wake = state->wake;
+      }
+      if (wake) {
+        wake();
+      }
     });
+  }
+
+  void wakeWhenReady(std::function<void()> wake) override {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      if (!state_->done.load(std::memory_order_acquire)) {
+        state_->wake = std::move(wake);
+        return;
+      }
+    }
+    wake();  // already done
   }
 
   ~GlooRequest() override {
@@ -59,6 +80,8 @@ class GlooRequest : public Request {
     c10::intrusive_ptr<c10d::Work> work;
     std::exception_ptr error;
     std::atomic<bool> done{false};
+    std::mutex mutex;             // orders `wake` with `done`
+    std::function<void()> wake;   // see Request::wakeWhenReady
   };
   std::shared_ptr<State> state_;
   const bool isReceive_;

@@ -33,6 +33,10 @@ class Request {
   virtual int source() const {
     return -1;
   }
+  // Asks for `wake` to be called once test() may return true, from whichever thread learns it (a
+  // library that progresses in threads of its own), so the caller need not poll in the meantime.
+  // Requests that progress only when tested ignore it: they are polled.
+  virtual void wakeWhenReady(std::function<void()> wake) {}
 };
 using RequestPtr = std::unique_ptr<Request>;
 
