@@ -34,7 +34,7 @@ def chainermn_battery():
 def describe(name: str, per_rank: list) -> str:
     concerned = [1] if name in POINT_TO_POINT else list(range(len(per_rank)))
     raised = [r for r, got in enumerate(per_rank) if got["got"] != "silent"]
-    timeouts = [r for r, got in enumerate(per_rank) if "timed out" in got["got"].lower() or "timeout" in got["got"].lower()]
+    timeouts = [r for r, got in enumerate(per_rank) if "timed out" in got["got"].lower()]
     if timeouts and len(timeouts) == len(raised):
         cell = "timeout"
     elif all(r in raised for r in concerned):
