@@ -117,10 +117,15 @@ uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes) {
   return hash;
 }
 
-std::vector<Fingerprint> exchangeFingerprints(Transport& world, const Fingerprint& mine) {
-  std::vector<Fingerprint> all(world.size());
-  world.exchange(&mine, all.data(), sizeof(Fingerprint));
-  return all;
+const std::vector<Fingerprint>& FingerprintExchange::exchange(
+    Transport& transport, const Fingerprint& mine, std::vector<Fingerprint>& into) {
+  into.resize(transport.size());
+  transport.exchange(&mine, into.data(), sizeof(Fingerprint));
+  return into;
+}
+
+const std::vector<Fingerprint>& FingerprintExchange::all(Transport& world, const Fingerprint& mine) {
+  return exchange(world, mine, world_);
 }
 
 namespace {
@@ -131,14 +136,14 @@ bool allSame(const std::vector<Fingerprint>& prints) {
 }
 } // namespace
 
-bool agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine) {
+bool FingerprintExchange::agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine) {
   // Both exchanges on every rank, whatever the first shows: the peers of the second wait for it.
-  const bool nodeSame = allSame(exchangeFingerprints(*transports.intra, mine));
-  const bool acrossSame = allSame(exchangeFingerprints(*transports.inter, mine));
+  const bool nodeSame = allSame(exchange(*transports.intra, mine, node_));
+  const bool acrossSame = allSame(exchange(*transports.inter, mine, across_));
   const int64_t sawNoDifference = nodeSame && acrossSame;
-  std::vector<int64_t> node(transports.intra->size());
-  transports.intra->exchange(&sawNoDifference, node.data(), sizeof(int64_t));
-  return std::all_of(node.begin(), node.end(), [](int64_t verdict) { return verdict == 1; });
+  verdicts_.resize(transports.intra->size());
+  transports.intra->exchange(&sawNoDifference, verdicts_.data(), sizeof(int64_t));
+  return std::all_of(verdicts_.begin(), verdicts_.end(), [](int64_t verdict) { return verdict == 1; });
 }
 
 std::string disagreement(

@@ -18,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -64,16 +65,28 @@ Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& 
 // Hash of the tensors' element counts, and with `shapes` of their sizes too.
 uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes);
 
-// Every rank's fingerprint, in group rank order (one small collective over `world`).
-std::vector<Fingerprint> exchangeFingerprints(Transport& world, const Fingerprint& mine);
+// The exchanges of fingerprints, into buffers sized once: they run before every collective, and
+// allocate nothing after the first.
+class FingerprintExchange {
+ public:
+  // Every rank's fingerprint, in group rank order (one small collective over `world`).
+  const std::vector<Fingerprint>& all(Transport& world, const Fingerprint& mine);
 
-// Whether every rank's fingerprint equals this one, known the same on every rank, through the
-// levels of nodes of equal size: fingerprints within the node, then across nodes among the ranks of
-// this intra rank, then the node's verdicts. If every rank's two comparisons pass, all fingerprints
-// are equal (any two ranks are linked through the rank of the same intra rank on the other's node);
-// and if any differ, every node has a rank that saw it. Two node-local exchanges (shared memory: one
-// barrier each) and one exchange among as many ranks as there are nodes, instead of one among all.
-bool agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine);
+  // Whether every rank's fingerprint equals this one, known the same on every rank, through the
+  // levels of nodes of equal size: fingerprints within the node, then across nodes among the ranks of
+  // this intra rank, then the node's verdicts. If every rank's two comparisons pass, all fingerprints
+  // are equal (any two ranks are linked through the rank of the same intra rank on the other's node);
+  // and if any differ, every node has a rank that saw it. Two node-local exchanges (shared memory: one
+  // barrier each) and one exchange among as many ranks as there are nodes, instead of one among all.
+  bool agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine);
+
+ private:
+  static const std::vector<Fingerprint>& exchange(
+      Transport& transport, const Fingerprint& mine, std::vector<Fingerprint>& into);
+
+  std::vector<Fingerprint> world_, node_, across_;
+  std::vector<int64_t> verdicts_;
+};
 
 // Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).
 // `reasonOf(rank)` fetches the reason of a rank that refused the call.

@@ -193,11 +193,11 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
     }
     // Between nodes the levels are cheaper; only a disagreement (rare) needs every fingerprint to
     // say which ranks differ, and then every rank knows to ask.
-    if (checkThroughLevels && agreeThroughLevels(cpu->transports, mine)) {
+    if (checkThroughLevels && fingerprints.agreeThroughLevels(cpu->transports, mine)) {
       checkSplitsIfAny(world, op, sequence, agreement);
       return;
     }
-    const std::string problem = disagreement(exchangeFingerprints(world, mine), [&](int r) {
+    const std::string problem = disagreement(fingerprints.all(world, mine), [&](int r) {
       const auto reason = store->get(refusalKey(sequence, r));
       return std::string(reason.begin(), reason.end());
     });

@@ -35,6 +35,7 @@ struct GroupContext {
   int rank = 0;
   CheckLevel checks = CheckLevel::Info;
   bool checkThroughLevels = false;  // several nodes of equal size: agreeThroughLevels (agreement.h)
+  FingerprintExchange fingerprints;  // worker thread only
   uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
   MessageOrder messages;        // worker thread only: point-to-point numbering (messages.h)
 
