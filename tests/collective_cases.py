@@ -164,6 +164,23 @@ def callback_issues_collective_case(rank, size):
     assert_same(second, torch.full((3,), float(size)), "all_reduce issued from a callback")
 
 
+def callback_waits_for_point_to_point_case(rank, size):
+    """A then() callback that sends and receives and waits for both (as a pipeline's hook might).
+
+    The callback runs on the worker that must also move the transfers on: its wait() does that."""
+    outgoing, incoming = torch.full((5,), float(rank)), torch.empty(5)
+
+    def exchange(future):
+        send = dist.isend(outgoing, (rank + 1) % size)
+        recv = dist.irecv(incoming, (rank - 1) % size)
+        send.wait()
+        recv.wait()
+        return incoming.clone()
+
+    done = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(exchange)
+    assert_same(done.wait(), torch.full((5,), float((rank - 1) % size)), "received in a callback")
+
+
 def all_reduce_coalesced_case(dtype_name: str):
     dtype = DTYPES[dtype_name]
 
@@ -501,6 +518,7 @@ def _build_cases() -> dict:
             cases[f"{label}[{dtype_name}]"] = factory(dtype_name)
     cases["all_reduce_async"] = all_reduce_async_case
     cases["callback_issues_collective"] = callback_issues_collective_case
+    cases["callback_waits_for_point_to_point"] = callback_waits_for_point_to_point_case
     cases["tags"] = tags_case
     cases["recv_any_source"] = recv_any_source_case
     cases["batch_isend_irecv"] = batch_isend_irecv_case

@@ -43,6 +43,10 @@ DeviceContext& enterCuda(
 
 void keepUntilDone(DeviceContext&, const std::vector<at::Tensor>&) {}
 
+RequestPtr markDeviceEnd(DeviceContext&) {
+  TORCH_CHECK(false, "chainermn: this build handles CPU tensors only");
+}
+
 #else
 
 namespace {
@@ -100,6 +104,31 @@ struct CallerEvent {
   cudaEvent_t event = nullptr;
 };
 
+// The end of an op's kernels on the group's stream: a pooled event recorded there after them.
+class DeviceEnd : public Request {
+ public:
+  DeviceEnd(c10::DeviceIndex device, cudaStream_t stream)
+      : device_(device), event_(EventPool::instance().acquire(device)) {
+    C10_CUDA_CHECK(cudaEventRecord(event_, stream));
+  }
+  ~DeviceEnd() override {
+    EventPool::instance().release(device_, event_);
+  }
+  bool test() override {
+    const cudaError_t state = cudaEventQuery(event_);
+    if (state == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: cleared so that later checks do not see it
+      return false;
+    }
+    C10_CUDA_CHECK(state);  // a sticky error: the context is lost
+    return true;
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  cudaEvent_t event_;
+};
+
 struct CudaContext : DeviceContext {
   CudaContext(Strategy& strategy, at::Device device, c10::cuda::CUDAStream stream)
       : DeviceContext(strategy, device), stream(stream) {}
@@ -147,6 +176,11 @@ DeviceContext& enterCuda(
     C10_CUDA_CHECK(cudaStreamWaitEvent(context.stream.stream(), static_cast<CallerEvent*>(callerMark.get())->event, 0));
   }
   return context;
+}
+
+RequestPtr markDeviceEnd(DeviceContext& context) {
+  auto& cuda = static_cast<CudaContext&>(context);
+  return std::make_unique<DeviceEnd>(cuda.stream.device_index(), cuda.stream.stream());
 }
 
 void keepUntilDone(DeviceContext& context, const std::vector<at::Tensor>& tensors) {

@@ -51,6 +51,10 @@ DeviceContext& enterCuda(
     at::Device device,
     const std::shared_ptr<void>& callerMark);
 
+// Worker thread, after a CUDA collective's body queued its kernels: a mark on the group's stream,
+// reached once the device has run them (a pooled event). The watchdog polls it.
+RequestPtr markDeviceEnd(DeviceContext& context);
+
 // Worker thread, after a CUDA op's body queued its work: the tensors' memory is marked as in use by
 // the group's stream, so the caching allocator does not hand it out again before that work is done
 // even if the caller drops the tensors at once (as ProcessGroupNCCL does with recordStream).

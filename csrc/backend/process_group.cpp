@@ -53,17 +53,20 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   transport_ = host.inter->library();
   context_->cpu = std::make_unique<DeviceContext>(*context_->strategy, at::kCPU);
   context_->cpu->transports = host;
+  auto deviceComms = std::make_shared<WatchedTransports>();
 #ifdef CHAINERMN_WITH_CUDA
-  context_->buildCuda = [store = setup.store, topology = topology_, transport = options_.cudaTransport, host](
-                            c10::DeviceIndex device, void* stream) {
-    return buildCudaTransports(*store, topology, transport, host, device, stream);
+  context_->buildCuda = [store = setup.store, topology = topology_, transport = options_.cudaTransport, host,
+                         deviceComms](c10::DeviceIndex device, void* stream) {
+    TransportSet set = buildCudaTransports(*store, topology, transport, host, device, stream);
+    deviceComms->watch(set);
+    return set;
   };
 #endif
   std::shared_ptr<Monitor> health;
   if (size_ > 1) {
     health = std::make_shared<GroupHealth>(setup.store, rank_, size_);
   }
-  worker_ = std::make_unique<Worker>(setup.name, std::move(health));
+  worker_ = std::make_unique<Worker>(setup.name, std::move(health), std::move(deviceComms));
 }
 
 ProcessGroupChainerMN::~ProcessGroupChainerMN() {
@@ -140,7 +143,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
         auto& cuda = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
         RequestPtr request = body(cuda);
         keepUntilDone(cuda, used);
-        return request;
+        if (request) {
+          return Pending(std::move(request));  // point to point: the Work completes with the transfer
+        }
+        // A collective: done once queued, but the watchdog watches its kernels end (worker.h).
+        Pending queued(markDeviceEnd(cuda));
+        queued.onDevice = true;
+        return queued;
       });
   return work;
 }

@@ -10,10 +10,12 @@
 #pragma once
 
 #include "backend/options.h"
+#include "backend/worker.h"
 #include "comm/transport.h"
 
 #include <c10/core/Device.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,19 @@ const std::vector<std::string>& cudaTransportNames();
 
 // Whether the CUDA transport can reduce with bitwise ops (NCCL cannot; the host libraries can).
 bool cudaTransportHasBitwise(const std::string& cudaTransport);
+
+// A group's device transports as the watchdog sees them (DeviceComms): the CUDA transports are
+// added when the group's first CUDA op builds them; asked and aborted from the watchdog's thread.
+class WatchedTransports : public DeviceComms {
+ public:
+  void watch(const TransportSet& set);
+  std::string asyncError() override;
+  void abort() override;
+
+ private:
+  std::mutex mutex_;
+  std::vector<TransportPtr> transports_;  // each once, though levels may share one
+};
 
 #ifdef CHAINERMN_WITH_CUDA
 // Collective over the group, on the worker thread at the group's first CUDA op. `stream` is the

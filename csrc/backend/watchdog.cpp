@@ -11,6 +11,9 @@ namespace {
 // (then twice a second): fast ops never touch the store.
 constexpr auto kAskPeersAfter = std::chrono::seconds(1);
 constexpr auto kAskPeersEvery = std::chrono::milliseconds(500);
+// While CUDA ops are queued, the device is asked this often whether they ended or failed (as often
+// as torch's NCCL watchdog asks).
+constexpr auto kAskDeviceEvery = std::chrono::milliseconds(100);
 } // namespace
 
 std::string describeError(const std::exception& error) {
@@ -40,9 +43,14 @@ std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::e
     message += " (" + dead + ")";
   }
   monitor->abort(message);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (brokenReason.empty()) {
-    brokenReason = "the group is unusable after " + work.description() + " failed";
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (brokenReason.empty()) {
+      brokenReason = "the group is unusable after " + work.description() + " failed";
+    }
+  }
+  if (device) {
+    device->abort();  // device work queued before this op waits on the peers too
   }
   return backendError(message);
 }
@@ -60,8 +68,17 @@ void Worker::State::breakGroup(std::unique_lock<std::mutex>& lock, const std::st
       pending.push_back(entry.work);
     }
   }
+  for (auto& entry : onDevice) {
+    pending.push_back(entry.work);
+  }
+  onDevice.clear();  // the abort below ends their kernels: nothing is left to watch
   auto queued = takeQueued();
   lock.unlock();
+  if (device) {
+    // Kernels waiting on a peer that is gone or gave up would never return: NCCL's abort ends them,
+    // so the streams that wait on them (the caller's too) move on.
+    device->abort();
+  }
   for (auto& work : pending) {
     work->fail(backendError("chainermn " + work->description() + ": " + reason));
   }
@@ -82,6 +99,9 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
   consider(current);
   for (auto& entry : inFlight) {
     consider(entry.work);
+  }
+  if (!onDevice.empty()) {
+    consider(onDevice.front().work);  // the oldest: the device runs them in order
   }
   if (!monitor || !waiter || !brokenReason.empty()) {
     return false;
@@ -106,6 +126,64 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
   return true;
 }
 
+// Completes the device ops whose end the device reached, and asks the device transports for an
+// asynchronous error (a peer gone, a network error: NCCL's kernels would wait forever). Returns true
+// when it broke the group. Lock held on entry and exit.
+bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck) {
+  std::string error;
+  c10::intrusive_ptr<WorkChainerMN> failedOp;
+  while (!onDevice.empty()) {
+    try {
+      if (!onDevice.front().end->test()) {
+        break;
+      }
+    } catch (const std::exception& e) {
+      // A sticky CUDA error (an illegal address, ...): the stream is lost.
+      error = describeError(e);
+      failedOp = onDevice.front().work;
+      break;
+    }
+    onDevice.front().work->complete();  // a queued Work: no callbacks run (its future completed when queued)
+    onDevice.pop_front();
+  }
+  // Point-to-point CUDA transfers (inFlight) are NCCL work too.
+  auto oldestOnDevice = [this]() -> c10::intrusive_ptr<WorkChainerMN> {
+    if (!onDevice.empty()) {
+      return onDevice.front().work;
+    }
+    return inFlight.empty() ? nullptr : inFlight.front().work;
+  };
+  if (!device || !oldestOnDevice() || !brokenReason.empty()) {
+    return false;
+  }
+  nextCheck = std::min(nextCheck, now + kAskDeviceEvery);
+  if (error.empty()) {
+    if (now < nextDeviceAsk) {
+      nextCheck = std::min(nextCheck, nextDeviceAsk);
+      return false;
+    }
+    nextDeviceAsk = now + kAskDeviceEvery;
+    lock.unlock();
+    error = device->asyncError();
+    lock.lock();
+    failedOp = oldestOnDevice();
+    if (error.empty() || !failedOp || !brokenReason.empty()) {
+      return false;
+    }
+  }
+  const std::string message = "chainermn " + failedOp->description() + " failed on the GPU: " + error;
+  lock.unlock();
+  if (monitor) {
+    monitor->abort(message);
+  }
+  failedOp->fail(backendError(message));
+  lock.lock();
+  if (brokenReason.empty()) {
+    breakGroup(lock, "the group is unusable after " + failedOp->description() + " failed on the GPU");
+  }
+  return true;
+}
+
 void Worker::State::watchdogLoop() {
   std::unique_lock<std::mutex> lock(mutex);
   while (!stopping) {
@@ -126,6 +204,9 @@ void Worker::State::watchdogLoop() {
     for (auto& entry : inFlight) {
       check(entry.work);
     }
+    if (!onDevice.empty()) {
+      check(onDevice.front().work);  // later ones were issued later: their deadlines are later
+    }
     if (overdue) {
       // Who waited where, asked of the store without the lock; then every pending op fails.
       lock.unlock();
@@ -143,7 +224,7 @@ void Worker::State::watchdogLoop() {
       }
       continue;
     }
-    if (askPeers(lock, now, nextCheck)) {
+    if (watchDevice(lock, now, nextCheck) || askPeers(lock, now, nextCheck)) {
       continue;
     }
     wakeWatchdog.wait_until(lock, nextCheck);

@@ -1,5 +1,7 @@
 #include "backend/work.h"
 
+#include "backend/backoff.h"
+
 #include <c10/util/Exception.h>
 
 #include <thread>
@@ -14,6 +16,14 @@ constexpr auto kWatchdogGrace = std::chrono::seconds(2);
 // worker that runs the op may share it (mpiexec binds a rank's threads to one core).
 constexpr auto kPollBeforeSleeping = std::chrono::microseconds(50);
 } // namespace
+
+namespace {
+thread_local Progressor* tlsProgressor = nullptr;
+} // namespace
+
+void setThreadProgressor(Progressor* progressor) {
+  tlsProgressor = progressor;
+}
 
 std::exception_ptr backendError(const std::string& message) {
   return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, message));
@@ -49,9 +59,13 @@ bool WorkChainerMN::claim() {
 }
 
 // The future is completed before the Work, so whoever returns from wait() finds the future's value.
-void WorkChainerMN::markDone(std::exception_ptr error) {
+// With `queuedOnly`, only a Work that completeQueued() left waiting for the device's verdict, once.
+void WorkChainerMN::markDone(std::exception_ptr error, bool queuedOnly) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (queuedOnly && (!queued_ || completed_)) {
+      return;
+    }
     completed_ = true;
     exception_ = error;
   }
@@ -63,6 +77,8 @@ void WorkChainerMN::complete() {
   if (claim()) {
     future_->markCompleted(c10::IValue(outputs_));
     markDone(nullptr);
+  } else {
+    markDone(nullptr, /*queuedOnly=*/true);
   }
 }
 
@@ -70,17 +86,39 @@ void WorkChainerMN::fail(std::exception_ptr error) {
   if (claim()) {
     future_->setError(error);
     markDone(error);
+  } else {
+    markDone(error, /*queuedOnly=*/true);
+  }
+}
+
+void WorkChainerMN::completeQueued() {
+  if (claim()) {
+    future_->markCompleted(c10::IValue(outputs_));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queued_ = true;
+    }
+    cv_.notify_all();
   }
 }
 
 bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
   const auto pollUntil = Clock::now() + kPollBeforeSleeping;
-  while (!done_.load(std::memory_order_acquire) && Clock::now() < pollUntil) {
+  while (!done_.load(std::memory_order_acquire) && !queued_.load(std::memory_order_acquire) && Clock::now() < pollUntil) {
     std::this_thread::yield();
   }
-  std::unique_lock<std::mutex> lock(mutex_);
   const auto limit = timeout == ::kNoTimeout ? deadline_ + kWatchdogGrace : Clock::now() + timeout;
-  if (!cv_.wait_until(lock, limit, [this] { return completed_; })) {
+  if (tlsProgressor != nullptr) {
+    // On the worker, in a callback: this thread is the one that must move the op on.
+    Backoff backoff;
+    while (!done_.load(std::memory_order_acquire) && !queued_.load(std::memory_order_acquire) && Clock::now() < limit) {
+      if (!tlsProgressor->progress()) {
+        std::this_thread::sleep_for(backoff.next());
+      }
+    }
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!cv_.wait_until(lock, limit, [this] { return completed_ || queued_; })) {
     const auto waited = timeout == ::kNoTimeout ? std::string("its group timeout")
                                                     : std::to_string(timeout.count()) + " ms";
     C10_THROW_ERROR(
@@ -91,8 +129,9 @@ bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
   }
   lock.unlock();
   if (onDevice_) {
-    // Completed on the host means queued on the group's stream: the caller's current stream now
-    // waits for it (as ProcessGroupNCCL's wait() does), without blocking the host.
+    // Queued on the group's stream: the caller's current stream now waits for it (as
+    // ProcessGroupNCCL's wait() does), without blocking the host. A failure the device reports later
+    // reaches the caller through the next wait(), exception() or op of the group.
     future_->wait();
   }
   return true;

@@ -44,6 +44,11 @@ class WorkChainerMN : public c10d::Work {
   // whose transport call later returns).
   void complete();
   void fail(std::exception_ptr error);
+  // A CUDA op whose kernels are queued on the group's stream: the future completes now (wait() and
+  // then() are stream-ordered, as with ProcessGroupNCCL) and wait() returns, but the Work stays
+  // incomplete (isCompleted()) until complete() says the device finished it, or fail() says it never
+  // will (then wait() and exception() report the failure; the future's value stands).
+  void completeQueued();
   void setSourceRank(int rank);
 
   // "all_reduce (seq 7, rank 0 of 4, gloo, timeout 30000 ms)", for messages.
@@ -61,7 +66,7 @@ class WorkChainerMN : public c10d::Work {
 
  private:
   bool claim();  // true for the first completion only
-  void markDone(std::exception_ptr error);
+  void markDone(std::exception_ptr error, bool queuedOnly = false);
 
   const Label label_;
   const uint64_t sequence_;
@@ -69,10 +74,22 @@ class WorkChainerMN : public c10d::Work {
   const Clock::time_point deadline_;
   const bool onDevice_;  // CUDA outputs: wait() also orders the caller's current stream after the op
   std::atomic<bool> claimed_{false};
+  std::atomic<bool> queued_{false};  // completeQueued() ran (set under mutex_)
   std::atomic<bool> done_{false};  // completed_, readable without the mutex (wait() polls it first)
   std::atomic<int> sourceRank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
+
+// A thread that completes Works: a group's worker. The then() callbacks it runs may wait() for a
+// Work they posted, whose transfer only that thread moves on (point to point is polled there): such a
+// wait() calls progress() instead of sleeping. progress() returns true when something moved.
+class Progressor {
+ public:
+  virtual ~Progressor() = default;
+  virtual bool progress() = 0;
+};
+// The calling thread's Progressor (null on threads that are not a worker).
+void setThreadProgressor(Progressor* progressor);
 
 // A c10::DistBackendError (torch.distributed.DistBackendError in Python) as an exception_ptr.
 std::exception_ptr backendError(const std::string& message);

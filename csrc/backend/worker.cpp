@@ -36,7 +36,7 @@ void failAll(std::deque<QueuedOp>& ops, const std::string& why) {
   }
 }
 
-void Worker::State::run(QueuedOp& op) {
+bool Worker::State::run(QueuedOp& op) {
   std::string notRun;
   // An op posted by a completion callback runs inside the op whose completion ran the callback:
   // that op stays `current` again once the nested one is over.
@@ -52,17 +52,20 @@ void Worker::State::run(QueuedOp& op) {
   }
   if (!notRun.empty()) {
     op.work->fail(backendError("chainermn " + op.work->description() + ": not run, " + notRun));
-    return;
+    return false;
   }
   wakeWatchdog.notify_one();
   RequestPtr request;
+  bool queuedOnDevice = false;
   std::exception_ptr error;
   try {
-    request = op.body();
+    Pending pending = op.body();
+    request = std::move(pending.request);
+    queuedOnDevice = pending.onDevice;
   } catch (const std::exception& e) {
     error = failed(*op.work, e);
   }
-  if (!request) {
+  if (!request || queuedOnDevice) {
     // Let go of the op's tensors before anyone can see it finish: a tensor whose Python object is gone
     // needs the GIL to be freed, and once the caller has moved on the interpreter may be finalising,
     // when a thread that asks for the GIL is killed (terminate). The caller still holds them now.
@@ -70,13 +73,20 @@ void Worker::State::run(QueuedOp& op) {
   }
   if (error) {
     op.work->fail(error);
+  } else if (queuedOnDevice) {
+    op.work->completeQueued();
   } else if (!request) {
     op.work->complete();
   }
+  const bool transfer = request && !queuedOnDevice;
+  bool watchFromNow = false;  // the watchdog polls the device while ops are queued there
   {
     std::lock_guard<std::mutex> lock(mutex);
     current = outer;
-    if (request) {
+    if (queuedOnDevice && request) {
+      watchFromNow = onDevice.empty();
+      onDevice.push_back({op.work, std::move(request)});
+    } else if (transfer) {
       // Libraries that progress in threads of their own wake the worker when the transfer is done;
       // the others are polled. The wake takes no lock: it may run at once, here.
       request->wakeWhenReady([weak = weak_from_this()] {
@@ -89,6 +99,10 @@ void Worker::State::run(QueuedOp& op) {
     }
   }
   idle.notify_all();
+  if (watchFromNow) {
+    wakeWatchdog.notify_one();
+  }
+  return transfer;
 }
 
 // Returns true when some request made progress.
@@ -130,7 +144,12 @@ bool Worker::State::progressInFlight() {
   return !finished.empty();
 }
 
+bool Worker::State::progress() {
+  return progressInFlight();
+}
+
 void Worker::State::workerLoop() {
+  setThreadProgressor(this);
   Backoff backoff;
   while (true) {
     std::optional<QueuedOp> op;
@@ -174,8 +193,8 @@ void Worker::State::workerLoop() {
   }
 }
 
-Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor)
-    : state_(std::make_shared<State>(std::move(groupName), std::move(monitor))) {
+Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::shared_ptr<DeviceComms> device)
+    : state_(std::make_shared<State>(std::move(groupName), std::move(monitor), std::move(device))) {
   // The threads share the state, so a worker stuck in a transport call that never returns can be
   // detached without leaving it pointing at freed memory.
   std::promise<void> started;
@@ -249,6 +268,7 @@ void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
     // must run it, so it runs now, nested in the op that completed. Every rank completes its ops in
     // issue order, so every rank runs the callback's ops at the same point of its sequence.
     QueuedOp op{std::move(work), std::move(body)};
+    // A transfer is left in flight: a wait() for it here keeps the transfers moving (progress()).
     state_->run(op);
     return;
   }

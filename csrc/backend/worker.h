@@ -2,9 +2,11 @@
 // issued, off the caller's thread. A watchdog bounds each operation by its deadline.
 //
 // An operation is a Body. A collective's body runs to completion on the worker thread (the transport
-// blocks) and returns nullptr. A point-to-point body only starts its transfer and returns the
+// blocks) and returns nothing pending. A point-to-point body only starts its transfer and returns the
 // Request; the worker polls it between operations, so a send and a receive issued in order never
-// wait for each other.
+// wait for each other. A CUDA collective's body queues kernels on the group's stream and returns a
+// mark of their end: its Work completes at once, stream-ordered, and the watchdog watches the device
+// until the mark is reached (a GPU op that hangs or fails is then still found, and named).
 //
 // When an operation outlives its deadline the watchdog fails its Work with an error that names it
 // and says which ranks waited where, fails everything queued behind it, and marks the group
@@ -41,12 +43,32 @@ class Monitor {
   virtual std::string deadRanks() = 0;
 };
 
+// The transports of a group whose calls return before their data has moved (NCCL's), for the
+// watchdog: only they can say that work already queued failed, and only aborting them stops it.
+class DeviceComms {
+ public:
+  virtual ~DeviceComms() = default;
+  // "" while healthy; else the first asynchronous error a transport reports. Watchdog thread.
+  virtual std::string asyncError() = 0;
+  // Aborts them all: their queued kernels return and their later calls fail. Never throws.
+  virtual void abort() = 0;
+};
+
+// What an operation's body leaves running when it returns.
+struct Pending {
+  Pending() = default;
+  Pending(RequestPtr transfer) : request(std::move(transfer)) {}  // NOLINT: a body returns its Request
+  RequestPtr request;    // null: the op is over
+  bool onDevice = false;  // the request marks queued device work: the Work completes at once
+};
+
 class Worker {
  public:
-  using Body = std::function<RequestPtr()>;
+  using Body = std::function<Pending()>;
 
-  // `monitor` may be null (no relay between ranks).
-  Worker(std::string groupName, std::shared_ptr<Monitor> monitor);
+  // `monitor` and `device` may be null (no relay between ranks; no transport that works after
+  // returning).
+  Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::shared_ptr<DeviceComms> device = nullptr);
   // stop(), unless stopWorkersAtExit() already did.
   ~Worker();
 

@@ -27,6 +27,12 @@ struct InFlight {
   RequestPtr request;
 };
 
+// A CUDA op queued on the group's stream, whose Work completed when queued (completeQueued).
+struct OnDevice {
+  c10::intrusive_ptr<WorkChainerMN> work;
+  RequestPtr end;  // reached once the device has run the op
+};
+
 // An exception's message without c10's backtrace.
 std::string describeError(const std::exception& error);
 
@@ -36,12 +42,15 @@ std::string describeError(const std::exception& error);
 std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e);
 
 
-struct Worker::State : std::enable_shared_from_this<Worker::State> {
-  State(std::string name, std::shared_ptr<Monitor> monitor) : groupName(std::move(name)), monitor(std::move(monitor)) {}
+struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
+  State(std::string name, std::shared_ptr<Monitor> monitor, std::shared_ptr<DeviceComms> device)
+      : groupName(std::move(name)), monitor(std::move(monitor)), device(std::move(device)) {}
 
   const std::string groupName;
   const std::shared_ptr<Monitor> monitor;  // may be null
+  const std::shared_ptr<DeviceComms> device;  // may be null
   c10::intrusive_ptr<WorkChainerMN> reportedWaiting;  // watchdog only: the op the peers were told of
+  Clock::time_point nextDeviceAsk{};  // watchdog only: when to ask the device transports again
   mutable std::mutex mutex;
   std::condition_variable wakeWorker;    // an op was queued, or stop
   std::condition_variable wakeWatchdog;  // a deadline started, or stop
@@ -49,6 +58,7 @@ struct Worker::State : std::enable_shared_from_this<Worker::State> {
   std::deque<QueuedOp> queue;
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
   std::vector<InFlight> inFlight;
+  std::deque<OnDevice> onDevice;  // in stream order: the watchdog watches them end (watchdog.cpp)
   std::string brokenReason;
   std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
   std::atomic<bool> requestReady{false};  // a request in flight may have completed (wakeWhenReady)
@@ -61,7 +71,11 @@ struct Worker::State : std::enable_shared_from_this<Worker::State> {
   bool askPeers(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
   void breakGroup(std::unique_lock<std::mutex>& lock, const std::string& reason);
   std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
-  void run(QueuedOp& op);
+  // Runs an op's body; true when it left a transfer in flight.
+  bool run(QueuedOp& op);
+  bool progress() override;  // a wait() inside a callback on the worker thread
+  // Watchdog: completes the device ops whose end was reached; fails the group on a device error.
+  bool watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
   bool progressInFlight();
   std::deque<QueuedOp> takeQueued();  // with mutex held
 };

@@ -88,6 +88,16 @@ class Transport {
   virtual void exchange(const void* mine, void* all, size_t bytes) {
     allgather(mine, all, static_cast<int64_t>(bytes), c10::ScalarType::Byte);
   }
+
+  // Transports whose calls return before the data has moved (NCCL: a call queues kernels on a
+  // stream) can fail after returning. asyncError() says so: "" while healthy, else the library's
+  // report (ncclCommGetAsyncError). abort() ends the transport for good: work it queued stops
+  // (kernels waiting on a dead peer return) and later calls throw. Both are called from the
+  // watchdog's thread, never throw, and cost nothing on transports whose calls block.
+  virtual std::string asyncError() {
+    return "";
+  }
+  virtual void abort() {}
 };
 
 constexpr size_t kExchangeBytes = 128;

@@ -6,7 +6,10 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
 
 namespace chainermn::nccl {
 namespace {
@@ -86,7 +89,7 @@ class NcclTransport : public Transport {
   ~NcclTransport() override {
     // At process exit the driver may be gone; a communicator left with work in flight (after a
     // timeout) is aborted rather than destroyed, which could wait for that work.
-    if (comm_ != nullptr) {
+    if (!aborted_.load()) {
       ncclCommAbort(comm_);
     }
   }
@@ -102,49 +105,56 @@ class NcclTransport : public Transport {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    check("allreduce", -1, ncclAllReduce(buf, buf, count, toNccl(dtype), toNccl(op), comm_, stream_));
+    Call call(*this, "allreduce");
+    call.check(-1, ncclAllReduce(buf, buf, count, toNccl(dtype), toNccl(op), call.comm, stream_));
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
-    check("broadcast", root, ncclBroadcast(buf, buf, count, toNccl(dtype), root, comm_, stream_));
+    Call call(*this, "broadcast");
+    call.check(root, ncclBroadcast(buf, buf, count, toNccl(dtype), root, call.comm, stream_));
   }
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
-    check("reduce", root, ncclReduce(send, recv, count, toNccl(dtype), toNccl(op), root, comm_, stream_));
+    Call call(*this, "reduce");
+    call.check(root, ncclReduce(send, recv, count, toNccl(dtype), toNccl(op), root, call.comm, stream_));
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
-    check("allgather", -1, ncclAllGather(send, recv, count, toNccl(dtype), comm_, stream_));
+    Call call(*this, "allgather");
+    call.check(-1, ncclAllGather(send, recv, count, toNccl(dtype), call.comm, stream_));
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t bytes = count * c10::elementSize(dtype);
     const auto type = toNccl(dtype);
-    check("gather", root, ncclGroupStart());
+    Call call(*this, "gather");
+    call.check(root, ncclGroupStart());
     if (rank_ == root) {
       for (int peer = 0; peer < size_; ++peer) {
-        check("gather", peer, ncclRecv(static_cast<char*>(recv) + peer * bytes, count, type, peer, comm_, stream_));
+        call.check(peer, ncclRecv(static_cast<char*>(recv) + peer * bytes, count, type, peer, call.comm, stream_));
       }
     }
-    check("gather", root, ncclSend(send, count, type, root, comm_, stream_));
-    check("gather", root, ncclGroupEnd());
+    call.check(root, ncclSend(send, count, type, root, call.comm, stream_));
+    call.check(root, ncclGroupEnd());
   }
 
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t bytes = count * c10::elementSize(dtype);
     const auto type = toNccl(dtype);
-    check("scatter", root, ncclGroupStart());
+    Call call(*this, "scatter");
+    call.check(root, ncclGroupStart());
     if (rank_ == root) {
       for (int peer = 0; peer < size_; ++peer) {
-        check("scatter", peer, ncclSend(static_cast<const char*>(send) + peer * bytes, count, type, peer, comm_, stream_));
+        call.check(peer, ncclSend(static_cast<const char*>(send) + peer * bytes, count, type, peer, call.comm, stream_));
       }
     }
-    check("scatter", root, ncclRecv(recv, count, type, root, comm_, stream_));
-    check("scatter", root, ncclGroupEnd());
+    call.check(root, ncclRecv(recv, count, type, root, call.comm, stream_));
+    call.check(root, ncclGroupEnd());
   }
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    check("reduce_scatter", -1, ncclReduceScatter(send, recv, count, toNccl(dtype), toNccl(op), comm_, stream_));
+    Call call(*this, "reduce_scatter");
+    call.check(-1, ncclReduceScatter(send, recv, count, toNccl(dtype), toNccl(op), call.comm, stream_));
   }
 
   void alltoallv(
@@ -155,56 +165,120 @@ class NcclTransport : public Transport {
       c10::ScalarType dtype) override {
     const size_t width = c10::elementSize(dtype);
     const auto type = toNccl(dtype);
-    check("alltoall", -1, ncclGroupStart());
+    Call call(*this, "alltoall");
+    call.check(-1, ncclGroupStart());
     size_t sendAt = 0, recvAt = 0;
     for (int peer = 0; peer < size_; ++peer) {
-      check("alltoall", peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer], type, peer, comm_, stream_));
-      check("alltoall", peer, ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer], type, peer, comm_, stream_));
+      call.check(peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer], type, peer, call.comm, stream_));
+      call.check(peer, ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer], type, peer, call.comm, stream_));
       sendAt += sendCounts[peer] * width;
       recvAt += recvCounts[peer] * width;
     }
-    check("alltoall", -1, ncclGroupEnd());
+    call.check(-1, ncclGroupEnd());
   }
 
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
-    check("send", peer, ncclSend(buf, count, toNccl(dtype), peer, comm_, stream_));
+    {
+      Call call(*this, "send");
+      call.check(peer, ncclSend(buf, count, toNccl(dtype), peer, call.comm, stream_));
+    }
     return std::make_unique<NcclRequest>(stream_, -1);
   }
 
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
     TORCH_CHECK(peer != kAnySource, "chainermn: NCCL cannot receive from any source");
-    check("recv", peer, ncclRecv(buf, count, toNccl(dtype), peer, comm_, stream_));
+    {
+      Call call(*this, "recv");
+      call.check(peer, ncclRecv(buf, count, toNccl(dtype), peer, call.comm, stream_));
+    }
     return std::make_unique<NcclRequest>(stream_, peer);
   }
 
   void barrier() override {
-    if (!token_) {
-      C10_CUDA_CHECK(cudaMalloc(&token_, sizeof(int32_t)));
-      C10_CUDA_CHECK(cudaMemsetAsync(token_, 0, sizeof(int32_t), stream_));
+    {
+      Call call(*this, "barrier");
+      if (!token_) {
+        C10_CUDA_CHECK(cudaMalloc(&token_, sizeof(int32_t)));
+        C10_CUDA_CHECK(cudaMemsetAsync(token_, 0, sizeof(int32_t), stream_));
+      }
+      call.check(-1, ncclAllReduce(token_, token_, 1, ncclInt32, ncclSum, call.comm, stream_));
     }
-    check("barrier", -1, ncclAllReduce(token_, token_, 1, ncclInt32, ncclSum, comm_, stream_));
+    // Outside the call: if a peer never comes, the watchdog's abort() ends the kernel and this returns.
     C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
- private:
-  void check(const char* op, int peer, ncclResult_t result) const {
-    if (result == ncclSuccess || result == ncclInProgress) {
+  std::string asyncError() override {
+    if (aborted_.load()) {
+      return "";  // the group already failed: whoever aborted said why
+    }
+    // Thread safe by NCCL's contract: this is how a watchdog polls a communicator others enqueue on.
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t asked = ncclCommGetAsyncError(comm_, &state);
+    if (asked != ncclSuccess) {
+      state = asked;
+    }
+    if (state == ncclSuccess || state == ncclInProgress) {
+      return "";
+    }
+    return "NCCL reported an asynchronous error on rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
+        ": " + describe(state, comm_);
+  }
+
+  void abort() override {
+    if (abortStarted_.exchange(true)) {
       return;
     }
-    const char* detail = ncclGetLastError(comm_);
-    TORCH_CHECK(
-        false,
-        "NCCL ",
-        op,
-        " failed on rank ",
-        rank_,
-        " of ",
-        size_,
-        peer >= 0 ? " (peer/root " + std::to_string(peer) + ")" : std::string(),
-        ": ",
-        ncclGetErrorString(result),
-        detail && *detail ? std::string(" (") + detail + ")" : std::string());
+    // Let a call being enqueued finish with the communicator before it is freed. A call that does
+    // not return in time is blocked on a peer (connecting to a dead one): the abort is what ends it,
+    // as with torch's NCCL watchdog, so it goes ahead under that call.
+    std::unique_lock<std::timed_mutex> lock(mutex_, std::defer_lock);
+    (void)lock.try_lock_for(kAbortWait);
+    aborted_.store(true);
+    ncclCommAbort(comm_);
   }
+
+ private:
+  static constexpr auto kAbortWait = std::chrono::seconds(2);
+
+  static std::string describe(ncclResult_t result, ncclComm_t comm) {
+    const char* detail = ncclGetLastError(comm);
+    return std::string(ncclGetErrorString(result)) + (detail && *detail ? std::string(" (") + detail + ")" : "");
+  }
+
+  // One Transport call: holds the communicator (abort() waits for the call), refuses one that was
+  // aborted, and turns NCCL's result codes into errors naming the op, the rank and the peer.
+  class Call {
+   public:
+    Call(NcclTransport& transport, const char* op) : transport_(transport), op_(op), lock_(transport.mutex_) {
+      TORCH_CHECK(
+          !transport.aborted_.load(),
+          "NCCL ", op, " on rank ", transport.rank_, " of ", transport.size_,
+          ": the communicator was aborted after an earlier failure of this group");
+      comm = transport.comm_;
+    }
+    void check(int peer, ncclResult_t result) const {
+      if (result == ncclSuccess || result == ncclInProgress) {
+        return;
+      }
+      TORCH_CHECK(
+          false,
+          "NCCL ",
+          op_,
+          " failed on rank ",
+          transport_.rank_,
+          " of ",
+          transport_.size_,
+          peer >= 0 ? " (peer/root " + std::to_string(peer) + ")" : std::string(),
+          ": ",
+          describe(result, comm));
+    }
+    ncclComm_t comm = nullptr;
+
+   private:
+    NcclTransport& transport_;
+    const char* op_;
+    std::unique_lock<std::timed_mutex> lock_;
+  };
 
   ncclComm_t comm_;
   const int rank_;
@@ -212,6 +286,9 @@ class NcclTransport : public Transport {
   const c10::DeviceIndex device_;
   cudaStream_t stream_;
   void* token_ = nullptr;  // barrier's one int (never freed: it may be in use at teardown)
+  std::timed_mutex mutex_;  // held by each Call; abort() frees the communicator under it
+  std::atomic<bool> abortStarted_{false};
+  std::atomic<bool> aborted_{false};  // set under mutex_ (or after abort's wait); Calls check it
 };
 
 } // namespace

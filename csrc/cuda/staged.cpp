@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
+#include <map>
+#include <mutex>
 #include <numeric>
 
 namespace chainermn::staged {
@@ -36,6 +38,99 @@ class Pinned {
  private:
   void* data_ = nullptr;
   size_t capacity_ = 0;
+};
+
+// Pinned buffers for transfers in flight, several at a time (a send and a receive overlap): each
+// transfer takes one at least its size and gives it back when over, so buffers are reused, not
+// allocated per call. Shared with the requests, which may outlive their transport.
+class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
+ public:
+  class Lease {
+   public:
+    Lease(std::shared_ptr<PinnedPool> pool, void* data, size_t capacity)
+        : pool_(std::move(pool)), data_(data), capacity_(capacity) {}
+    ~Lease() {
+      pool_->giveBack(data_, capacity_);
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    void* data() const {
+      return data_;
+    }
+
+   private:
+    std::shared_ptr<PinnedPool> pool_;
+    void* data_;
+    size_t capacity_;
+  };
+
+  ~PinnedPool() {
+    for (auto& [capacity, data] : free_) {
+      cudaFreeHost(data);
+    }
+  }
+
+  std::unique_ptr<Lease> take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto fit = free_.lower_bound(bytes);  // the smallest that holds it
+      if (fit != free_.end()) {
+        auto lease = std::make_unique<Lease>(shared_from_this(), fit->second, fit->first);
+        free_.erase(fit);
+        return lease;
+      }
+    }
+    const size_t capacity = std::max<size_t>(bytes, 4096);
+    void* data = nullptr;
+    C10_CUDA_CHECK(cudaMallocHost(&data, capacity));
+    return std::make_unique<Lease>(shared_from_this(), data, capacity);
+  }
+
+ private:
+  void giveBack(void* data, size_t capacity) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.emplace(capacity, data);
+  }
+
+  std::mutex mutex_;
+  std::multimap<size_t, void*> free_;  // capacity -> buffer
+};
+
+// A send staged through pinned memory: the data is already on the host; the host transfer remains.
+// A receive: the host transfer, then the copy to the device (waited for, so the pinned buffer can
+// go back to the pool at once).
+class StagedRequest : public Request {
+ public:
+  StagedRequest(RequestPtr host, std::unique_ptr<PinnedPool::Lease> staged, void* device, size_t bytes, cudaStream_t stream)
+      : host_(std::move(host)), staged_(std::move(staged)), device_(device), bytes_(bytes), stream_(stream) {}
+
+  bool test() override {
+    if (!staged_) {
+      return true;
+    }
+    if (!host_->test()) {
+      return false;
+    }
+    if (device_ != nullptr && bytes_ > 0) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(device_, staged_->data(), bytes_, cudaMemcpyHostToDevice, stream_));
+      C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    staged_.reset();
+    return true;
+  }
+  int source() const override {
+    return host_->source();
+  }
+  void wakeWhenReady(std::function<void()> wake) override {
+    host_->wakeWhenReady(std::move(wake));
+  }
+
+ private:
+  RequestPtr host_;
+  std::unique_ptr<PinnedPool::Lease> staged_;  // null once over
+  void* device_;  // a receive's destination; null for a send
+  size_t bytes_;
+  cudaStream_t stream_;
 };
 
 class StagedTransport : public Transport {
@@ -144,11 +239,19 @@ class StagedTransport : public Transport {
     toDevice(recv, stagedRecv, recvBytes);
   }
 
-  RequestPtr send(const void*, int64_t, c10::ScalarType, int peer, int) override {
-    TORCH_CHECK(false, "chainermn: point-to-point on CUDA tensors over staged ", library(), " is not supported");
+  RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    const size_t bytes = bytesOf(count, dtype);
+    auto staged = transfers_->take(bytes);
+    toHost(staged->data(), buf, bytes);
+    RequestPtr host = host_->send(staged->data(), count, dtype, peer, tag);
+    return std::make_unique<StagedRequest>(std::move(host), std::move(staged), nullptr, bytes, stream_);
   }
-  RequestPtr recv(void*, int64_t, c10::ScalarType, int peer, int) override {
-    TORCH_CHECK(false, "chainermn: point-to-point on CUDA tensors over staged ", library(), " is not supported");
+
+  RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    const size_t bytes = bytesOf(count, dtype);
+    auto staged = transfers_->take(bytes);
+    RequestPtr host = host_->recv(staged->data(), count, dtype, peer, tag);
+    return std::make_unique<StagedRequest>(std::move(host), std::move(staged), buf, bytes, stream_);
   }
 
   void barrier() override {
@@ -179,6 +282,7 @@ class StagedTransport : public Transport {
   cudaStream_t stream_;
   Pinned in_;
   Pinned out_;
+  std::shared_ptr<PinnedPool> transfers_ = std::make_shared<PinnedPool>();  // point to point's buffers
 };
 
 } // namespace

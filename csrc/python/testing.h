@@ -7,5 +7,7 @@
 namespace chainermn {
 
 void bindTesting(pybind11::module_& testing);
+// testing.DeviceQueue (testing_worker.cpp): the watchdog's device path with a scripted device.
+void bindWorkerTesting(pybind11::module_& testing);
 
 } // namespace chainermn

@@ -1,0 +1,115 @@
+// torch_chainermn._C.testing.DeviceQueue: a group's Worker fed ops that end on a "device" the test
+// drives, so the watchdog's device path (worker.h: a CUDA collective's Work completes when queued;
+// the watchdog watches its end, polls the transports' asynchronous errors, aborts them on a timeout
+// or an error) runs in CI, where there is no GPU. The device here is a counter the test advances and
+// an error string it sets: what a CUDA event and ncclCommGetAsyncError report on a GPU.
+#include "python/testing.h"
+
+#include "backend/worker.h"
+
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <atomic>
+#include <mutex>
+
+namespace py = pybind11;
+
+namespace chainermn {
+namespace {
+
+// What the watchdog asks of a group's device transports, scripted by the test.
+class ScriptedDevice : public DeviceComms {
+ public:
+  std::string asyncError() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+  void abort() override {
+    aborts_.fetch_add(1);
+  }
+  void setError(const std::string& error) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = error;
+  }
+  int aborts() const {
+    return aborts_.load();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::string error_;
+  std::atomic<int> aborts_{0};
+};
+
+// The end of the op numbered `index` (from 0): reached once the test has finished that many ops.
+class ScriptedEnd : public Request {
+ public:
+  ScriptedEnd(std::shared_ptr<std::atomic<int>> finished, int index) : finished_(std::move(finished)), index_(index) {}
+  bool test() override {
+    return finished_->load() > index_;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int>> finished_;
+  int index_;
+};
+
+class DeviceQueue {
+ public:
+  explicit DeviceQueue(double timeoutSeconds)
+      : timeout_(static_cast<int64_t>(timeoutSeconds * 1000)),
+        device_(std::make_shared<ScriptedDevice>()),
+        worker_(std::make_unique<Worker>("device-queue", nullptr, device_)) {}
+
+  // Posts an all_reduce whose kernels "run" until finish() passes it.
+  c10::intrusive_ptr<c10d::Work> post() {
+    const int index = posted_++;
+    auto work = c10::make_intrusive<WorkChainerMN>(
+        c10d::OpType::ALLREDUCE,
+        WorkChainerMN::Label{"all_reduce", "nccl", 0, 1, timeout_},
+        static_cast<uint64_t>(index + 1),
+        std::vector<at::Tensor>{},
+        Clock::now() + timeout_);
+    worker_->enqueue(work, [finished = finished_, index] {
+      Pending queued(std::make_unique<ScriptedEnd>(finished, index));
+      queued.onDevice = true;
+      return queued;
+    });
+    return work;
+  }
+
+  // The device has run the first `count` ops.
+  void finish(int count) {
+    finished_->store(count);
+  }
+  void setError(const std::string& error) {
+    device_->setError(error);
+  }
+  int aborts() const {
+    return device_->aborts();
+  }
+
+ private:
+  const std::chrono::milliseconds timeout_;
+  std::shared_ptr<ScriptedDevice> device_;
+  std::shared_ptr<std::atomic<int>> finished_ = std::make_shared<std::atomic<int>>(0);
+  std::unique_ptr<Worker> worker_;
+  int posted_ = 0;
+};
+
+} // namespace
+
+void bindWorkerTesting(py::module_& testing) {
+  const auto noGil = py::call_guard<py::gil_scoped_release>();
+  py::class_<DeviceQueue>(
+      testing, "DeviceQueue", "A Worker whose ops end on a scripted device (the watchdog's CUDA path)")
+      .def(py::init<double>(), py::arg("timeout") = 30.0)
+      .def("post", &DeviceQueue::post, noGil, "An all_reduce queued on the device; returns its Work")
+      .def("finish", &DeviceQueue::finish, "The device has run the first `count` ops", py::arg("count"))
+      .def("set_error", &DeviceQueue::setError, "What the transports report as an asynchronous error",
+           py::arg("error"))
+      .def_property_readonly("aborts", &DeviceQueue::aborts, "How often the watchdog aborted the transports");
+}
+
+} // namespace chainermn
