@@ -3,6 +3,10 @@
 `CASES` maps a case name to a function `case(rank, size)` that raises on a wrong result. Every rank
 runs every case in the same order (`run_cases`), so one process group serves hundreds of checks; the
 names do not depend on the world size, so pytest can list them before any process starts.
+
+The case factories take a `device`: the inputs are made on it and the results compared on the CPU
+with references computed there, so tests/test_cuda_collectives.py runs these same cases on CUDA
+tensors.
 """
 from __future__ import annotations
 
@@ -24,28 +28,31 @@ DTYPES = {
     "bool": torch.bool,
 }
 FLOATING = {"float16", "bfloat16", "float32", "float64"}
+# The dtypes NCCL carries (no int16; it carries bool as uint8): the CUDA runs' dtypes.
+NCCL_DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8"]
 REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM", "BAND", "BOR", "BXOR"]
+BITWISE = ("BAND", "BOR", "BXOR")
 SHAPES = [(), (0,), (5,), (2, 3, 4)]  # 0-d, empty, 1-D, 3-D
 PREMUL_FACTOR = 2.0
 
 
 # ---- inputs and references -----------------------------------------------------------------------
 
-def small_values(rank: int, shape, dtype: torch.dtype) -> torch.Tensor:
+def small_values(rank: int, shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     """Values in {1, 2, 3} (bool: alternating), so sums and products stay exact in every dtype."""
     n = int(torch.Size(shape).numel())
     base = (torch.arange(n, dtype=torch.int64) + rank) % 3 + 1
     if dtype == torch.bool:
         base = (torch.arange(n) + rank) % 2 == 0
-    return base.to(dtype).reshape(shape)
+    return base.to(dtype).reshape(shape).to(device)
 
 
-def tagged_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+def tagged_values(rank: int, n: int, dtype: torch.dtype, salt: int = 0, device="cpu") -> torch.Tensor:
     """Values that tell which rank (and position) they came from, exact in every dtype."""
     base = (torch.arange(n, dtype=torch.int64) + rank * 31 + salt * 7) % 97
     if dtype == torch.bool:
-        return base % 2 == 1
-    return base.to(dtype)
+        return (base % 2 == 1).to(device)
+    return base.to(dtype).to(device)
 
 
 def reduce_op(name: str):
@@ -54,14 +61,27 @@ def reduce_op(name: str):
     return getattr(dist.ReduceOp, name)
 
 
-def op_supported(op: str, dtype_name: str) -> bool:
+def cuda_has_bitwise() -> bool:
+    """Whether this process's default group reduces CUDA tensors bitwise: only when CUDA tensors are
+    staged through the host library (NCCL has no bitwise reductions)."""
+    import torch_chainermn
+
+    return torch_chainermn.get_options().cuda_transport == "staged"
+
+
+def refusal(op: str, dtype_name: str, device="cpu"):
+    """None when reducing `dtype_name` with `op` on `device` must work; otherwise the words the
+    ValueError refusing it must contain (the dtype or the op that is refused, and "CUDA" where only
+    the device makes it unavailable)."""
     if dtype_name == "int16":
-        return False  # moves, but is never reduced (Gloo cannot, so neither transport does)
-    if op in ("BAND", "BOR", "BXOR"):
-        return dtype_name not in FLOATING
-    if op in ("AVG", "PREMUL_SUM"):
-        return dtype_name in FLOATING
-    return True
+        return ("int16",)  # moves, but is never reduced (Gloo cannot, so neither transport does)
+    if op in BITWISE and dtype_name in FLOATING:
+        return (op,)
+    if op in ("AVG", "PREMUL_SUM") and dtype_name not in FLOATING:
+        return (op,)
+    if op in BITWISE and torch.device(device).type == "cuda" and not cuda_has_bitwise():
+        return (op, "CUDA")
+    return None
 
 
 def reference_reduce(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -94,6 +114,7 @@ def reference_reduce(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    actual = actual.cpu()  # a CUDA result is compared with the reference computed on the CPU
     if actual.dtype in (torch.float16, torch.bfloat16):
         # AVG scales each input by 1/size in 16 bits before the sum (so the sum cannot overflow).
         torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: {m}")
@@ -115,38 +136,42 @@ def expect_value_error(fn, *words: str) -> None:
 
 
 # ---- the cases -------------------------------------------------------------------------------------
+# Factories take the dtype, the device the tensors live on and, for reductions, the ops to try. A
+# combination that must be refused is called anyway and must raise the ValueError `refusal` names.
 
-def all_reduce_case(dtype_name: str, op: str):
+def all_reduce_case(dtype_name: str, op: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for shape in SHAPES:
-            if not op_supported(op, dtype_name):
-                tensor = small_values(rank, shape, dtype)
-                reason = "int16" if dtype_name == "int16" else op  # the dtype, or the op, is what is refused
-                expect_value_error(lambda: dist.all_reduce(tensor, op=reduce_op(op)), "all_reduce", reason)
+            tensor = small_values(rank, shape, dtype, device)
+            words = refusal(op, dtype_name, device)
+            if words:
+                expect_value_error(lambda: dist.all_reduce(tensor, op=reduce_op(op)), "all_reduce", *words)
                 continue
-            tensor = small_values(rank, shape, dtype)
             dist.all_reduce(tensor, op=reduce_op(op))
             expected = reference_reduce([small_values(r, shape, dtype) for r in range(size)], op)
             assert_same(tensor, expected, f"all_reduce {op} {dtype_name} {shape}")
     return case
 
 
-def all_reduce_async_case(rank, size):
-    tensors = [small_values(rank, (7,), torch.float32) * (i + 1) for i in range(4)]
-    works = [dist.all_reduce(t, async_op=True) for t in tensors]
-    futures = [w.get_future() for w in works]
-    for i, (work, future) in enumerate(zip(works, futures)):
-        assert work.wait()
-        assert work.is_completed() and work.is_success()
-        expected = reference_reduce([small_values(r, (7,), torch.float32) for r in range(size)], "SUM") * (i + 1)
-        assert_same(tensors[i], expected, "async all_reduce")
-        value = future.wait()
-        assert isinstance(value, list) and value[0] is not None
-        assert_same(value[0], expected, "future value")
-    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda fut: fut.value()[0] * 2)
-    assert_same(chained.wait(), torch.full((3,), 2.0 * size), "then() callback")
+def all_reduce_async_case(device="cpu"):
+    def case(rank, size):
+        tensors = [small_values(rank, (7,), torch.float32, device) * (i + 1) for i in range(4)]
+        works = [dist.all_reduce(t, async_op=True) for t in tensors]
+        futures = [w.get_future() for w in works]
+        for i, (work, future) in enumerate(zip(works, futures)):
+            assert work.wait()
+            assert work.is_completed() and work.is_success()
+            expected = reference_reduce([small_values(r, (7,), torch.float32) for r in range(size)], "SUM") * (i + 1)
+            assert_same(tensors[i], expected, "async all_reduce")
+            value = future.wait()
+            assert isinstance(value, list) and value[0] is not None
+            assert_same(value[0], expected, "future value")
+        chained = dist.all_reduce(torch.ones(3, device=device), async_op=True).get_future().then(
+            lambda fut: fut.value()[0] * 2)
+        assert_same(chained.wait(), torch.full((3,), 2.0 * size), "then() callback")
+    return case
 
 
 def callback_issues_collective_case(rank, size):
@@ -181,13 +206,15 @@ def callback_waits_for_point_to_point_case(rank, size):
     assert_same(done.wait(), torch.full((5,), float((rank - 1) % size)), "received in a callback")
 
 
-def all_reduce_coalesced_case(dtype_name: str):
+def all_reduce_coalesced_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
-        tensors = [small_values(rank, shape, dtype) for shape in SHAPES]
-        if not op_supported("MAX", dtype_name):
-            expect_value_error(lambda: dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX), "int16")
+        tensors = [small_values(rank, shape, dtype, device) for shape in SHAPES]
+        words = refusal("MAX", dtype_name, device)
+        if words:
+            expect_value_error(lambda: dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX), "all_reduce",
+                               *words)
             return
         dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX)
         for shape, tensor in zip(SHAPES, tensors):
@@ -196,28 +223,30 @@ def all_reduce_coalesced_case(dtype_name: str):
     return case
 
 
-def broadcast_case(dtype_name: str):
+def broadcast_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for root in sorted({0, size - 1}):
             for shape in SHAPES:
                 n = int(torch.Size(shape).numel())
-                tensor = tagged_values(rank, n, dtype).reshape(shape)
+                tensor = tagged_values(rank, n, dtype, device=device).reshape(shape)
                 dist.broadcast(tensor, src=root)
                 assert_same(tensor, tagged_values(root, n, dtype).reshape(shape), f"broadcast from {root}")
     return case
 
 
-def reduce_case(dtype_name: str):
+def reduce_case(dtype_name: str, device="cpu", ops=("SUM", "MAX", "AVG")):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for root in sorted({0, size - 1}):
-            for op in ("SUM", "MAX", "AVG"):
-                if not op_supported(op, dtype_name):
+            for op in ops:
+                tensor = small_values(rank, (2, 3), dtype, device)
+                words = refusal(op, dtype_name, device)
+                if words:
+                    expect_value_error(lambda: dist.reduce(tensor, dst=root, op=reduce_op(op)), "reduce", *words)
                     continue
-                tensor = small_values(rank, (2, 3), dtype)
                 before = tensor.clone()
                 dist.reduce(tensor, dst=root, op=reduce_op(op))
                 if rank == root:
@@ -228,43 +257,43 @@ def reduce_case(dtype_name: str):
     return case
 
 
-def all_gather_case(dtype_name: str):
+def all_gather_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for shape in SHAPES:
             n = int(torch.Size(shape).numel())
-            mine = tagged_values(rank, n, dtype).reshape(shape)
-            outputs = [torch.empty(shape, dtype=dtype) for _ in range(size)]
+            mine = tagged_values(rank, n, dtype, device=device).reshape(shape)
+            outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(size)]
             dist.all_gather(outputs, mine)
             for r in range(size):
                 assert_same(outputs[r], tagged_values(r, n, dtype).reshape(shape), f"all_gather block {r}")
     return case
 
 
-def all_gather_into_tensor_case(dtype_name: str):
+def all_gather_into_tensor_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for n in (0, 1, 6):
-            mine = tagged_values(rank, n, dtype)
-            stacked = torch.empty(size, n, dtype=dtype)
+            mine = tagged_values(rank, n, dtype, device=device)
+            stacked = torch.empty(size, n, dtype=dtype, device=device)
             dist.all_gather_into_tensor(stacked, mine)
             expected = torch.stack([tagged_values(r, n, dtype) for r in range(size)])
             assert_same(stacked, expected, "all_gather_into_tensor (stacked)")
-            flat = torch.empty(size * n, dtype=dtype)
+            flat = torch.empty(size * n, dtype=dtype, device=device)
             dist.all_gather_into_tensor(flat, mine)
             assert_same(flat, expected.reshape(-1), "all_gather_into_tensor (concatenated)")
     return case
 
 
-def gather_case(dtype_name: str):
+def gather_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for root in sorted({0, size - 1}):
-            mine = tagged_values(rank, 4, dtype)
-            gathered = [torch.empty(4, dtype=dtype) for _ in range(size)] if rank == root else None
+            mine = tagged_values(rank, 4, dtype, device=device)
+            gathered = [torch.empty(4, dtype=dtype, device=device) for _ in range(size)] if rank == root else None
             dist.gather(mine, gathered, dst=root)
             if rank == root:
                 for r in range(size):
@@ -272,43 +301,50 @@ def gather_case(dtype_name: str):
     return case
 
 
-def scatter_case(dtype_name: str):
+def scatter_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         for root in sorted({0, size - 1}):
-            pieces = [tagged_values(r, 3, dtype, salt=root) for r in range(size)] if rank == root else None
-            out = torch.empty(3, dtype=dtype)
+            pieces = ([tagged_values(r, 3, dtype, salt=root, device=device) for r in range(size)]
+                      if rank == root else None)
+            out = torch.empty(3, dtype=dtype, device=device)
             dist.scatter(out, pieces, src=root)
             assert_same(out, tagged_values(rank, 3, dtype, salt=root), f"scatter from {root}")
     return case
 
 
-def reduce_scatter_case(dtype_name: str):
+def reduce_scatter_case(dtype_name: str, device="cpu", ops=("SUM", "MIN", "AVG")):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
-        for op in ("SUM", "MIN", "AVG"):
-            if not op_supported(op, dtype_name):
+        for op in ops:
+            inputs = [small_values(rank + 7 * p, (2, 2), dtype, device) for p in range(size)]
+            out = torch.empty(2, 2, dtype=dtype, device=device)
+            words = refusal(op, dtype_name, device)
+            if words:
+                expect_value_error(lambda: dist.reduce_scatter(out, inputs, op=reduce_op(op)), "reduce_scatter",
+                                   *words)
                 continue
-            inputs = [small_values(rank + 7 * p, (2, 2), dtype) for p in range(size)]
-            out = torch.empty(2, 2, dtype=dtype)
             dist.reduce_scatter(out, inputs, op=reduce_op(op))
             expected = reference_reduce([small_values(r + 7 * rank, (2, 2), dtype) for r in range(size)], op)
             assert_same(out, expected, f"reduce_scatter {op}")
     return case
 
 
-def reduce_scatter_tensor_case(dtype_name: str):
+def reduce_scatter_tensor_case(dtype_name: str, device="cpu", ops=("SUM", "MAX", "PREMUL_SUM")):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
-        for op in ("SUM", "MAX", "PREMUL_SUM"):
-            if not op_supported(op, dtype_name):
-                continue
-            whole = small_values(rank, (size * 3,), dtype)
+        for op in ops:
+            whole = small_values(rank, (size * 3,), dtype, device)
             before = whole.clone()
-            out = torch.empty(3, dtype=dtype)
+            out = torch.empty(3, dtype=dtype, device=device)
+            words = refusal(op, dtype_name, device)
+            if words:
+                expect_value_error(lambda: dist.reduce_scatter_tensor(out, whole, op=reduce_op(op)),
+                                   "reduce_scatter_tensor", *words)
+                continue
             dist.reduce_scatter_tensor(out, whole, op=reduce_op(op))
             expected = reference_reduce([small_values(r, (size * 3,), dtype) for r in range(size)], op)
             assert_same(out, expected[rank * 3:(rank + 1) * 3], f"reduce_scatter_tensor {op}")
@@ -316,20 +352,20 @@ def reduce_scatter_tensor_case(dtype_name: str):
     return case
 
 
-def all_to_all_case(dtype_name: str):
+def all_to_all_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         # Rank r sends (r + p) % 3 + 1 elements to rank p: every pair has its own size.
-        inputs = [tagged_values(rank, (rank + p) % 3 + 1, dtype, salt=p) for p in range(size)]
-        outputs = [torch.empty((r + rank) % 3 + 1, dtype=dtype) for r in range(size)]
+        inputs = [tagged_values(rank, (rank + p) % 3 + 1, dtype, salt=p, device=device) for p in range(size)]
+        outputs = [torch.empty((r + rank) % 3 + 1, dtype=dtype, device=device) for r in range(size)]
         dist.all_to_all(outputs, inputs)
         for r in range(size):
             assert_same(outputs[r], tagged_values(r, (r + rank) % 3 + 1, dtype, salt=rank), f"all_to_all from {r}")
     return case
 
 
-def all_to_all_single_case(dtype_name: str):
+def all_to_all_single_case(dtype_name: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
     def rows(src, dst):
@@ -340,14 +376,14 @@ def all_to_all_single_case(dtype_name: str):
 
     def case(rank, size):
         # Even splits.
-        mine = tagged_values(rank, size * 2, dtype)
-        out = torch.empty(size * 2, dtype=dtype)
+        mine = tagged_values(rank, size * 2, dtype, device=device)
+        out = torch.empty(size * 2, dtype=dtype, device=device)
         dist.all_to_all_single(out, mine)
         expected = torch.cat([tagged_values(r, size * 2, dtype)[rank * 2:(rank + 1) * 2] for r in range(size)])
         assert_same(out, expected, "all_to_all_single (even)")
         # Uneven splits of 2-column rows.
-        send = torch.cat([block(rank, p) for p in range(size)])
-        recv = torch.empty(sum(rows(r, rank) for r in range(size)), 2, dtype=dtype)
+        send = torch.cat([block(rank, p) for p in range(size)]).to(device)
+        recv = torch.empty(sum(rows(r, rank) for r in range(size)), 2, dtype=dtype, device=device)
         dist.all_to_all_single(recv, send, [rows(r, rank) for r in range(size)], [rows(rank, p) for p in range(size)])
         assert_same(recv, torch.cat([block(r, rank) for r in range(size)]), "all_to_all_single (uneven)")
     return case
@@ -367,6 +403,38 @@ def send_recv_case(dtype_name: str):
             send.wait()
             recv.wait()
             assert_same(out, tagged_values(left, n, dtype).reshape(shape), "ring send/recv")
+    return case
+
+
+def directed_send_recv_case(dtype_name: str, device="cpu"):
+    """Every ordered pair of ranks in turn, one direction at a time, with send/recv and then
+    isend/irecv. A receive is never posted before its sender's turn, so this holds also on a
+    transport that runs each transfer to completion in issue order (NCCL on one stream), where a
+    ring of receives posted first would deadlock."""
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        for shape in SHAPES:
+            n = int(torch.Size(shape).numel())
+            for kind in ("send/recv", "isend/irecv"):
+                for src in range(size):
+                    for dst in range(size):
+                        if src == dst or rank not in (src, dst):
+                            continue
+                        if rank == src:
+                            mine = tagged_values(src, n, dtype, salt=dst, device=device).reshape(shape)
+                            if kind == "send/recv":
+                                dist.send(mine, dst=dst, tag=7)
+                            else:
+                                dist.isend(mine, dst=dst, tag=7).wait()
+                            continue
+                        out = torch.zeros(shape, dtype=dtype, device=device)
+                        if kind == "send/recv":
+                            assert dist.recv(out, src=src, tag=7) == src
+                        else:
+                            dist.irecv(out, src=src, tag=7).wait()
+                        assert_same(out, tagged_values(src, n, dtype, salt=dst).reshape(shape),
+                                    f"{kind} {shape} from {src} to {dst}")
     return case
 
 
@@ -409,6 +477,25 @@ def batch_isend_irecv_case(rank, size):
     assert_same(recv, torch.arange(4, dtype=torch.float32) + left * 100, "batch_isend_irecv")
 
 
+def paired_batch_isend_irecv_case(dtype_name: str, device="cpu"):
+    """batch_isend_irecv around the ring, with each rank's list in an order whose sends and receives
+    pair up when run one at a time: even ranks send first, odd ranks receive first (the backend does
+    not coalesce a batch, so over NCCL its transfers run in list order; see directed_send_recv_case)."""
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        right, left = (rank + 1) % size, (rank - 1) % size
+        send = tagged_values(rank, 5, dtype, salt=right, device=device)
+        recv = torch.zeros(5, dtype=dtype, device=device)
+        ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+        if rank % 2 == 1:
+            ops.reverse()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        assert_same(recv, tagged_values(left, 5, dtype, salt=rank), "batch_isend_irecv")
+    return case
+
+
 def barrier_case(rank, size):
     for _ in range(3):
         dist.barrier()
@@ -445,26 +532,62 @@ def object_collectives_case(rank, size):
     dist.barrier()
 
 
-def coalesced_tensor_ops_case(rank, size):
-    group = dist.distributed_c10d._get_default_group()
-    inputs = [tagged_values(rank, n, torch.float32) for n in (1, 4)]
-    outputs = [torch.empty(size * n) for n in (1, 4)]
-    group.allgather_into_tensor_coalesced(outputs, inputs).wait()
-    for n, out in zip((1, 4), outputs):
-        assert_same(out, torch.cat([tagged_values(r, n, torch.float32) for r in range(size)]), "allgather coalesced")
-    whole = [small_values(rank, (size * n,), torch.float32) for n in (2, 3)]
-    parts = [torch.empty(n) for n in (2, 3)]
-    opts = dist.ReduceScatterOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait()
-    for n, part in zip((2, 3), parts):
-        expected = reference_reduce([small_values(r, (size * n,), torch.float32) for r in range(size)], "SUM")
-        assert_same(part, expected[rank * n:(rank + 1) * n], "reduce_scatter coalesced")
-    lists = [[torch.empty(2), torch.empty(3, dtype=torch.float32)] for _ in range(size)]
-    dist.all_gather_coalesced(lists, [torch.full((2,), float(rank)), torch.full((3,), rank + 0.5)])
-    for r in range(size):
-        assert_same(lists[r][0], torch.full((2,), float(r)), "all_gather_coalesced")
-        assert_same(lists[r][1], torch.full((3,), r + 0.5), "all_gather_coalesced")
+def coalesced_case(dtype_name: str, device="cpu", ops=("SUM",)):
+    """The coalesced forms: the group's allgather_into_tensor_coalesced and
+    reduce_scatter_tensor_coalesced, the same through torch's _coalescing_manager (which FSDP uses),
+    and all_gather_coalesced."""
+    dtype = DTYPES[dtype_name]
+
+    def case(rank, size):
+        group = dist.distributed_c10d._get_default_group()
+        sizes = (1, 4)
+        inputs = [tagged_values(rank, n, dtype, device=device) for n in sizes]
+        expected_gathers = [torch.cat([tagged_values(r, n, dtype) for r in range(size)]) for n in sizes]
+        outputs = [torch.empty(size * n, dtype=dtype, device=device) for n in sizes]
+        group.allgather_into_tensor_coalesced(outputs, inputs).wait()
+        for out, expected in zip(outputs, expected_gathers):
+            assert_same(out, expected, "allgather_into_tensor_coalesced")
+        outputs = [torch.empty(size * n, dtype=dtype, device=device) for n in sizes]
+        with dist._coalescing_manager(async_ops=True) as manager:
+            for out, mine in zip(outputs, inputs):
+                dist.all_gather_into_tensor(out, mine, async_op=True)
+        manager.wait()
+        for out, expected in zip(outputs, expected_gathers):
+            assert_same(out, expected, "all_gather_into_tensor under _coalescing_manager")
+
+        for op in ops:
+            blocks = (2, 3)
+            whole = [small_values(rank + i, (size * n,), dtype, device) for i, n in enumerate(blocks)]
+            words = refusal(op, dtype_name, device)
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = reduce_op(op)
+            if words:
+                parts = [torch.empty(n, dtype=dtype, device=device) for n in blocks]
+                expect_value_error(lambda: group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait(),
+                                   "reduce_scatter_tensor_coalesced", *words)
+                continue
+            expected = [reference_reduce([small_values(r + i, (size * n,), dtype) for r in range(size)], op)
+                        [rank * n:(rank + 1) * n] for i, n in enumerate(blocks)]
+            parts = [torch.empty(n, dtype=dtype, device=device) for n in blocks]
+            group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait()
+            for part, reference in zip(parts, expected):
+                assert_same(part, reference, f"reduce_scatter_tensor_coalesced {op}")
+            parts = [torch.empty(n, dtype=dtype, device=device) for n in blocks]
+            with dist._coalescing_manager(async_ops=True) as manager:
+                for part, source in zip(parts, whole):
+                    dist.reduce_scatter_tensor(part, source, op=reduce_op(op), async_op=True)
+            manager.wait()
+            for part, reference in zip(parts, expected):
+                assert_same(part, reference, f"reduce_scatter_tensor {op} under _coalescing_manager")
+
+        lists = [[torch.empty(2, dtype=dtype, device=device), torch.empty(3, dtype=dtype, device=device)]
+                 for _ in range(size)]
+        dist.all_gather_coalesced(lists, [tagged_values(rank, 2, dtype, device=device),
+                                          tagged_values(rank, 3, dtype, salt=1, device=device)])
+        for r in range(size):
+            assert_same(lists[r][0], tagged_values(r, 2, dtype), "all_gather_coalesced")
+            assert_same(lists[r][1], tagged_values(r, 3, dtype, salt=1), "all_gather_coalesced")
+    return case
 
 
 def bad_input_case(rank, size):
@@ -495,6 +618,7 @@ def bad_input_case(rank, size):
     assert_same(check, torch.full((2,), float(size)), "all_reduce after rejected calls")
 
 
+
 def _build_cases() -> dict:
     cases = {}
     for dtype_name in DTYPES:
@@ -516,7 +640,7 @@ def _build_cases() -> dict:
             ("send_recv", send_recv_case),
         ]:
             cases[f"{label}[{dtype_name}]"] = factory(dtype_name)
-    cases["all_reduce_async"] = all_reduce_async_case
+    cases["all_reduce_async"] = all_reduce_async_case()
     cases["callback_issues_collective"] = callback_issues_collective_case
     cases["callback_waits_for_point_to_point"] = callback_waits_for_point_to_point_case
     cases["tags"] = tags_case
@@ -524,7 +648,7 @@ def _build_cases() -> dict:
     cases["batch_isend_irecv"] = batch_isend_irecv_case
     cases["barrier"] = barrier_case
     cases["object_collectives"] = object_collectives_case
-    cases["coalesced_tensor_ops"] = coalesced_tensor_ops_case
+    cases["coalesced_tensor_ops"] = coalesced_case("float32")
     cases["bad_input"] = bad_input_case
     return cases
 
@@ -532,13 +656,60 @@ def _build_cases() -> dict:
 CASES = _build_cases()
 
 
-def run_cases(names=None) -> dict:
-    """Run the named cases (default: all) on this rank; returns {name: None or the failure's traceback}."""
+def device_collective_cases(device: str, dtype_names, ops=tuple(REDUCE_OPS)) -> dict:
+    """Every collective (no point to point) on `device` for `dtype_names`, each reduction with every
+    op in `ops` (the refused combinations checked for their ValueError)."""
+    cases = {}
+    for dtype_name in dtype_names:
+        for op in ops:
+            cases[f"all_reduce[{dtype_name}-{op}]"] = all_reduce_case(dtype_name, op, device)
+    for dtype_name in dtype_names:
+        for label, factory in [
+            ("all_reduce_coalesced", all_reduce_coalesced_case),
+            ("broadcast", broadcast_case),
+            ("all_gather", all_gather_case),
+            ("all_gather_into_tensor", all_gather_into_tensor_case),
+            ("gather", gather_case),
+            ("scatter", scatter_case),
+            ("all_to_all", all_to_all_case),
+            ("all_to_all_single", all_to_all_single_case),
+        ]:
+            cases[f"{label}[{dtype_name}]"] = factory(dtype_name, device)
+        for label, factory in [
+            ("reduce", reduce_case),
+            ("reduce_scatter", reduce_scatter_case),
+            ("reduce_scatter_tensor", reduce_scatter_tensor_case),
+            ("coalesced", coalesced_case),
+        ]:
+            cases[f"{label}[{dtype_name}]"] = factory(dtype_name, device, ops=ops)
+    cases["all_reduce_async"] = all_reduce_async_case(device)
+    cases["barrier"] = barrier_case
+    return cases
+
+
+def device_point_to_point_cases(device: str, dtype_names) -> dict:
+    """Point to point on `device`, in orders that need no reordering by the transport."""
+    cases = {}
+    for dtype_name in dtype_names:
+        cases[f"send_recv[{dtype_name}]"] = directed_send_recv_case(dtype_name, device)
+        cases[f"batch_isend_irecv[{dtype_name}]"] = paired_batch_isend_irecv_case(dtype_name, device)
+    return cases
+
+
+def run_cases(names=None, cases=None, trace=False) -> dict:
+    """Run the named cases of `cases` (default: every one of CASES) on this rank; returns {name: None
+    or the failure's traceback}. `trace` prints each case's name to stderr before it runs, so a run
+    that hangs shows where (the harness then kills the ranks and their results are lost)."""
+    import sys
+
+    cases = CASES if cases is None else cases
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
-    for name in names or CASES:
+    for name in names or cases:
+        if trace:
+            print(f"[rank {rank}] {name}", file=sys.stderr, flush=True)
         try:
-            CASES[name](rank, size)
+            cases[name](rank, size)
             outcome[name] = None
         except Exception:  # noqa: BLE001  each case's failure is reported on its own
             outcome[name] = traceback.format_exc()

@@ -36,3 +36,21 @@ def test_collective(transport, size, case):
     assert all(r["__transport__"] == expected for r in results), [r["__transport__"] for r in results]
     failures = [f"rank {rank}:\n{r[case]}" for rank, r in enumerate(results) if r[case]]
     assert not failures, "\n".join(failures)
+
+
+# The case sets tests/test_cuda_collectives.py runs on CUDA tensors (every reduction with every op,
+# point to point in orders NCCL can serve), built here for the CPU: their expectations hold on every
+# machine, not only on one with a GPU.
+def device_case_sets_on_cpu():
+    dtypes = collective_cases.NCCL_DTYPES
+    cases = {**collective_cases.device_collective_cases("cpu", dtypes),
+             **collective_cases.device_point_to_point_cases("cpu", dtypes)}
+    return collective_cases.run_cases(cases=cases)
+
+
+def test_device_case_sets_on_cpu():
+    results = run_spawn(device_case_sets_on_cpu, 2, timeout=600)
+    failures = [f"rank {rank} {case}:\n{error}" for rank, r in enumerate(results)
+                for case, error in r.items() if error and not case.startswith("__")]
+    assert len(results[0]) > 150, sorted(results[0])  # the sets are really there
+    assert not failures, "\n".join(failures[:5])

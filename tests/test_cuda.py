@@ -59,10 +59,12 @@ def cuda_configurations():
     return {"staged": ({"CHAINERMN_CUDA_TRANSPORT": "staged"}, None), "nccl": nccl}
 
 
-def run_cuda(fn, world_size, config_name, extra_env=None, **kwargs):
+def run_cuda(fn, world_size, config_name, extra_env=None, nccl_reference=False, **kwargs):
+    """Run fn on world_size ranks in the configuration `config_name`. `nccl_reference`: fn also makes
+    torch's own nccl groups (to compare with), which need a host id per rank in every configuration."""
     env, rank_env = cuda_configurations()[config_name]
     env = {**(extra_env or {}), **env}
-    rank_env = nccl_one_gpu_env(world_size) if rank_env == "hostid" else None
+    rank_env = nccl_one_gpu_env(world_size) if rank_env == "hostid" or nccl_reference else None
     return run_spawn(fn, world_size, env=env, rank_env=rank_env, **kwargs)
 
 

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch import nn
 
 from tests.harness import run_spawn
-from tests.training_reference import LR, loss_of, make_model
+from tests.training_reference import LR, batch, make_model
 
 STEPS = 6
 
@@ -50,16 +50,21 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def train(name: str, group, subgroup, make=small_model):
+def train(name: str, group, subgroup, make=small_model, device="cpu"):
+    """The parameters after STEPS steps of DDP with torch's hook `name` on `group`, on `device` (on
+    CUDA every rank uses the current GPU; tests/test_cuda_torch_hooks.py)."""
     rank = dist.get_rank()
-    model = DDP(make(), process_group=group)
+    module = make().to(device)
+    device_ids = [torch.cuda.current_device()] if torch.device(device).type == "cuda" else None
+    model = DDP(module, process_group=group, device_ids=device_ids)
     hook, state = hook_and_state(name, group, subgroup)
     model.register_comm_hook(state, hook)
     averager = PeriodicModelAverager(period=2, warmup_steps=2, process_group=group) if name == "post_localSGD" else None
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss_of(model, rank, step).backward()
+        x, y = batch(rank, step)
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         optimizer.step()
         if averager is not None:
             averager.average_parameters(model.parameters())

@@ -2,7 +2,8 @@
 ZeroRedundancyOptimizer under DDP, and distributed checkpointing (save, then load into a fresh model).
 
 One 2-rank job trains the same model the same way on a chainermn group and on a gloo group (same
-processes, same data) and returns both results, so each test compares them.
+processes, same data) and returns both results, so each test compares them. The functions take the
+device the model lives on: tests/test_cuda_torch_parallel.py runs them on CUDA against nccl.
 """
 import tempfile
 
@@ -25,45 +26,47 @@ def batches(rank):
     return [(torch.randn(8, 12, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(STEPS)]
 
 
-def train(model, optimizer, rank):
+def train(model, optimizer, rank, device="cpu"):
     for x, y in batches(rank):
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         optimizer.step()
 
 
-def fsdp2(group, rank):
+def fsdp2(group, rank, device="cpu"):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DeviceMesh
 
-    mesh = DeviceMesh.from_group(group, "cpu")
-    model = make_model()
+    mesh = DeviceMesh.from_group(group, torch.device(device).type)
+    model = make_model().to(device)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    train(model, torch.optim.SGD(model.parameters(), lr=0.1), rank)
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, device)
+    return [p.full_tensor().detach().cpu().clone() for p in model.parameters()]
 
 
-def zero(group, rank):
+def zero(group, rank, device="cpu"):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = torch.nn.parallel.DistributedDataParallel(make_model(), process_group=group)
+    device_ids = [torch.cuda.current_device()] if torch.device(device).type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(make_model().to(device), process_group=group,
+                                                      device_ids=device_ids)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01,
                                         process_group=group)
-    train(model, optimizer, rank)
-    return [p.detach().clone() for p in model.parameters()]
+    train(model, optimizer, rank, device)
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
-def checkpoint(group, rank, directory):
+def checkpoint(group, rank, directory, device="cpu"):
     import torch.distributed.checkpoint as dcp
 
-    trained = make_model()
+    trained = make_model().to(device)
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(1.5)
     dcp.save({"model": trained.state_dict()}, checkpoint_id=directory, process_group=group)
-    fresh = make_model()
+    fresh = make_model().to(device)
     state = {"model": fresh.state_dict()}
     dcp.load(state, checkpoint_id=directory, process_group=group)
     fresh.load_state_dict(state["model"])

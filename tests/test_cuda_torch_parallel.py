@@ -1,0 +1,77 @@
+"""torch's own parallelism on CUDA tensors gives on a chainermn group what it gives on torch's nccl:
+FSDP2 (`fully_shard`), ZeroRedundancyOptimizer under DDP, and distributed checkpointing (marked
+`cuda`: skipped without a GPU, see conftest.py).
+
+tests/test_torch_parallel.py does this on the CPU against gloo; here its same functions run with the
+model on the GPU. One 2-rank job per configuration trains on a chainermn group and on a torch nccl
+group (same processes, same data) and returns both results. Both ranks share the one GPU, so the
+nccl group needs a distinct NCCL_HOSTID per rank in every configuration (run_cuda's nccl_reference).
+
+FSDP2 issues its all-gathers and reduce-scatters (ReduceOp.AVG) from streams of its own and waits
+for them through the Work: a backend that did not order its work after the caller's stream, or the
+caller's stream after its work, would read or write those buffers too early.
+"""
+import functools
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import RankFailure
+from tests.test_cuda import config_names, run_cuda
+from tests.test_torch_parallel import checkpoint, fsdp2, make_model, zero
+
+pytestmark = pytest.mark.cuda
+
+
+def both_backends(directory):
+    torch.cuda.set_device(0)  # every rank shares the one GPU
+    rank = dist.get_rank()
+    results = {}
+    for backend in ("chainermn", "nccl"):
+        group = dist.new_group([0, 1], backend=backend)
+        results[backend] = {
+            "fsdp2": fsdp2(group, rank, "cuda"),
+            "zero": zero(group, rank, "cuda"),
+            "checkpoint": checkpoint(group, rank, f"{directory}/{backend}", "cuda"),
+        }
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def outcomes(config: str):
+    """Every rank's results, run once per configuration; a job that fails as a whole is remembered
+    too, so the next test reports it without running it again."""
+    with tempfile.TemporaryDirectory(prefix="chainermn-dcp-cuda-") as directory:
+        try:
+            return run_cuda(both_backends, 2, config, directory=directory, nccl_reference=True, timeout=300,
+                            op_timeout=120), None
+        except RankFailure as failure:
+            return None, str(failure)
+
+
+def results_of(config: str):
+    results, failure = outcomes(config)
+    assert failure is None, f"the job failed:\n{failure}"
+    return results
+
+
+@pytest.mark.parametrize("config", config_names())
+@pytest.mark.parametrize("what", ["fsdp2", "zero"])
+def test_training_on_cuda_matches_nccl(config, what):
+    for rank, result in enumerate(results_of(config)):
+        ours, theirs = result["chainermn"][what], result["nccl"][what]
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            # The same kernels on the same GPU; the reductions are two-term sums (and halvings).
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{what} on rank {rank}")
+        start = [p.detach() for p in make_model().parameters()]
+        assert any(not torch.equal(a, b) for a, b in zip(ours, start)), f"{what} did not train"
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_distributed_checkpoint_on_cuda_saves_and_loads(config):
+    for result in results_of(config):
+        assert result["chainermn"]["checkpoint"] is True
+        assert result["nccl"]["checkpoint"] is True
