@@ -477,21 +477,19 @@ def batch_isend_irecv_case(rank, size):
     assert_same(recv, torch.arange(4, dtype=torch.float32) + left * 100, "batch_isend_irecv")
 
 
-def paired_batch_isend_irecv_case(dtype_name: str, device="cpu"):
-    """batch_isend_irecv around the ring, with each rank's list in an order whose sends and receives
-    pair up when run one at a time: even ranks send first, odd ranks receive first (the backend does
-    not coalesce a batch, so over NCCL its transfers run in list order; see directed_send_recv_case)."""
+def receive_first_batch_isend_irecv_case(dtype_name: str, device="cpu"):
+    """batch_isend_irecv around the ring with every rank's receive listed first: run one at a time in
+    list order (as NCCL runs transfers on one stream) every rank would wait for a send that never
+    starts. The backend coalesces the batch (one ncclGroupStart/End over NCCL) into one Work."""
     dtype = DTYPES[dtype_name]
 
     def case(rank, size):
         right, left = (rank + 1) % size, (rank - 1) % size
         send = tagged_values(rank, 5, dtype, salt=right, device=device)
         recv = torch.zeros(5, dtype=dtype, device=device)
-        ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
-        if rank % 2 == 1:
-            ops.reverse()
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, left), dist.P2POp(dist.isend, send, right)])
+        assert len(works) == 1, f"a coalesced batch is one Work, got {len(works)}"
+        works[0].wait()
         assert_same(recv, tagged_values(left, 5, dtype, salt=rank), "batch_isend_irecv")
     return case
 
@@ -692,7 +690,7 @@ def device_point_to_point_cases(device: str, dtype_names) -> dict:
     cases = {}
     for dtype_name in dtype_names:
         cases[f"send_recv[{dtype_name}]"] = directed_send_recv_case(dtype_name, device)
-        cases[f"batch_isend_irecv[{dtype_name}]"] = paired_batch_isend_irecv_case(dtype_name, device)
+        cases[f"batch_isend_irecv[{dtype_name}]"] = receive_first_batch_isend_irecv_case(dtype_name, device)
     return cases
 
 

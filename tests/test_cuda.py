@@ -321,3 +321,50 @@ def test_single_rank_nccl_group():
     values, version = run_spawn(single_rank_nccl, 1, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"}, timeout=120)[0]
     assert values == [float(i) for i in range(10)]
     assert version.startswith("2.")
+
+
+# ---- a CUDA op that never ends: the watchdog aborts NCCL and names the op ---------------------------
+
+def hung_cuda_collective():
+    """Rank 0 all_reduces CUDA tensors on a group with a 10 s timeout; rank 1 never joins. With the
+    cross-rank checks off, nothing on the host notices: the kernel waits for a peer that never comes,
+    and only the watchdog (device end marks, ncclCommAbort) can end it."""
+    import datetime
+    import time
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    outcome = {}
+    if rank == 0:
+        tensor = torch.ones(1 << 20, device="cuda")
+        start = time.monotonic()
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        try:
+            work.wait()  # over NCCL: queued, so it returns (staged: it raises at the timeout)
+            torch.cuda.synchronize()  # returns once the watchdog aborted the communicator
+            work.wait()  # raises now
+            outcome["first"] = "no error"
+        except dist.DistBackendError as error:
+            outcome["first"] = str(error)
+        outcome["seconds"] = time.monotonic() - start
+        outcome["completed"] = work.is_completed()
+        try:
+            dist.all_reduce(tensor, group=group)
+            outcome["second"] = "completed"
+        except dist.DistBackendError as error:
+            outcome["second"] = str(error)
+    check = torch.ones(1)
+    dist.all_reduce(check)  # the default group is untouched
+    outcome["default_group_after"] = check.item()
+    return outcome
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_a_hung_cuda_collective_is_aborted_and_named(config):
+    outcome = run_cuda(hung_cuda_collective, 2, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=120,
+                       op_timeout=60)[0]
+    assert outcome["completed"] is True
+    assert outcome["seconds"] < 10 + 10, outcome  # the group timeout, and the watchdog's margin
+    assert "all_reduce (seq 1, rank 0 of 2" in outcome["first"] and "timed out" in outcome["first"], outcome
+    assert "unusable" in outcome["second"], outcome
+    assert outcome["default_group_after"] == 2.0

@@ -11,8 +11,8 @@ expectations are checked on machines without a GPU too.
 
 One spawned job per configuration runs all the collectives and returns {case: None or traceback};
 each case is then reported as its own test, as tests/test_collectives.py does. Point to point gets a
-job of its own: its transfers on the "staged" transport are not implemented (see
-test_point_to_point_on_cuda), and there a failure makes the group unusable for whatever follows.
+job of its own, so that a transfer failure (which makes the group unusable) cannot take the
+collectives with it.
 """
 import functools
 
@@ -75,11 +75,5 @@ def test_collective_on_cuda(config, case):
 
 @pytest.mark.parametrize("config", config_names())
 @pytest.mark.parametrize("case", list(POINT_TO_POINT))
-def test_point_to_point_on_cuda(config, case, request):
-    if cuda_configurations()[config][0]["CHAINERMN_CUDA_TRANSPORT"] != "nccl":
-        # The staged transport (csrc/cuda/staged.cpp) refuses send and recv of CUDA tensors with a
-        # RuntimeError raised on the group's worker, which also makes the group unusable. Strict: once
-        # staged point to point is written, these pass and the marker must go.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="point to point of CUDA tensors over the staged transport is not implemented"))
+def test_point_to_point_on_cuda(config, case):
     check_case(config, "point_to_point", case)

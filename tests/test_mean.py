@@ -83,3 +83,22 @@ def test_group_wire_dtype_is_the_default():
     exact = 1.0 / 3.0 + 0.5
     assert values[0] == values[1] and values[0] != pytest.approx(exact, abs=1e-7)
     assert values[0] == pytest.approx(exact, abs=2e-3)
+
+
+def float16_casts():
+    """On one rank the mean is the casts alone: float32 through a float16 wire must come back exactly
+    as torch's `.half().float()`, and float16 through a float32 wire unchanged, bit for bit (the CPU
+    casts use F16C where the CPU has it: the tails of lengths not a multiple of 8 go one by one)."""
+    torch.manual_seed(7)
+    values = torch.cat([torch.randn(1003) * 1000, torch.randn(13) * 1e-6,  # subnormal in float16
+                        torch.tensor([70000.0, -70000.0, 65504.0, 0.0, -0.0, 1e-8, 2.0 ** -24])])
+    via_half = values.clone()
+    torch_chainermn.mean_coalesced([via_half], dtype=torch.float16)
+    halves = values.half()
+    via_float = halves.clone()
+    torch_chainermn.mean_coalesced([via_float], dtype=torch.float32)
+    return torch.equal(via_half, values.half().float()), torch.equal(via_float, halves)
+
+
+def test_float16_casts_are_exact():
+    assert run_spawn(float16_casts, 1) == [(True, True)]

@@ -20,9 +20,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::send(std::vector<at::Tenso
   at::Tensor tensor = single(op, "tensor", tensors);
   checkRank(op, "dst", dstRank, size_);
   checkTag(op, tag);
-  return post({c10d::OpType::SEND, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, dstRank, tag, order = &context_->messages](DeviceContext& on) {
-    return sendChecked(*on.transports.world, *order, tensor, dstRank, tag);
-  });
+  return postTransfer(op, c10d::OpType::SEND, tensor, dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
@@ -30,9 +28,71 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recv(std::vector<at::Tenso
   at::Tensor tensor = single(op, "tensor", tensors);
   checkRank(op, "src", srcRank, size_);
   checkTag(op, tag);
-  return post({c10d::OpType::RECV, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, srcRank, tag, order = &context_->messages](DeviceContext& on) {
-    return recvChecked(*on.transports.world, *order, tensor, srcRank, tag);
+  return postTransfer(op, c10d::OpType::RECV, tensor, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
+    const char* op,
+    c10d::OpType type,
+    const at::Tensor& tensor,
+    int peer,
+    int tag) {
+  const bool isSend = type == c10d::OpType::SEND;
+  if (batch_) {
+    if (!batch_->tensors.empty()) {
+      checkSameDevice(op, {batch_->tensors.front(), tensor});  // one device per op, and a batch is one op
+    }
+    if (!batch_->work) {
+      OpSpec spec{c10d::OpType::COALESCED, "batch_isend_irecv", {}, {tensor}, c10d::kUnsetTimeout, kPointToPoint};
+      batch_->work = makeWork(spec, tensor.device());
+    }
+    batch_->tensors.push_back(tensor);
+    batch_->sends.push_back(isSend);
+    batch_->peers.push_back(peer);
+    batch_->tags.push_back(tag);
+    return batch_->work;
+  }
+  return post({type, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, isSend, peer, tag, order = &context_->messages](DeviceContext& on) {
+    Transport& world = *on.transports.world;
+    return isSend ? sendChecked(world, *order, tensor, peer, tag) : recvChecked(world, *order, tensor, peer, tag);
   });
+}
+
+void ProcessGroupChainerMN::startCoalescing() {
+  TORCH_CHECK_VALUE(!batch_, "chainermn: startCoalescing: the previous batch was not ended (endCoalescing)");
+  batch_.emplace();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
+  TORCH_CHECK_VALUE(batch_, "chainermn: endCoalescing without startCoalescing");
+  Batch batch = std::move(*batch_);
+  batch_.reset();
+  OpSpec spec{c10d::OpType::COALESCED, "batch_isend_irecv", {}, batch.tensors, c10d::kUnsetTimeout, kPointToPoint};
+  if (batch.tensors.empty()) {
+    return post(spec, [](DeviceContext&) { return RequestPtr(); });
+  }
+  return post(
+      spec,
+      [batch, order = &context_->messages](DeviceContext& on) {
+        Transport& world = *on.transports.world;
+        if (batch.tensors.front().is_cuda()) {
+          std::vector<Transfer> transfers;
+          for (size_t i = 0; i < batch.tensors.size(); ++i) {
+            const auto& t = batch.tensors[i];
+            transfers.push_back({batch.sends[i], t.data_ptr(), t.numel(), t.scalar_type(), batch.peers[i], batch.tags[i]});
+          }
+          return world.startAll(transfers);
+        }
+        // Host transfers progress independently: started in order, each with its header (messages.h).
+        std::vector<RequestPtr> requests;
+        for (size_t i = 0; i < batch.tensors.size(); ++i) {
+          const auto& t = batch.tensors[i];
+          requests.push_back(batch.sends[i] ? sendChecked(world, *order, t, batch.peers[i], batch.tags[i])
+                                            : recvChecked(world, *order, t, batch.peers[i], batch.tags[i]));
+        }
+        return allOf(std::move(requests));
+      },
+      batch.work);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {

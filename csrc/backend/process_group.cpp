@@ -112,7 +112,7 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
       std::move(devices));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body body) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work) {
   std::vector<at::Tensor> used = spec.inputs;
   used.insert(used.end(), spec.outputs.begin(), spec.outputs.end());
   checkSameDevice(spec.name, used);
@@ -120,7 +120,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   if (!used.empty()) {
     checkGroupDevice(spec.name, cudaDevice_, used.front());
   }
-  auto work = makeWork(spec, device);
+  if (!work) {
+    work = makeWork(spec, device);
+  }
   if (device.is_cpu()) {
     worker_->enqueue(work, [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
       if (agreement.collective) {

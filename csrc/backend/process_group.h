@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 
 namespace chainermn {
 
@@ -130,6 +131,16 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+  // torch's coalescing manager, as batch_isend_irecv uses it: the sends and receives issued between
+  // startCoalescing() and endCoalescing() on this thread start together, as one op (over NCCL, one
+  // ncclGroupStart/End, so their order in the list cannot deadlock), and all return the batch's
+  // Work. Collectives issued meanwhile run as usual.
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   // torch's monitored_barrier, through the store on the caller's thread: rank 0 waits for every
   // rank's arrival and names the ranks that did not come within the timeout (all of them with
   // waitAllRanks); every rank raises then.
@@ -185,7 +196,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // before it. On CUDA, the body runs on the group's stream after the caller's current stream, the
   // op's tensors are kept from the caching allocator until that work is done, and the Work's future
   // is device-aware (wait() and then() are stream-ordered rather than host-synchronised).
-  c10::intrusive_ptr<c10d::Work> post(OpSpec spec, Body body);
+  c10::intrusive_ptr<c10d::Work> post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work = nullptr);
+
+  // A send or receive: posted, or added to the batch being coalesced.
+  c10::intrusive_ptr<c10d::Work> postTransfer(const char* op, c10d::OpType type, const at::Tensor& tensor, int peer, int tag);
 
   c10::intrusive_ptr<WorkChainerMN> makeWork(OpSpec& spec, at::Device device);
 
@@ -219,6 +233,15 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::atomic<uint64_t> sequence_{0};     // collectives posted (torch's sequence number)
   std::atomic<uint64_t> p2pSequence_{0};  // sends and receives posted
   uint64_t monitoredBarriers_ = 0;         // numbers each monitored barrier's keys
+  // Between startCoalescing() and endCoalescing(): the transfers gathered, and the Work they share.
+  struct Batch {
+    std::vector<at::Tensor> tensors;
+    std::vector<bool> sends;
+    std::vector<int> peers;
+    std::vector<int> tags;
+    c10::intrusive_ptr<WorkChainerMN> work;
+  };
+  std::optional<Batch> batch_;
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 

@@ -171,17 +171,24 @@ bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_
       return false;
     }
   }
-  const std::string message = "chainermn " + failedOp->description() + " failed on the GPU: " + error;
+  failAndBreak(lock, *failedOp, "chainermn " + failedOp->description() + " failed on the GPU: " + error, "failed on the GPU");
+  return true;
+}
+
+void Worker::State::failAndBreak(
+    std::unique_lock<std::mutex>& lock,
+    WorkChainerMN& work,
+    const std::string& message,
+    const std::string& what) {
   lock.unlock();
   if (monitor) {
     monitor->abort(message);
   }
-  failedOp->fail(backendError(message));
+  work.fail(backendError(message));
   lock.lock();
   if (brokenReason.empty()) {
-    breakGroup(lock, "the group is unusable after " + failedOp->description() + " failed on the GPU");
+    breakGroup(lock, "the group is unusable after " + work.description() + " " + what);
   }
-  return true;
 }
 
 void Worker::State::watchdogLoop() {
@@ -214,14 +221,8 @@ void Worker::State::watchdogLoop() {
       const std::string message = "chainermn " + overdue->description() +
           " timed out: a peer did not take part before the group timeout" +
           (where.empty() ? " (a rank may have died, or the ranks issued different collectives)" : ": " + where);
-      if (monitor) {
-        monitor->abort(message);
-      }
-      overdue->fail(backendError(message));
       lock.lock();
-      if (brokenReason.empty()) {
-        breakGroup(lock, "the group is unusable after " + overdue->description() + " timed out");
-      }
+      failAndBreak(lock, *overdue, message, "timed out");
       continue;
     }
     if (watchDevice(lock, now, nextCheck) || askPeers(lock, now, nextCheck)) {

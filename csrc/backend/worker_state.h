@@ -70,6 +70,9 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   void watchdogLoop();
   bool askPeers(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
   void breakGroup(std::unique_lock<std::mutex>& lock, const std::string& reason);
+  // Tells the peers `message`, fails `work` with it and breaks the group ("unusable after <work>
+  // <what>"). Lock held on entry and exit.
+  void failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message, const std::string& what);
   std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
   // Runs an op's body; true when it left a transfer in flight.
   bool run(QueuedOp& op);

@@ -2,6 +2,35 @@
 
 namespace chainermn {
 
+namespace {
+class AllOf : public Request {
+ public:
+  explicit AllOf(std::vector<RequestPtr> requests) : pending_(std::move(requests)) {}
+  bool test() override {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      it = (*it)->test() ? pending_.erase(it) : it + 1;
+    }
+    return pending_.empty();
+  }
+
+ private:
+  std::vector<RequestPtr> pending_;
+};
+} // namespace
+
+RequestPtr allOf(std::vector<RequestPtr> requests) {
+  return std::make_unique<AllOf>(std::move(requests));
+}
+
+RequestPtr Transport::startAll(const std::vector<Transfer>& transfers) {
+  std::vector<RequestPtr> requests;
+  requests.reserve(transfers.size());
+  for (const auto& t : transfers) {
+    requests.push_back(t.send ? send(t.buf, t.count, t.dtype, t.peer, t.tag) : recv(t.buf, t.count, t.dtype, t.peer, t.tag));
+  }
+  return allOf(std::move(requests));
+}
+
 TransportSet makeTransportSet(const Topology& topology, const TransportFactory& make) {
   TransportSet set;
   set.world = make(worldLevel(topology));

@@ -40,6 +40,19 @@ class Request {
 };
 using RequestPtr = std::unique_ptr<Request>;
 
+// One request for several: done when all are (the first failure throws). Each is tested until done.
+RequestPtr allOf(std::vector<RequestPtr> requests);
+
+// One send or receive of a batch (Transport::startAll).
+struct Transfer {
+  bool send;
+  void* buf;  // read by a send, written by a receive
+  int64_t count;
+  c10::ScalarType dtype;
+  int peer;
+  int tag;
+};
+
 // Counts are in elements of `dtype`. Every rank passes the same count and dtype unless said otherwise.
 class Transport {
  public:
@@ -81,6 +94,11 @@ class Transport {
   // peer may be kAnySource; the Request's source() then tells which rank sent.
   virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
   virtual void barrier() = 0;
+  // Starts every transfer of a batch as one (torch's batch_isend_irecv): a receive listed before the
+  // send its peer waits for must not hold that send back. Libraries whose transfers progress
+  // independently start them in order (this default); NCCL, whose transfers on one stream run in
+  // order, groups them.
+  virtual RequestPtr startAll(const std::vector<Transfer>& transfers);
 
   // Every rank's `bytes` (at most kExchangeBytes) at `mine` into `all`, rank r's at r * bytes: the
   // few bytes of bookkeeping the ranks compare before a collective (backend/agreement.h). An

@@ -194,6 +194,20 @@ class NcclTransport : public Transport {
     return std::make_unique<NcclRequest>(stream_, peer);
   }
 
+  RequestPtr startAll(const std::vector<Transfer>& transfers) override {
+    {
+      Call call(*this, "batch_isend_irecv");
+      call.check(-1, ncclGroupStart());
+      for (const auto& t : transfers) {
+        TORCH_CHECK(t.peer != kAnySource, "chainermn: NCCL cannot receive from any source");
+        call.check(t.peer, t.send ? ncclSend(t.buf, t.count, toNccl(t.dtype), t.peer, call.comm, stream_)
+                                  : ncclRecv(t.buf, t.count, toNccl(t.dtype), t.peer, call.comm, stream_));
+      }
+      call.check(-1, ncclGroupEnd());
+    }
+    return std::make_unique<NcclRequest>(stream_, -1);
+  }
+
   void barrier() override {
     {
       Call call(*this, "barrier");
