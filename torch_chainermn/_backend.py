@@ -1,6 +1,4 @@
 """The `chainermn` backend's creator, called by torch.distributed for every group that uses it."""
-import datetime
-
 import torch
 import torch.distributed as dist
 
@@ -58,10 +56,8 @@ def create_backend(dist_options, pg_options=None):
         setup.use_mpi(global_ranks)
     else:
         # Called by the backend for each level it needs (world, this node, this intra rank across nodes).
-        # The inner groups wait a little longer than the group's ops (kTransportGrace in options.h).
-        gloo_timeout = timeout + datetime.timedelta(seconds=_C.transport_grace_seconds)
         setup.use_gloo(lambda key, level_rank, level_size: dist.ProcessGroupGloo(
-            dist.PrefixStore(f"chainermn/gloo/{key}/", store), level_rank, level_size, gloo_timeout))
+            dist.PrefixStore(f"chainermn/gloo/{key}/", store), level_rank, level_size, timeout))
     return _C.ProcessGroupChainerMN(setup, pg_options.to_cpp())
 
 

@@ -45,12 +45,6 @@ struct GroupOptions {
   CheckLevel checks = CheckLevel::Info;             // cross-rank checks before every collective
 };
 
-// How much longer a host transport (Gloo, shared memory) waits than the group's ops: an op that
-// outlives the group timeout is failed by the watchdog, whose message says which rank waited where;
-// the transport's own timeout is only the backstop for a watchdog that could not run, and must not
-// win that race on a loaded machine.
-constexpr std::chrono::milliseconds kTransportGrace{5000};
-
 struct GroupSetup {
   c10::intrusive_ptr<c10d::Store> store;
   int rank = 0;

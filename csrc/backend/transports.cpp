@@ -15,7 +15,7 @@ TransportSet buildHostTransports(const GroupSetup& setup, bool sharedMemory) {
   TransportSet set = makeTransportSet(setup.topology, setup.makeHost);
   if (sharedMemory && setup.topology.intraSize > 1) {
     const Level node = intraLevel(setup.topology);
-    auto shared = shm::createTransport(*setup.store, "chainermn/shm/" + node.key, set.intra, setup.timeout + kTransportGrace);
+    auto shared = shm::createTransport(*setup.store, "chainermn/shm/" + node.key, set.intra, setup.timeout);
     if (set.world == set.intra) {
       set.world = shared;
     }

@@ -146,12 +146,17 @@ bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_
     onDevice.front().work->complete();  // a queued Work: no callbacks run (its future completed when queued)
     onDevice.pop_front();
   }
-  // Point-to-point CUDA transfers (inFlight) are NCCL work too.
+  // Point-to-point CUDA transfers (inFlight) are device work too; host transfers are not.
   auto oldestOnDevice = [this]() -> c10::intrusive_ptr<WorkChainerMN> {
     if (!onDevice.empty()) {
       return onDevice.front().work;
     }
-    return inFlight.empty() ? nullptr : inFlight.front().work;
+    for (const auto& entry : inFlight) {
+      if (entry.work->onDevice()) {
+        return entry.work;
+      }
+    }
+    return nullptr;
   };
   if (!device || !oldestOnDevice() || !brokenReason.empty()) {
     return false;
@@ -212,7 +217,7 @@ void Worker::State::watchdogLoop() {
       check(entry.work);
     }
     if (!onDevice.empty()) {
-      check(onDevice.front().work);  // later ones were issued later: their deadlines are later
+      check(onDevice.front().work);  // the oldest; one behind it is caught once this one ends
     }
     if (overdue) {
       // Who waited where, asked of the store without the lock; then every pending op fails.

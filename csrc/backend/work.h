@@ -63,6 +63,10 @@ class WorkChainerMN : public c10d::Work {
   std::string opName() const {
     return label_.op;
   }
+  // Whether the op's tensors are on a GPU.
+  bool onDevice() const {
+    return onDevice_;
+  }
 
  private:
   bool claim();  // true for the first completion only

@@ -81,7 +81,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("global_rank"),
       py::call_guard<py::gil_scoped_release>());
   m.attr("communicator_names") = chainermn::strategyNames();
-  m.attr("transport_grace_seconds") = chainermn::kTransportGrace.count() / 1000.0;
 
   py::class_<GroupOptions>(m, "GroupOptions", "torch_chainermn.Options as the C++ backend holds it")
       .def(py::init<>())
