@@ -477,6 +477,32 @@ def batch_isend_irecv_case(rank, size):
     assert_same(recv, torch.arange(4, dtype=torch.float32) + left * 100, "batch_isend_irecv")
 
 
+def abandoned_batch_case(rank, size):
+    """A batch refused part-way raises on the calling rank and leaves nothing half-coalesced: a later
+    batch and plain sends and receives run. Refused by the backend (a non-contiguous tensor) and by
+    torch in Python (a peer outside the group, after the first transfer reached the backend)."""
+    right, left = (rank + 1) % size, (rank - 1) % size
+    strided = torch.zeros(4)[::2]
+    expect_value_error(lambda: dist.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, torch.zeros(2), left), dist.P2POp(dist.isend, strided, right)]), "contiguous")
+    try:
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(2), left),
+                                dist.P2POp(dist.isend, torch.ones(2), size + 5)])
+        raise AssertionError("a peer outside the group was accepted")
+    except ValueError:
+        pass
+    recv = torch.zeros(3)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, left),
+                                        dist.P2POp(dist.isend, torch.full((3,), float(rank)), right)]):
+        work.wait()
+    assert_same(recv, torch.full((3,), float(left)), "batch after an abandoned one")
+    plain = torch.zeros(1)
+    sent = dist.isend(torch.full((1,), float(rank)), right)
+    dist.recv(plain, left)
+    sent.wait()
+    assert_same(plain, torch.full((1,), float(left)), "send and recv after an abandoned batch")
+
+
 def receive_first_batch_isend_irecv_case(dtype_name: str, device="cpu"):
     """batch_isend_irecv around the ring with every rank's receive listed first: run one at a time in
     list order (as NCCL runs transfers on one stream) every rank would wait for a send that never
@@ -644,6 +670,7 @@ def _build_cases() -> dict:
     cases["tags"] = tags_case
     cases["recv_any_source"] = recv_any_source_case
     cases["batch_isend_irecv"] = batch_isend_irecv_case
+    cases["abandoned_batch"] = abandoned_batch_case
     cases["barrier"] = barrier_case
     cases["object_collectives"] = object_collectives_case
     cases["coalesced_tensor_ops"] = coalesced_case("float32")

@@ -27,8 +27,9 @@
 #   BENCH_TIMEOUT   seconds for the benchmark (default 900)
 #   PYTEST_ARGS     more arguments for the CUDA pytest run, as shell words: -x, or -k "hooks or parallel"
 #
-# No internet is needed: the build runs setup.py directly (pip's editable path wants to fetch a
-# build backend; see DESIGN.md "Building and testing").
+# No internet is needed: the build runs setup.py directly, as the GPU machines' instructions say.
+# `pip install --no-build-isolation -e .` works offline too (pyproject.toml declares the build, and
+# without isolation pip fetches nothing); CI installs that way.
 set -uo pipefail  # no -e: every step runs, and its failure is recorded
 
 repo=$(cd "$(dirname "$0")/.." && pwd)

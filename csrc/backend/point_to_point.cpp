@@ -17,18 +17,22 @@ const Agreement kPointToPoint{/*collective=*/false};
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const char* op = "send";
-  at::Tensor tensor = single(op, "tensor", tensors);
-  checkRank(op, "dst", dstRank, size_);
-  checkTag(op, tag);
-  return postTransfer(op, c10d::OpType::SEND, tensor, dstRank, tag);
+  return abandonsBatch([&] {
+    at::Tensor tensor = single(op, "tensor", tensors);
+    checkRank(op, "dst", dstRank, size_);
+    checkTag(op, tag);
+    return postTransfer(op, c10d::OpType::SEND, tensor, dstRank, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const char* op = "recv";
-  at::Tensor tensor = single(op, "tensor", tensors);
-  checkRank(op, "src", srcRank, size_);
-  checkTag(op, tag);
-  return postTransfer(op, c10d::OpType::RECV, tensor, srcRank, tag);
+  return abandonsBatch([&] {
+    at::Tensor tensor = single(op, "tensor", tensors);
+    checkRank(op, "src", srcRank, size_);
+    checkTag(op, tag);
+    return postTransfer(op, c10d::OpType::RECV, tensor, srcRank, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
@@ -59,7 +63,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
 }
 
 void ProcessGroupChainerMN::startCoalescing() {
-  TORCH_CHECK_VALUE(!batch_, "chainermn: startCoalescing: the previous batch was not ended (endCoalescing)");
+  if (batch_ && batch_->work) {
+    // A batch torch never ended: an error in Python (a bad peer in batch_isend_irecv's list) left
+    // its coalescing manager before endCoalescing. Its transfers never started.
+    batch_->work->fail(backendError(
+        "chainermn batch_isend_irecv: not run, the batch was abandoned (an error before its end)"));
+  }
   batch_.emplace();
 }
 

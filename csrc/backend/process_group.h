@@ -200,6 +200,17 @@ class ProcessGroupChainerMN : public c10d::Backend {
 
   // A send or receive: posted, or added to the batch being coalesced.
   c10::intrusive_ptr<c10d::Work> postTransfer(const char* op, c10d::OpType type, const at::Tensor& tensor, int peer, int tag);
+  // A transfer refused while a batch is being coalesced drops the batch: torch's coalescing manager
+  // then never calls endCoalescing, and later transfers must not be gathered into a batch no one ends.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> abandonsBatch(Call&& call) {
+    try {
+      return call();
+    } catch (...) {
+      batch_.reset();
+      throw;
+    }
+  }
 
   c10::intrusive_ptr<WorkChainerMN> makeWork(OpSpec& spec, at::Device device);
 
