@@ -15,10 +15,7 @@ constexpr auto kWatchdogGrace = std::chrono::seconds(2);
 // woken from a condition variable costs about as much again. Polling yields the core, since the
 // worker that runs the op may share it (mpiexec binds a rank's threads to one core).
 constexpr auto kPollBeforeSleeping = std::chrono::microseconds(50);
-} // namespace
-
-namespace {
-thread_local Progressor* tlsProgressor = nullptr;
+thread_local Progressor* tlsProgressor = nullptr;  // set on a group's worker thread
 } // namespace
 
 void setThreadProgressor(Progressor* progressor) {

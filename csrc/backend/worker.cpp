@@ -36,7 +36,7 @@ void failAll(std::deque<QueuedOp>& ops, const std::string& why) {
   }
 }
 
-bool Worker::State::run(QueuedOp& op) {
+void Worker::State::run(QueuedOp& op) {
   std::string notRun;
   // An op posted by a completion callback runs inside the op whose completion ran the callback:
   // that op stays `current` again once the nested one is over.
@@ -52,7 +52,7 @@ bool Worker::State::run(QueuedOp& op) {
   }
   if (!notRun.empty()) {
     op.work->fail(backendError("chainermn " + op.work->description() + ": not run, " + notRun));
-    return false;
+    return;
   }
   wakeWatchdog.notify_one();
   RequestPtr request;
@@ -102,7 +102,6 @@ bool Worker::State::run(QueuedOp& op) {
   if (watchFromNow) {
     wakeWatchdog.notify_one();
   }
-  return transfer;
 }
 
 // Returns true when some request made progress.

@@ -74,8 +74,8 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   // <what>"). Lock held on entry and exit.
   void failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message, const std::string& what);
   std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
-  // Runs an op's body; true when it left a transfer in flight.
-  bool run(QueuedOp& op);
+  // Runs an op's body: completes its Work, or leaves its transfer in flight or its device work watched.
+  void run(QueuedOp& op);
   bool progress() override;  // a wait() inside a callback on the worker thread
   // Watchdog: completes the device ops whose end was reached; fails the group on a device error.
   bool watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
