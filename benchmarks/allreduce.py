@@ -396,13 +396,19 @@ def measure_memcpy(torch, src, nbytes: int, args, finish) -> tuple[float, int]:
 
 
 def use_local_gpu(torch) -> None:
-    """Each rank takes GPU local_rank mod the GPUs there are. When ranks must share a GPU, NCCL (ours
-    and torch's alike) refuses them as duplicates on one host unless each has its own NCCL_HOSTID
-    (see DESIGN.md); then loopback sockets carry the traffic."""
+    """Each rank takes GPU local_rank mod the GPUs there are (see share_gpu)."""
     if not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA GPU")
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+    share_gpu(torch, local_rank, local_size)
+
+
+def share_gpu(torch, local_rank: int, local_size: int) -> None:
+    """Rank local_rank of local_size takes GPU local_rank mod the GPUs there are. When ranks must share
+    a GPU, NCCL (ours and torch's alike) refuses them as duplicates on one host unless each has its
+    own NCCL_HOSTID (see DESIGN.md); then loopback sockets carry the traffic. Must run before the first
+    NCCL communicator is created."""
     gpus = torch.cuda.device_count()
     torch.cuda.set_device(local_rank % gpus)
     if local_size > gpus:

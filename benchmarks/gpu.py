@@ -426,15 +426,10 @@ def open_groups(device: torch.device, store, rank: int, world: int) -> Groups:
 
 
 def use_gpu_of_rank(rank: int, world: int) -> None:
-    """Rank r takes GPU r mod the GPUs there are. Ranks sharing a GPU need a distinct NCCL_HOSTID each,
-    or NCCL (chainermn's and torch's alike) refuses them as duplicates; they then talk over loopback
-    sockets. Must run before the first NCCL communicator is created."""
-    gpus = torch.cuda.device_count()
-    torch.cuda.set_device(rank % gpus)
-    if world > gpus:
-        os.environ.setdefault("NCCL_HOSTID", f"chainermn-gpu-benchmark-{rank}")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    """Rank r takes GPU r mod the GPUs there are, as allreduce.py's ranks do (share_gpu)."""
+    from allreduce import share_gpu  # benchmarks/ is this script's directory, first on sys.path
+
+    share_gpu(torch, rank, world)
 
 
 # ------------------------------------------------------------------------------- section 1: packing
