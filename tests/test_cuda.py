@@ -326,17 +326,20 @@ def test_single_rank_nccl_group():
 # ---- a CUDA op that never ends: the watchdog aborts NCCL and names the op ---------------------------
 
 def hung_cuda_collective():
-    """Rank 0 all_reduces CUDA tensors on a group with a 10 s timeout; rank 1 never joins. With the
-    cross-rank checks off, nothing on the host notices: the kernel waits for a peer that never comes,
-    and only the watchdog (device end marks, ncclCommAbort) can end it."""
+    """Both ranks all_reduce CUDA tensors once on a group with a 10 s timeout (so its NCCL
+    communicators exist on both), then rank 0 issues a second all_reduce that rank 1 never joins.
+    Over NCCL the kernel is queued at once and waits for a peer that never comes: only the watchdog
+    (its device end mark, the cross-rank check beside it, ncclCommAbort) can end it."""
     import datetime
     import time
 
     rank = dist.get_rank()
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
-    outcome = {}
+    tensor = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(tensor, group=group)
+    torch.cuda.synchronize()
+    outcome = {"joined": tensor[0].item()}
     if rank == 0:
-        tensor = torch.ones(1 << 20, device="cuda")
         start = time.monotonic()
         work = dist.all_reduce(tensor, group=group, async_op=True)
         try:
@@ -363,8 +366,89 @@ def hung_cuda_collective():
 def test_a_hung_cuda_collective_is_aborted_and_named(config):
     outcome = run_cuda(hung_cuda_collective, 2, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=120,
                        op_timeout=60)[0]
+    assert outcome["joined"] == 2.0
     assert outcome["completed"] is True
     assert outcome["seconds"] < 10 + 10, outcome  # the group timeout, and the watchdog's margin
-    assert "all_reduce (seq 1, rank 0 of 2" in outcome["first"] and "timed out" in outcome["first"], outcome
+    assert "all_reduce (seq 2, rank 0 of 2" in outcome["first"] and "timed out" in outcome["first"], outcome
     assert "unusable" in outcome["second"], outcome
     assert outcome["default_group_after"] == 2.0
+
+
+# ---- what a first GPU run would have hit (issue 21) ---------------------------------------------------
+
+def nccl_readiness_cases():
+    """Each case of issue 21 that a GPU can show, on a group of every rank; {case: None or traceback}."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+
+    def case(name, fn):
+        try:
+            fn()
+            outcome[name] = None
+        except Exception:  # noqa: BLE001
+            outcome[name] = traceback.format_exc()
+
+    def moves_dtypes_nccl_lacks():
+        # Data movement of any dtype goes as bytes; none of these may break the group.
+        for dtype in (torch.int16, torch.uint16, torch.uint32, torch.complex64, torch.float8_e4m3fn):
+            source = torch.arange(6, dtype=torch.int32).to(dtype) if not dtype.is_complex else \
+                torch.arange(6, dtype=torch.float32).to(dtype)
+            tensor = source.cuda() if rank == 0 else torch.zeros_like(source).cuda()
+            dist.broadcast(tensor, src=0)
+            assert torch.equal(tensor.cpu().view(torch.uint8), source.view(torch.uint8)), dtype
+            gathered = torch.zeros(size * 6, dtype=dtype, device="cuda")
+            dist.all_gather_into_tensor(gathered, source.cuda())
+            assert torch.equal(gathered.cpu().view(torch.uint8), source.view(torch.uint8).repeat(size)), dtype
+        with pytest.raises(ValueError, match="cannot reduce"):
+            dist.all_reduce(torch.ones(3, dtype=torch.int16, device="cuda"))
+        dist.all_reduce(torch.ones(3, device="cuda"))  # still usable
+
+    def refuses_any_source_on_the_caller():
+        if torch_chainermn.get_options().cuda_transport != "nccl":
+            return
+        with pytest.raises(ValueError, match="any source"):
+            dist.recv(torch.zeros(3, device="cuda"))  # no src: any source
+
+    def premul_sum_with_a_device_factor():
+        tensor = torch.full((5,), float(rank + 1), device="cuda")
+        factor = torch.tensor(0.5, dtype=torch.float64, device="cuda")
+        dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(factor))
+        expected = 0.5 * sum(range(1, size + 1))
+        assert torch.allclose(tensor.cpu(), torch.full((5,), expected)), tensor
+
+    def barrier_orders_the_device():
+        dist.barrier()
+        dist.barrier(async_op=True).wait()
+
+    def an_empty_coalescing_window_returns_its_last_op():
+        from torch.distributed.distributed_c10d import _coalescing_manager
+
+        tensors = [torch.full((4,), float(rank), device="cuda") for _ in range(2)]
+        with _coalescing_manager(device=torch.device("cuda"), async_ops=True) as manager:
+            for tensor in tensors:
+                dist.all_reduce(tensor)
+        manager.wait()
+        expected = float(sum(range(size)))
+        assert all(torch.equal(t.cpu(), torch.full((4,), expected)) for t in tensors)
+
+    def destroy_flushes_queued_work():
+        group = dist.new_group(list(range(size)))
+        tensor = torch.ones(1 << 20, device="cuda")
+        for _ in range(20):
+            dist.all_reduce(tensor, group=group, async_op=True)
+        dist.destroy_process_group(group)  # finalizes NCCL after the work: nothing aborted
+        assert tensor[0].item() == float(size) ** 20
+
+    case("moves dtypes NCCL lacks", moves_dtypes_nccl_lacks)
+    case("refuses any source on the caller", refuses_any_source_on_the_caller)
+    case("premul_sum with a device factor", premul_sum_with_a_device_factor)
+    case("barrier orders the device", barrier_orders_the_device)
+    case("an empty coalescing window returns its last op", an_empty_coalescing_window_returns_its_last_op)
+    case("destroy flushes queued work", destroy_flushes_queued_work)
+    torch.cuda.synchronize()
+    return outcome
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_what_a_first_gpu_run_would_hit(config):
+    check_outcomes(run_cuda(nccl_readiness_cases, 2, config, timeout=300, op_timeout=120))

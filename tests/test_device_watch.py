@@ -66,3 +66,50 @@ def test_an_op_the_device_never_finishes_times_out_and_aborts():
     assert queue.aborts >= 1
     with pytest.raises(dist.DistBackendError, match=r"all_reduce \(seq 1, rank 0 of 1, nccl, timeout 500 ms\) timed out"):
         work.wait()
+
+
+# ---- launched on the caller's thread (over NCCL), its cross-rank check beside the kernels -------------
+
+def test_a_launched_op_completes_only_once_the_device_and_its_check_are_through():
+    queue = testing.DeviceQueue()
+    work = queue.launch(checked=True)
+    assert work.wait()  # queued at once: the launch did not wait for the check
+    queue.finish(1)
+    time.sleep(0.3)  # the watchdog has polled the device (every 100 ms) and seen the end
+    assert not work.is_completed()
+    queue.check(0)
+    assert eventually(work.is_completed)
+    assert work.is_success() and queue.aborts == 0
+
+
+def test_a_check_that_passes_first_still_waits_for_the_device():
+    queue = testing.DeviceQueue()
+    work = queue.launch(checked=True)
+    queue.check(0)
+    time.sleep(0.3)
+    assert not work.is_completed()
+    queue.finish(1)
+    assert eventually(work.is_completed) and work.is_success()
+
+
+def test_a_failed_check_fails_the_queued_op_aborts_the_device_and_breaks_the_group():
+    queue = testing.DeviceQueue()
+    mismatched, behind = queue.launch(checked=True), queue.launch(checked=True)
+    queue.check(0, "the ranks disagree on all_reduce: count 4 on rank 0, 8 on rank 1")
+    assert eventually(mismatched.is_completed)
+    with pytest.raises(ValueError, match="count 4 on rank 0, 8 on rank 1"):
+        mismatched.wait()
+    assert queue.aborts >= 1  # the mismatched kernels would wait forever, or reduce the wrong data
+    assert eventually(behind.is_completed)
+    with pytest.raises(dist.DistBackendError, match="failed its cross-rank check"):
+        behind.wait()
+    with pytest.raises(dist.DistBackendError, match="the group is unusable"):
+        queue.launch(checked=False).wait()
+
+
+def test_drain_waits_for_the_device():
+    queue = testing.DeviceQueue()
+    work = queue.launch(checked=False)
+    queue.finish(1)
+    queue.drain()
+    assert work.is_completed() and work.is_success()

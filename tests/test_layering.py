@@ -3,7 +3,8 @@
 Layers, top to bottom (a file may include its own folder and any folder below it):
     python/                       the bindings
     backend/, testing/            the c10d surface; the in-process harness (never includes backend/)
-    strategies/, cuda/            allreduce algorithms; CUDA-only implementations of comm/ and kernels/
+    strategies/, cuda/            allreduce algorithms; everything CUDA: the device unit (cuda/device.h),
+                                  the CUDA transports and kernels
     comm/                         transports
     kernels/                      packing, casting, reduction, staging buffers
     types.h, topology.h           the vocabulary every layer shares
@@ -15,6 +16,9 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 LEVEL = {"": 0, "kernels": 1, "comm": 2, "strategies": 3, "cuda": 3, "backend": 4, "testing": 4, "python": 5}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 LINE_LIMIT = 420  # "no file in csrc/ over ~400 lines"
+# A preprocessor test of the CUDA build: only in csrc/cuda/ and the backend's one door to it.
+CUDA_CONDITION = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif)\b.*CHAINERMN_WITH_CUDA", re.MULTILINE)
+CUDA_DOOR = {"backend/device_context.cpp"}
 
 
 def folder_of(path: str) -> str:
@@ -45,3 +49,9 @@ def test_no_source_file_is_long():
     long = [f"{p.relative_to(CSRC)}: {n} lines" for p in sources()
             if (n := len(p.read_text().splitlines())) > LINE_LIMIT]
     assert long == []
+
+
+def test_cuda_is_tested_for_only_in_its_home():
+    outside = [str(p.relative_to(CSRC)) for p in sources()
+               if folder_of(str(p.relative_to(CSRC))) != "cuda" and CUDA_CONDITION.search(p.read_text())]
+    assert sorted(outside) == sorted(CUDA_DOOR)

@@ -1,332 +1,268 @@
 #!/usr/bin/env bash
-# Everything to check on a GPU machine, in one command, with one report:
+# The GPU check in steps that each fit in one command of the device machine (docs/cuda-status.md).
 #
-#   tools/gpu_check.sh                      # from anywhere; runs in the repository root
-#   OUT=$OUT SKIP_CPU_TESTS=1 tools/gpu_check.sh
+#   tools/gpu_check.sh list           the steps in order, their time limits, their results so far
+#   tools/gpu_check.sh all            every step not passed yet, in order, while they fit in BUDGET_S
+#   tools/gpu_check.sh STEP [STEP..]  the named steps, even if they passed before
 #
-# 1. the machine (nvidia-smi) and the versions (Python, torch and its CUDA and NCCL, nvcc);
-# 2. builds the extension in place: $PYTHON setup.py build_ext --inplace -j $JOBS (timed);
-# 3. what was built: torch_chainermn._C.cuda_built, its NCCL version, and which libnccl it links;
-# 4. the CUDA tests: $PYTHON -m pytest -m cuda -v (they skip without a GPU);
-# 5. a few quick CPU tests (tests/test_threads.py tests/test_torch_hooks.py tests/test_mean.py);
-# 6. the GPU benchmark, when benchmarks/gpu.py exists and there is a GPU: benchmarks/gpu.py --out DIR.
+# On the GPU machine (one H100, 16 cores, Python 3.12, torch 2.11+cu130, nvcc, no internet), through
+# the device tool's `run` with timeout_s 600 and carry [".gpu-check"], each call:
+#   1. run `tools/gpu_check.sh all`: the build, then the steps that fit in 540 s;
+#   2. here, keep the state that came back (FILES_AT: the reply's files_at):
+#        mkdir -p .gpu-check && for a in FILES_AT/*.tar.gz; do tar -xzf "$a" -C .gpu-check; done
+#   3. again at once (a machine stays warm 30 s and keeps its build) until FILES_AT/summary.md has a
+#      result for every step. A fresh machine rebuilds and skips what the carried state says passed.
 #
-# Writes $OUT/gpu-report.md (the machine, versions, date, build time, each pytest's summary line and
-# failures, the benchmark's table) with every step's log next to it. The report is rewritten after
-# every step, so a run cut short (a time limit) still leaves what it got that far. A failing step is
-# recorded and the next one runs anyway; the exit status is 1 when any step failed.
+# A step runs under `timeout -s INT` (pytest still prints its summary), keeps its logs and state in
+# $STATE/STEP/ and packs them into ONE archive, $OUT/STEP.tar.gz; then $OUT/summary.md is rewritten
+# (machine, versions, a table of the steps, FAILED/ERROR lines). Only 8 files come back from $OUT, so
+# a call writes at most 7 archives. The build counts as passed only while torch_chainermn/_C*.so is
+# there and current. Without a GPU the CUDA tests skip: "skipped: no GPU", not passed (a GPU run redoes
+# them); with one, a pytest step in which no test passed fails (torch does not see the GPU).
+# Exit status: 0 when every step run in this call passed, 1 otherwise, 2 for bad usage.
 #
-# Environment:
-#   PYTHON          the interpreter (default python3): a CUDA torch, pytest, setuptools, ninja
-#   OUT             where the report and logs go (default reports/)
-#   JOBS            parallel compiles for the build (default 16)
-#   SKIP_BUILD=1    use the extension already built in place
-#   SKIP_CPU_TESTS=1, SKIP_BENCH=1   leave those steps out
-#   TEST_TIMEOUT    seconds for each pytest run (default 1500); then pytest is interrupted (SIGINT)
-#                   and still prints its summary
-#   BENCH_TIMEOUT   seconds for the benchmark (default 900)
-#   PYTEST_ARGS     more arguments for the CUDA pytest run, as shell words: -x, or -k "hooks or parallel"
-#
-# No internet is needed: the build runs setup.py directly, as the GPU machines' instructions say.
-# `pip install --no-build-isolation -e .` works offline too (pyproject.toml declares the build, and
-# without isolation pip fetches nothing); CI installs that way.
-set -uo pipefail  # no -e: every step runs, and its failure is recorded
+# Environment: PYTHON (default python3), OUT (default reports/), STATE (default .gpu-check/),
+# BUDGET_S (seconds for one call, default 540: a step starts only if its limit fits), JOBS (build,
+# default 16), FORCE=1 (`all` reruns passed steps), SKIP_FAILED=1 (`all` passes over steps that failed
+# or timed out, the build excepted: every step runs once before any is retried), PYTEST_ARGS and
+# BENCH_ARGS (more arguments as shell words: -x, -k "hooks or parallel"; --sections pack,ddp).
+set -uo pipefail  # no -e: a failing step is recorded, and the summary still written
 
+# One line per step: name, time limit in seconds (at most 540), how it runs. 1500 s (25 min) in all.
+STEPS=(
+  "build                     150  build"
+  "test_cuda                 300  pytest -m cuda tests/test_cuda.py"
+  "test_cuda_collectives     300  pytest -m cuda tests/test_cuda_collectives.py"
+  "test_cuda_torch_hooks     180  pytest -m cuda tests/test_cuda_torch_hooks.py"
+  "test_cuda_torch_parallel  240  pytest -m cuda tests/test_cuda_torch_parallel.py"
+  "test_functions_cuda        60  pytest -m cuda tests/test_functions.py"
+  "test_device_watch          30  pytest tests/test_device_watch.py"
+  "bench                     240  bench"
+)
+MAX_ARCHIVES=7
+
+absolute() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
-cd "$repo" || exit 2
 PYTHON=${PYTHON:-python3}
-OUT=${OUT:-reports}
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-REPORT="$OUT/gpu-report.md"
-STARTED=$(date -u '+%Y-%m-%d %H:%M:%S UTC')
+OUT=$(absolute "${OUT:-$repo/reports}")
+STATE=$(absolute "${STATE:-$repo/.gpu-check}")
+BUDGET_S=${BUDGET_S:-540}
+cd "$repo" || exit 2
+export PYTHONUNBUFFERED=1
+ARCHIVES=0  # archives written in this call
+# The first GPU as "name, driver, memory"; empty when nvidia-smi is missing or finds none.
+GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1) || GPU=""
 
-# One row per step: name, result ("ok", "FAILED (exit N)", "skipped: why"), seconds, log file.
-STEP_NAMES=()
-STEP_RESULTS=()
-STEP_SECONDS=()
-STEP_LOGS=()
-ANY_FAILED=0
+# ---- the step table and the state ------------------------------------------------------------------
 
-record() {  # name result seconds log
-  STEP_NAMES+=("$1")
-  STEP_RESULTS+=("$2")
-  STEP_SECONDS+=("$3")
-  STEP_LOGS+=("$4")
-  case "$2" in FAILED*) ANY_FAILED=1 ;; esac
-  write_report
+step_names() { local line; for line in "${STEPS[@]}"; do echo "${line%% *}"; done; }
+step_spec() {  # name: prints "limit how args..."; fails for an unknown name
+  local line name rest
+  for line in "${STEPS[@]}"; do
+    read -r name rest <<<"$line"
+    if [ "$name" = "$1" ]; then echo "$rest"; return 0; fi
+  done
+  return 1
 }
-
-# run_step NAME LOG COMMAND...: runs the command with its output in $OUT/LOG, times it, records it.
-run_step() {
-  local name=$1 log=$2
-  shift 2
-  echo "== $name: $* (log: $OUT/$log)"
-  local start=$SECONDS
-  "$@" >"$OUT/$log" 2>&1
-  local status=$?
-  local elapsed=$((SECONDS - start))
-  if [ "$status" -eq 0 ]; then
-    record "$name" "ok" "$elapsed" "$log"
-  else
-    record "$name" "FAILED (exit $status)" "$elapsed" "$log"
+state_get() { sed -n "s/^$2=//p" "$STATE/$1/state" 2>/dev/null | head -1; }  # step key
+commit_id() { git describe --always --dirty 2>/dev/null || echo "no git"; }
+sources_hash() {  # what the build compiles: a copy of the tree may not keep the files' times
+  find csrc setup.py tools/build_sources.py -type f -print0 2>/dev/null | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-12
+}
+module() { find torch_chainermn -maxdepth 1 -name '_C*.so' | head -1; }
+build_current() {  # the extension is there, newer than csrc/ or built from these very sources
+  local so
+  so=$(module)
+  [ -n "$so" ] || return 1
+  [ -z "$(find csrc -type f -newer "$so" -print -quit)" ] || [ "$(state_get build sources)" = "$(sources_hash)" ]
+}
+step_passed() { [ "$(state_get "$1" result)" = passed ] && { [ "$1" != build ] || build_current; }; }
+step_status() {  # the result shown for a step
+  local result
+  result=$(state_get "$1" result)
+  if [ -z "$result" ]; then echo "not run"
+  elif [ "$1" = build ] && [ "$result" = passed ] && ! build_current; then echo "passed, now stale (no .so, or csrc/ changed)"
+  else echo "$result"
   fi
-  echo "   -> ${STEP_RESULTS[-1]} in ${elapsed}s"
-  return "$status"
 }
 
-skip_step() {  # name why
-  echo "== $1: skipped ($2)"
-  record "$1" "skipped: $2" "" ""
+# ---- the three kinds of step: each sets RESULT (and PYTEST, the pytest summary line) ----------------
+
+classify() {  # exit status, limit: RESULT for a status that is not a success (124, 137: timeout's)
+  case $1 in 124|137) RESULT="timed out (${2} s)" ;; *) RESULT="failed (exit $1)" ;; esac
 }
 
-# ---- what the report shows -------------------------------------------------------------------------
-
-# The last summary line of a pytest log ("=== 3 passed, 1 skipped in 12.3s ===", or without the ='s
-# under -q), without the ='s.
-pytest_summary() {
-  grep -E '(passed|failed|skipped|error|errors|deselected|xfailed|xpassed|no tests ran).* in [0-9.]+s' "$1" 2>/dev/null |
-    tail -1 | sed -E 's/^=+ //; s/ =+$//'
+print_versions() {  # "name: value" lines; fails when the extension does not import, or lacks CUDA on a GPU
+  local nvcc nccl
+  nvcc=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([^,]*\),.*/\1/p')
+  nccl=$(ldd "$(module)" 2>/dev/null | grep -i nccl | sed 's/^[[:space:]]*//')
+  echo "nvcc: ${nvcc:-not on PATH}"
+  echo "libnccl linked: ${nccl:-none}"
+  GPU="$GPU" "$PYTHON" - <<'PY'
+import os, sys
+import torch
+print(f"python: {sys.version.split()[0]}")
+try:
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else "none"
+except Exception as error:  # noqa: BLE001  say why
+    nccl = f"unknown ({error})"
+print(f"torch: {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, sees a GPU: {torch.cuda.is_available()}")
+import torch_chainermn._C as c
+print(f"built: cuda_built {c.cuda_built}, nccl_version {c.nccl_version() or 'none'}, cuda_transports {list(c.cuda_transports)}")
+if os.environ["GPU"] and not c.cuda_built:
+    sys.exit("gpu_check: a GPU is present but the extension was built without CUDA")
+PY
 }
 
-# pytest's short summary: FAILED/ERROR lines (-rfE), at most 60.
-pytest_failures() {
-  grep -E '^(FAILED|ERROR) ' "$1" 2>/dev/null | head -60
+run_build() {  # dir limit
+  timeout -s INT -k 20 "$2" "$PYTHON" setup.py build_ext --inplace -j "${JOBS:-16}" >"$1/build.log" 2>&1
+  local status=$?
+  print_versions >"$1/versions.txt" 2>&1
+  local versions=$?
+  sed 's/^/   /' "$1/versions.txt"
+  if [ "$status" -ne 0 ]; then classify "$status" "$2"
+  elif [ "$versions" -ne 0 ]; then RESULT="failed: see versions.txt"
+  else RESULT=passed
+  fi
 }
 
-pytest_section() {  # title log
-  local title=$1 log=$2
-  echo "## $title"
-  echo
-  if [ ! -s "$OUT/$log" ]; then
-    echo "Not run (see Steps)."
-    echo
+run_pytest() {  # dir limit name pytest-arguments...
+  local dir=$1 limit=$2 name=$3 extra=()
+  shift 3
+  eval "extra=(${PYTEST_ARGS:-})"  # shell words, so that -k "a and b" stays one argument
+  timeout -s INT -k 20 "$limit" "$PYTHON" -m pytest -v -rfE -p no:cacheprovider "$@" "${extra[@]}" \
+    >"$dir/$name.log" 2>&1
+  local status=$?
+  PYTEST=$(grep -E '(passed|failed|skipped|error|errors|deselected|no tests ran).* in [0-9.]+s' "$dir/$name.log" |
+    tail -1 | sed -E 's/^=+ //; s/ =+$//')
+  if [ "$status" -ne 0 ]; then classify "$status" "$limit"
+  elif [[ $PYTEST =~ [0-9]+\ passed ]]; then RESULT=passed
+  elif [ -n "$GPU" ]; then RESULT="failed (a GPU, but no test passed: does torch see it?)"
+  else RESULT="skipped: no GPU"
+  fi
+}
+
+run_bench() {  # dir limit
+  if [ -z "$GPU" ]; then
+    echo "no GPU (nvidia-smi finds none): benchmarks/gpu.py measures CUDA, not run" | tee "$1/bench.log"
+    RESULT="skipped: no GPU"
     return
   fi
-  local summary
-  summary=$(pytest_summary "$OUT/$log")
-  echo "Summary: \`${summary:-no summary line: see $log}\`"
-  echo
-  if grep -q "KeyboardInterrupt" "$OUT/$log"; then
-    echo "**Interrupted** after TEST_TIMEOUT=${TEST_TIMEOUT:-1500}s: the summary covers the tests run until then."
-    echo
-  fi
-  local failures
-  failures=$(pytest_failures "$OUT/$log")
-  if [ -n "$failures" ]; then
-    echo "Failures (details in \`$log\`):"
-    echo
-    echo '```'
-    echo "$failures"
-    echo '```'
-  elif [[ "$(result_of_log "$log")" == FAILED* ]]; then
-    echo "The run failed without a test failing; the end of \`$log\`:"
-    echo
-    echo '```'
-    tail -15 "$OUT/$log"
-    echo '```'
-  else
-    echo "No failures."
-  fi
-  echo
+  local extra=()
+  eval "extra=(${BENCH_ARGS:-})"
+  mkdir -p "$1/results"
+  timeout -s INT -k 20 "$2" "$PYTHON" benchmarks/gpu.py --out "$1/results" "${extra[@]}" >"$1/bench.log" 2>&1
+  local status=$?
+  if [ "$status" -eq 0 ]; then RESULT=passed; else classify "$status" "$2"; fi
 }
 
-result_of_log() {  # log: the result of the step that wrote it
-  local i
-  for i in "${!STEP_LOGS[@]}"; do
-    if [ "${STEP_LOGS[$i]}" = "$1" ]; then
-      echo "${STEP_RESULTS[$i]}"
+# ---- one step, the summary -------------------------------------------------------------------------
+
+run_step() {  # name: runs it, records its state, packs its archive, rewrites the summary
+  local name=$1 spec dir=$STATE/$1 start=$SECONDS seconds
+  read -r -a spec <<<"$(step_spec "$name")"
+  rm -rf "$dir" && mkdir -p "$dir" || return 1
+  echo "== $name (limit ${spec[0]} s): ${spec[*]:1}"
+  RESULT="failed" PYTEST=""
+  case ${spec[1]} in
+    build) run_build "$dir" "${spec[0]}" ;;
+    pytest) run_pytest "$dir" "${spec[0]}" "$name" "${spec[@]:2}" ;;
+    bench) run_bench "$dir" "${spec[0]}" ;;
+  esac
+  seconds=$((SECONDS - start))
+  printf 'result=%s\nseconds=%s\ndate=%s\ncommit=%s\nsources=%s\npytest=%s\n' "$RESULT" "$seconds" \
+    "$(date -u '+%Y-%m-%d %H:%M UTC')" "$(commit_id)" "$(sources_hash)" "$PYTEST" >"$dir/state"
+  tar -czf "$OUT/$name.tar.gz" -C "$STATE" "$name" && ARCHIVES=$((ARCHIVES + 1))
+  write_summary
+  echo "   -> $RESULT in ${seconds} s${PYTEST:+: $PYTEST}"
+  [ "$RESULT" = passed ]
+}
+
+failure_lines() {  # FAILED/ERROR lines of the failed steps (else the end of their log), at most 40
+  local name log
+  for name in $(step_names); do
+    case $(state_get "$name" result) in failed*|"timed out"*) ;; *) continue ;; esac
+    log=$STATE/$name/$name.log
+    [ "$name" = build ] && log=$STATE/build/build.log
+    [[ $(state_get "$name" result) == *versions.txt ]] && log=$STATE/build/versions.txt
+    if grep -qE '^(FAILED|ERROR) ' "$log" 2>/dev/null; then
+      grep -E '^(FAILED|ERROR) ' "$log"
+    else
+      echo "$name, the end of $(basename "$log"):"
+      tail -5 "$log" 2>/dev/null
+    fi
+  done | head -40
+}
+
+when() { [ -f "$STATE/$1/state" ] && echo "$(state_get "$1" date), $(state_get "$1" commit)"; }
+
+write_summary() {
+  local name failures
+  {
+    echo "# GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(commit_id)"
+    echo
+    echo "- machine: ${GPU:-no GPU (nvidia-smi finds none)}; $(nproc) cores"
+    grep -E '^(python|torch|nvcc|built|libnccl linked): ' "$STATE/build/versions.txt" 2>/dev/null | sed 's/^/- /'
+    echo
+    echo "| step | result | seconds | pytest | when |"
+    echo "|---|---|---|---|---|"
+    for name in $(step_names); do
+      echo "| $name | $(step_status "$name") | $(state_get "$name" seconds) | $(state_get "$name" pytest) | $(when "$name") |"
+    done
+    failures=$(failure_lines)
+    # shellcheck disable=SC2016  # markdown's backquotes
+    [ -z "$failures" ] || printf '\nFailures (logs in the archives):\n\n```\n%s\n```\n' "$failures"
+  } >"$OUT/summary.md"
+}
+
+list_steps() {
+  local line name limit total=0
+  printf '%-26s %6s  %s\n' step limit "result so far (state: $STATE)"
+  for line in "${STEPS[@]}"; do
+    read -r name limit _ <<<"$line"
+    printf '%-26s %5ss  %s\n' "$name" "$limit" "$(step_status "$name")"
+    total=$((total + limit))
+  done
+  echo "limits in all: ${total} s ($((total / 60)) min); one call runs steps while they fit in BUDGET_S=${BUDGET_S} s"
+}
+
+skip_in_all() {  # name: whether `all` passes over it
+  [ "${FORCE:-0}" = 1 ] && return 1
+  step_passed "$1" && { echo "== $1: passed before ($(state_get "$1" date)), skipped"; return 0; }
+  [ "${SKIP_FAILED:-0}" = 1 ] && [ "$1" != build ] || return 1
+  case $(state_get "$1" result) in
+    failed*|"timed out"*) echo "== $1: $(state_get "$1" result) before, skipped (SKIP_FAILED=1)" ;;
+    *) return 1 ;;
+  esac
+}
+
+main() {
+  local mode=all name limit failed=0 todo=()
+  case ${1:-} in
+    list) list_steps; return 0 ;;
+    all) mapfile -t todo < <(step_names) ;;
+    ""|-h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; return 2 ;;
+    *) mode=named todo=("$@")
+       for name in "$@"; do step_spec "$name" >/dev/null || { echo "unknown step: $name (see: $0 list)"; return 2; }; done ;;
+  esac
+  mkdir -p "$OUT" "$STATE" || return 2
+  for name in "${todo[@]}"; do
+    if [ "$mode" = all ] && skip_in_all "$name"; then continue; fi
+    limit=$(step_spec "$name" | awk '{print $1}')
+    if [ $((SECONDS + limit)) -gt "$BUDGET_S" ] || [ "$ARCHIVES" -ge "$MAX_ARCHIVES" ]; then
+      echo "== stopped before $name (limit $limit s; $((BUDGET_S - SECONDS)) s left of BUDGET_S=$BUDGET_S," \
+        "$ARCHIVES archives written): run the same command again"
+      break
+    fi
+    if ! run_step "$name"; then
+      failed=1
+      if [ "$mode" = all ] && [ "$name" = build ]; then echo "== the build failed: nothing else can run"; break; fi
     fi
   done
+  write_summary
+  echo "== summary: $OUT/summary.md"
+  cat "$OUT/summary.md"
+  return "$failed"
 }
 
-benchmark_section() {
-  echo "## Benchmark (benchmarks/gpu.py)"
-  echo
-  if [ ! -f benchmarks/gpu.py ]; then
-    echo "benchmarks/gpu.py is not in this checkout: not run."
-    echo
-    return
-  fi
-  if [ ! -s "$OUT/bench.log" ]; then
-    echo "Not run (see Steps)."
-    echo
-    return
-  fi
-  # The benchmark's own markdown tables when it wrote any, else the end of its output.
-  local tables
-  tables=$(find "$OUT/bench" -maxdepth 2 -name '*.md' 2>/dev/null | sort)
-  if [ -n "$tables" ]; then
-    local table
-    for table in $tables; do
-      echo "From \`${table#"$OUT"/}\`:"
-      echo
-      cat "$table"
-      echo
-    done
-  else
-    echo "The end of \`bench.log\`:"
-    echo
-    echo '```'
-    tail -40 "$OUT/bench.log"
-    echo '```'
-    echo
-  fi
-}
-
-commit_line() {  # a copy of the tree may come without its .git
-  local commit
-  if commit=$(git rev-parse --short HEAD 2>/dev/null); then
-    git diff --quiet HEAD 2>/dev/null && echo "$commit" || echo "$commit (with uncommitted changes)"
-  else
-    echo "unknown (not a git checkout)"
-  fi
-}
-
-write_report() {
-  {
-    echo "# GPU check of torch-chainermn"
-    echo
-    echo "Started $STARTED; this report written $(date -u '+%Y-%m-%d %H:%M:%S UTC')."
-    echo
-    echo "| | |"
-    echo "|---|---|"
-    echo "| commit | $(commit_line) |"
-    echo "| host | $(hostname), $(nproc) cores, $(uname -r) |"
-    echo "| GPU | ${GPU_LINE:-not looked at yet} |"
-    # The "name: value" lines the versions and extension steps print (not their errors, if any).
-    cat "$OUT/versions.log" "$OUT/extension.log" 2>/dev/null |
-      grep -E "^(python|torch|torch's NCCL|nvcc|extension|libnccl linked): " |
-      sed 's/^\([^:]*\): \(.*\)$/| \1 | \2 |/' 
-    echo
-    if [ "${GPU_PRESENT:-0}" != 1 ]; then
-      echo "**No GPU on this machine** (${GPU_LINE:-nvidia-smi not run}): the \`cuda\` tests were skipped"
-      echo "and the benchmark was not run."
-      echo
-    fi
-    echo "## Steps"
-    echo
-    echo "| step | result | seconds | log |"
-    echo "|---|---|---|---|"
-    local i
-    for i in "${!STEP_NAMES[@]}"; do
-      echo "| ${STEP_NAMES[$i]} | ${STEP_RESULTS[$i]} | ${STEP_SECONDS[$i]} | ${STEP_LOGS[$i]:+\`${STEP_LOGS[$i]}\`} |"
-    done
-    echo
-    pytest_section "CUDA tests (pytest -m cuda)" pytest-cuda.log
-    pytest_section "CPU tests (test_threads, test_torch_hooks, test_mean)" pytest-cpu.log
-    benchmark_section
-  } >"$REPORT"
-}
-
-# ---- the steps -------------------------------------------------------------------------------------
-
-# 1. The machine. No GPU is not a failure: the script then checks what it can (the CUDA tests skip).
-GPU_PRESENT=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >"$OUT/machine.log" 2>&1; then
-  nvidia-smi >>"$OUT/machine.log" 2>&1
-  GPU_LINE="$(nvidia-smi -L | wc -l) x $(nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap \
-    --format=csv,noheader | head -1) (name, driver, memory, compute capability)"
-  GPU_PRESENT=1
-else
-  GPU_LINE="none: nvidia-smi is missing or finds no GPU"
-  echo "$GPU_LINE" >"$OUT/machine.log"
-fi
-record "machine" "ok" 0 machine.log
-
-# 2. Versions: what the report's table shows (one "name: value" per line).
-versions() {
-  echo "python: $("$PYTHON" -c 'import sys; print(sys.version.split()[0])')"
-  "$PYTHON" - <<'PY'
-import torch
-print(f"torch: {torch.__version__} (CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()})")
-try:
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else "none (CPU torch)"
-except Exception as error:  # noqa: BLE001  a CUDA torch without NCCL says why
-    nccl = f"unknown ({error})"
-print(f"torch's NCCL: {nccl}")
-PY
-  local status=$?
-  if command -v nvcc >/dev/null 2>&1; then
-    echo "nvcc: $(nvcc --version | sed -n 's/.*release \([^,]*\),.*/\1/p')"
-  else
-    echo "nvcc: not on PATH"
-  fi
-  return $status
-}
-run_step "versions" versions.log versions
-cat "$OUT/versions.log"
-
-# 3. Build.
-if [ "${SKIP_BUILD:-0}" = 1 ]; then
-  skip_step "build" "SKIP_BUILD=1"
-else
-  run_step "build" build.log "$PYTHON" setup.py build_ext --inplace -j "${JOBS:-16}"
-fi
-
-# 4. What was built. With a GPU and a CUDA torch, an extension without its CUDA path is a failure.
-extension() {
-  GPU_PRESENT=$GPU_PRESENT "$PYTHON" - <<'PY' || return 1
-import os
-import torch
-import torch_chainermn._C as c
-nccl = c.nccl_version() or "none"
-print(f"extension: cuda_built {c.cuda_built}, mpi_built {c.mpi_built}, NCCL {nccl}, CUDA transports {c.cuda_transports}")
-if os.environ["GPU_PRESENT"] == "1" and torch.version.cuda and not c.cuda_built:
-    raise SystemExit("a GPU and a CUDA torch, but the extension was built without CUDA")
-PY
-  local module
-  module=$(ls torch_chainermn/_C*.so 2>/dev/null | head -1)
-  if [ -z "$module" ]; then
-    echo "no torch_chainermn/_C*.so"
-    return 1
-  fi
-  local linked
-  linked=$(ldd "$module" | grep -i nccl | sed 's/^[[:space:]]*//')
-  echo "libnccl linked: ${linked:-none}"
-}
-run_step "extension" extension.log extension
-cat "$OUT/extension.log"
-
-# 5. The CUDA tests. -rfE: the short summary lists every failure and error (the report quotes it).
-# SIGINT at the time limit: pytest stops and still prints its summary. With a GPU, a run in which no
-# test passed (torch sees no GPU: everything skipped) is a failure too.
-cuda_tests() {
-  local extra=()
-  eval "extra=(${PYTEST_ARGS:-})"  # shell words, so that -k "a and b" stays one argument
-  timeout -s INT -k 60 "${TEST_TIMEOUT:-1500}" "$PYTHON" -m pytest -m cuda -v -rfE -p no:cacheprovider "${extra[@]}"
-  local status=$?
-  if [ "$status" -eq 0 ] && [ "$GPU_PRESENT" = 1 ] && ! pytest_summary "$OUT/pytest-cuda.log" | grep -q passed; then
-    echo "gpu_check: a GPU is present but no cuda test passed (do torch and the driver see it?)"
-    return 1
-  fi
-  return "$status"
-}
-run_step "CUDA tests" pytest-cuda.log cuda_tests
-
-# 6. Quick CPU tests: the thread, hook and mean paths the CUDA code shares.
-if [ "${SKIP_CPU_TESTS:-0}" = 1 ]; then
-  skip_step "CPU tests" "SKIP_CPU_TESTS=1"
-else
-  run_step "CPU tests" pytest-cpu.log timeout -s INT -k 60 "${TEST_TIMEOUT:-1500}" \
-    "$PYTHON" -m pytest -q -rfE -p no:cacheprovider tests/test_threads.py tests/test_torch_hooks.py tests/test_mean.py
-fi
-
-# 7. The GPU benchmark.
-if [ ! -f benchmarks/gpu.py ]; then
-  skip_step "benchmark" "benchmarks/gpu.py is not in this checkout"
-elif [ "${SKIP_BENCH:-0}" = 1 ]; then
-  skip_step "benchmark" "SKIP_BENCH=1"
-elif [ "$GPU_PRESENT" != 1 ]; then
-  skip_step "benchmark" "no GPU"
-else
-  mkdir -p "$OUT/bench"
-  run_step "benchmark" bench.log timeout -k 30 "${BENCH_TIMEOUT:-900}" "$PYTHON" benchmarks/gpu.py --out "$OUT/bench"
-fi
-
-echo "Report: $REPORT"
-if [ "$ANY_FAILED" = 1 ]; then
-  echo "Some steps FAILED: see the report."
-  exit 1
-fi
-exit 0
+main "$@"

@@ -31,11 +31,12 @@ std::vector<FlatBuffer> bytesOfParts(const std::vector<at::Tensor>& tensors) {
 // `source` scaled into the Packed slot when the reduction scales first, else `source` itself: the
 // caller's input is never modified.
 const void* scaledInput(Scratch& scratch, const at::Tensor& source, const Reduction& plan) {
-  if (plan.scaling.before == 1.0) {
+  if (plan.scaling.before == 1.0 && !plan.factor.defined()) {
     return source.data_ptr();
   }
   void* staged = scratch.get(Slot::Packed, bytesOf(source));
   scratch.pack({FlatBuffer{source.data_ptr(), source.numel(), plan.wireType}}, staged, plan.wireType, plan.scaling.before);
+  premultiply(plan, staged, source.numel(), source.device());
   return staged;
 }
 
@@ -260,6 +261,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter(
             // Packed with the scale in the same pass.
             void* packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
             on.scratch.pack(flatParts(inputs, plan.wireType), packed, plan.wireType, plan.scaling.before);
+            premultiply(plan, packed, output.numel() * size, output.device());
             on.transports.world->reduceScatter(packed, output.data_ptr(), output.numel(), plan.wireType, plan.kind);
             scaleResult(on.scratch, output, plan);
           }

@@ -7,6 +7,8 @@
 #include "backend/messages.h"
 #include "backend/validate.h"
 
+#include <utility>
+
 namespace chainermn {
 
 namespace {
@@ -70,6 +72,7 @@ void ProcessGroupChainerMN::startCoalescing() {
         "chainermn batch_isend_irecv: not run, the batch was abandoned (an error before its end)"));
   }
   batch_.emplace();
+  lastInWindow_.reset();
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
@@ -78,8 +81,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
   batch_.reset();
   OpSpec spec{c10d::OpType::COALESCED, "batch_isend_irecv", {}, batch.tensors, c10d::kUnsetTimeout, kPointToPoint};
   if (batch.tensors.empty()) {
+    if (auto last = std::exchange(lastInWindow_, nullptr)) {
+      return last;  // the window's collectives: waiting for the last orders the caller after them
+    }
     return post(spec, [](DeviceContext&) { return RequestPtr(); });
   }
+  lastInWindow_.reset();
   return post(
       spec,
       [batch, order = &context_->messages](DeviceContext& on) {
@@ -108,17 +115,38 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
   const char* op = "recv";
   at::Tensor tensor = single(op, "tensor", tensors);
   checkTag(op, tag);
+  TORCH_CHECK_VALUE(
+      !(tensor.is_cuda() && launchOnCaller_),
+      op,
+      ": a receive from any source is not available for CUDA tensors over NCCL, which needs the "
+      "source rank (CHAINERMN_CUDA_TRANSPORT=staged has it)");
   return post({c10d::OpType::RECVANYSOURCE, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, tag, order = &context_->messages](DeviceContext& on) {
     return recvChecked(*on.transports.world, *order, tensor, kAnySource, tag);
   });
 }
 
-// On the host transports: a barrier orders processes, not streams.
+// On the host transports, a barrier orders processes. A group that works on a GPU over NCCL does as
+// ProcessGroupNCCL: it all-reduces one int on the device, and wait() blocks the host until the
+// device has run it (and everything the group queued before it).
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::BarrierOptions& opts) {
-  return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout}, [](DeviceContext& on) {
-    on.transports.world->barrier();
+  const int device = cudaDevice_.load();
+  if (device < 0 || !launchOnCaller_) {
+    return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout}, [](DeviceContext& on) {
+      on.transports.world->barrier();
+      return RequestPtr();
+    });
+  }
+  if (!barrierToken_.defined()) {
+    barrierToken_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
+  }
+  at::Tensor token = barrierToken_;
+  OpSpec spec{c10d::OpType::BARRIER, "barrier", {}, {token}, opts.timeout, agreeOn({token})};
+  auto work = makeWork(spec, token.device());
+  work->setHostSync([on = token.device()] { synchronizeCurrentStream(on); });
+  return post(std::move(spec), [token](DeviceContext& on) {
+    on.transports.world->allreduce(token.data_ptr(), 1, at::kInt, ReduceKind::Sum);
     return RequestPtr();
-  });
+  }, work);
 }
 
 void ProcessGroupChainerMN::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {

@@ -53,23 +53,18 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   transport_ = host.inter->library();
   context_->cpu = std::make_unique<DeviceContext>(*context_->strategy, at::kCPU);
   context_->cpu->transports = host;
-  auto deviceComms = std::make_shared<WatchedTransports>();
-#ifdef CHAINERMN_WITH_CUDA
-  context_->buildCuda = [store = setup.store, topology = topology_, transport = options_.cudaTransport, host,
-                         deviceComms](c10::DeviceIndex device, void* stream) {
-    TransportSet set = buildCudaTransports(*store, topology, transport, host, device, stream);
-    deviceComms->watch(set);
-    return set;
-  };
-#endif
+  deviceComms_ = std::make_shared<WatchedTransports>();
+  context_->buildCuda = cudaTransportsBuilder(setup, options_.cudaTransport, host, deviceComms_);
+  launchOnCaller_ = cudaTransportsAllNccl(options_.cudaTransport, topology_);
   std::shared_ptr<Monitor> health;
   if (size_ > 1) {
     health = std::make_shared<GroupHealth>(setup.store, rank_, size_);
   }
-  worker_ = std::make_unique<Worker>(setup.name, std::move(health), std::move(deviceComms));
+  worker_ = std::make_unique<Worker>(setup.name, std::move(health), deviceComms_);
 }
 
 ProcessGroupChainerMN::~ProcessGroupChainerMN() {
+  shutdown();
   worker_.reset();
 }
 
@@ -81,8 +76,16 @@ void ProcessGroupChainerMN::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_.store(timeout.count());
 }
 
+// Waits for what was issued, the GPU's work included (bounded by the ops' deadlines), then ends the
+// device transports: a healthy group's NCCL communicators are finalized and destroyed, so that work
+// still queued is flushed, not dropped; a broken group's were aborted already.
 void ProcessGroupChainerMN::shutdown() {
   worker_->drain();
+  if (worker_->brokenReason().empty()) {
+    deviceComms_->close();
+  } else {
+    deviceComms_->abort();
+  }
 }
 
 // ---- the funnel ---------------------------------------------------------------------------------
@@ -123,6 +126,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   if (!work) {
     work = makeWork(spec, device);
   }
+  if (batch_) {
+    lastInWindow_ = work;  // what an empty coalescing window returns (endCoalescing)
+  }
   if (device.is_cpu()) {
     worker_->enqueue(work, [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
       if (agreement.collective) {
@@ -132,28 +138,86 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
     });
     return work;
   }
-  // CUDA: the caller's current stream is marked now, on the caller's thread; the worker orders the
-  // group's stream after it before running the body there.
+  if (launchOnCaller_) {
+    launch(spec, body, work, device, used);
+    return work;
+  }
+  // Staged through the host transports: on the worker, in the group's order. The caller's current
+  // stream is marked now, on the caller's thread; the worker orders the group's stream after it.
+  const bool nccl = options_.cudaTransport == "nccl_intra";
   auto mark = markCallerStream(used.front());
   worker_->enqueue(
       work,
       [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used),
-       op = spec.name, agreement = std::move(spec.agree)]() {
+       op = spec.name, agreement = std::move(spec.agree), nccl]() {
         if (agreement.collective) {
-          context->agree(op, agreement);  // over the host transports, before any CUDA work is queued
+          context->agree(op, agreement);  // over the host transports: this body uses them anyway
         }
-        auto& cuda = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
+        std::unique_lock<std::mutex> launching;
+        if (nccl) {
+          launching = lockDeviceLaunches(device);  // NCCL within the node: one submitter per device
+        }
+        std::shared_ptr<DeviceScope> scope = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
+        DeviceContext& cuda = *context->cuda;
+        keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
         RequestPtr request = body(cuda);
-        keepUntilDone(cuda, used);
         if (request) {
           return Pending(std::move(request));  // point to point: the Work completes with the transfer
         }
         // A collective: done once queued, but the watchdog watches its kernels end (worker.h).
         Pending queued(markDeviceEnd(cuda));
         queued.onDevice = true;
+        queued.scope = std::move(scope);  // the Work completes on the group's stream
         return queued;
       });
+  if (nccl) {
+    // Its NCCL kernels are submitted by the worker: the caller goes on once they are, so that this
+    // process submits to the device in its program's order.
+    work->waitQueued();
+  }
   return work;
+}
+
+// Over NCCL alone: on the caller's thread, at once, as ProcessGroupNCCL does. The cross-rank check
+// runs beside the kernels, on the worker; the Work completes once both the device and the check are
+// through (worker.h).
+void ProcessGroupChainerMN::launch(
+    OpSpec& spec,
+    const Body& body,
+    const c10::intrusive_ptr<WorkChainerMN>& work,
+    at::Device device,
+    const std::vector<at::Tensor>& used) {
+  const bool check = spec.agree.collective && context_->checks != CheckLevel::Off;
+  const std::string broken = worker_->brokenReason();
+  if (!broken.empty()) {
+    work->fail(backendError("chainermn " + work->description() + ": not run, " + broken));
+    return;
+  }
+  try {
+    auto launching = lockDeviceLaunches(device);
+    auto scope = enterCuda(context_->cuda, *context_->strategy, context_->buildCuda, device, markCallerStream(used.front()));
+    DeviceContext& cuda = *context_->cuda;
+    keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
+    (void)body(cuda);  // NCCL's sends and receives are over once queued, as its collectives are
+    RequestPtr end = markDeviceEnd(cuda);
+    work->completeQueued();  // inside the scope: the future's event is on the group's stream
+    worker_->watchOnDevice(work, std::move(end), check);
+  } catch (const std::exception& error) {
+    worker_->launchFailed(work, error);
+  }
+  if (check) {
+    // Numbered like every collective's check, so the ranks stay in step even if this launch failed.
+    const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(work->deadline() - work->issued());
+    auto checkWork = c10::make_intrusive<WorkChainerMN>(
+        spec.type,
+        WorkChainerMN::Label{spec.name, transport_, rank_, size_, timeout},
+        work->getSequencenumber(),
+        std::vector<at::Tensor>{},
+        work->deadline());
+    worker_->enqueueCheck(checkWork, work, [context = context_, op = spec.name, agreement = std::move(spec.agree)] {
+      context->agree(op, agreement);
+    });
+  }
 }
 
 Agreement ProcessGroupChainerMN::agreeOn(const std::vector<at::Tensor>& tensors) const {
@@ -229,6 +293,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
     checkDeviceReduction(op, plan, tensor, cudaBitwise_);
     return post({c10d::OpType::ALLREDUCE, op, {tensor}, {}, opts.timeout, withReduce(agreeOn({tensor}), opts.reduceOp)}, [tensor, plan](DeviceContext& on) {
+      premultiply(plan, tensor.data_ptr(), tensor.numel(), tensor.device());  // in place: the result replaces it
       on.strategy.allreduceParts(
           on.transports, on.scratch, flatParts({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
       return RequestPtr();
@@ -251,6 +316,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
     checkDeviceReduction(op, plan, tensors[0], cudaBitwise_);
     return post(
         {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, opts.timeout, withReduce(agreeOn(tensors), opts.reduceOp)}, [tensors, plan](DeviceContext& on) {
+          for (const auto& tensor : tensors) {
+            premultiply(plan, tensor.data_ptr(), tensor.numel(), tensor.device());
+          }
           on.strategy.allreduceParts(
               on.transports, on.scratch, flatParts(tensors, plan.wireType), plan.wireType, plan.kind, plan.scaling);
           return RequestPtr();

@@ -11,6 +11,7 @@
 #include "backend/device_context.h"
 #include "backend/messages.h"
 #include "backend/options.h"
+#include "backend/transports.h"
 #include "backend/worker.h"
 #include "strategies/strategy.h"
 #include "topology.h"
@@ -197,6 +198,13 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // op's tensors are kept from the caching allocator until that work is done, and the Work's future
   // is device-aware (wait() and then() are stream-ordered rather than host-synchronised).
   c10::intrusive_ptr<c10d::Work> post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work = nullptr);
+  // post()'s CUDA path over NCCL alone: the body runs now, on the caller's thread.
+  void launch(
+      OpSpec& spec,
+      const Body& body,
+      const c10::intrusive_ptr<WorkChainerMN>& work,
+      at::Device device,
+      const std::vector<at::Tensor>& used);
 
   // A send or receive: posted, or added to the batch being coalesced.
   c10::intrusive_ptr<c10d::Work> postTransfer(const char* op, c10d::OpType type, const at::Tensor& tensor, int peer, int tag);
@@ -233,7 +241,11 @@ class ProcessGroupChainerMN : public c10d::Backend {
   Agreement agreeOn(const std::vector<at::Tensor>& tensors) const;
 
   std::shared_ptr<GroupContext> context_;
+  std::shared_ptr<WatchedTransports> deviceComms_;  // the CUDA transports, once built
   std::unique_ptr<Worker> worker_;
+  // CUDA work is launched on the caller's thread (all NCCL) or by the worker (staged): transports.h.
+  bool launchOnCaller_ = false;
+  at::Tensor barrierToken_;  // the one int a barrier over NCCL all-reduces
   Topology topology_;
   GroupOptions options_;
   bool cudaBitwise_ = false;  // whether the CUDA transports reduce with bitwise ops
@@ -253,6 +265,9 @@ class ProcessGroupChainerMN : public c10d::Backend {
     c10::intrusive_ptr<WorkChainerMN> work;
   };
   std::optional<Batch> batch_;
+  // The last op posted while a batch was open: what a window with no transfers returns, so that
+  // waiting for it orders the caller after the window's collectives (torch's _coalescing_manager).
+  c10::intrusive_ptr<WorkChainerMN> lastInWindow_;
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 

@@ -65,6 +65,13 @@ void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tenso
       "(CHAINERMN_CUDA_TRANSPORT=staged has them)");
 }
 
+void premultiply(const Reduction& plan, void* data, int64_t count, at::Device device) {
+  if (plan.factor.defined() && count > 0) {
+    auto factor = plan.factor.device() == device ? plan.factor : plan.factor.to(device);
+    at::from_blob(data, {count}, at::TensorOptions().dtype(plan.wireType).device(device)).mul_(factor);
+  }
+}
+
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size) {
   const auto which = reduceOp.op_;
   TORCH_CHECK_VALUE(
@@ -115,8 +122,12 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
       auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduceOp.supplement_.get());
       TORCH_CHECK_VALUE(supplement != nullptr, op, ": ReduceOp.PREMUL_SUM without a factor");
       plan.kind = ReduceKind::Sum;
-      plan.scaling.before = supplement->tensor_factor.defined() ? supplement->tensor_factor.item<double>()
-                                                             : supplement->double_factor;
+      const at::Tensor& factor = supplement->tensor_factor;
+      if (factor.defined() && !factor.device().is_cpu()) {
+        plan.factor = factor;
+      } else {
+        plan.scaling.before = factor.defined() ? factor.item<double>() : supplement->double_factor;
+      }
       break;
     }
     default:

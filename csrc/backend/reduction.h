@@ -15,7 +15,14 @@ struct Reduction {
   ReduceKind kind;          // what the transport reduces with
   at::ScalarType wireType;  // what the transport reduces (bool travels as uint8)
   Scaling scaling;          // PREMUL_SUM's factor before; AVG's 1/size before (16-bit) or after
+  // PREMUL_SUM's factor when it is a tensor on a GPU: applied there (premultiply), since reading it
+  // into scaling.before (.item()) would make the caller wait for the GPU on every op.
+  at::Tensor factor;
 };
+
+// PREMUL_SUM's device factor, if any, applied in place to `count` elements of plan.wireType at
+// `data` on `device` (on the current stream: the group's, in an op's body).
+void premultiply(const Reduction& plan, void* data, int64_t count, at::Device device);
 
 // Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on integers, ...).
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);

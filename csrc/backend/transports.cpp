@@ -2,10 +2,6 @@
 
 #include "comm/shm.h"
 
-#ifdef CHAINERMN_WITH_CUDA
-#include "comm/nccl.h"
-#include "comm/staged.h"
-#endif
 
 #include <algorithm>
 
@@ -31,6 +27,25 @@ const std::vector<std::string>& cudaTransportNames() {
 
 bool cudaTransportHasBitwise(const std::string& cudaTransport) {
   return cudaTransport == "staged";
+}
+
+bool cudaTransportsAllNccl(const std::string& cudaTransport, const Topology& topology) {
+  return cudaTransport == "nccl" || (cudaTransport == "nccl_intra" && topology.interSize == 1);
+}
+
+void closeTransports(const TransportSet& set) {
+  for (const auto& transport : {set.world, set.intra, set.inter}) {
+    if (transport) {
+      transport->close();  // idempotent: levels may share one
+    }
+  }
+}
+
+void WatchedTransports::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& transport : transports_) {
+    transport->close();
+  }
 }
 
 void WatchedTransports::watch(const TransportSet& set) {
@@ -60,35 +75,22 @@ void WatchedTransports::abort() {
   }
 }
 
-#ifdef CHAINERMN_WITH_CUDA
-TransportSet buildCudaTransports(
-    c10d::Store& store,
-    const Topology& topology,
+CudaTransportsBuilder cudaTransportsBuilder(
+    const GroupSetup& setup,
     const std::string& cudaTransport,
     const TransportSet& host,
-    c10::DeviceIndex device,
-    void* stream) {
-  auto nccl = [&](const Level& level) {
-    return nccl::createTransport(store, level.key, level.index, static_cast<int>(level.ranks.size()), device, stream);
-  };
-  auto staged = [&](const TransportPtr& hostLevel) { return staged::createTransport(hostLevel, device, stream); };
-  if (cudaTransport == "nccl") {
-    return makeTransportSet(topology, nccl);
+    std::shared_ptr<WatchedTransports> watched) {
+  if (!cudaBuilt()) {
+    return nullptr;
   }
-  TransportSet set;
-  if (cudaTransport == "staged") {
-    set.world = staged(host.world);
-    set.intra = host.intra == host.world ? set.world : staged(host.intra);
-    set.inter = host.inter == host.world ? set.world : staged(host.inter);
+  // Not the host factory, which may hold Python objects.
+  return [store = setup.store, topology = setup.topology, timeout = setup.timeout, cudaTransport, host, watched](
+             c10::DeviceIndex device, void* stream) {
+    const bool allNccl = cudaTransportsAllNccl(cudaTransport, topology);
+    TransportSet set = makeCudaTransports(*store, topology, timeout, allNccl ? "nccl" : cudaTransport, host, device, stream);
+    watched->watch(set);
     return set;
-  }
-  // nccl_intra: NCCL within the node, staged between nodes. Made in the same order on every rank.
-  const bool oneNode = topology.interSize == 1;
-  set.world = oneNode ? nccl(worldLevel(topology)) : staged(host.world);
-  set.intra = oneNode ? set.world : nccl(intraLevel(topology));
-  set.inter = topology.interSize == topology.size ? set.world : staged(host.inter);
-  return set;
+  };
 }
-#endif
 
 } // namespace chainermn

@@ -9,6 +9,7 @@
 // The levels' members come from topology (Level), computed once for every library.
 #pragma once
 
+#include "backend/device_context.h"
 #include "backend/options.h"
 #include "backend/worker.h"
 #include "comm/transport.h"
@@ -31,6 +32,14 @@ const std::vector<std::string>& cudaTransportNames();
 // Whether the CUDA transport can reduce with bitwise ops (NCCL cannot; the host libraries can).
 bool cudaTransportHasBitwise(const std::string& cudaTransport);
 
+// Whether every level of the group's CUDA transports is NCCL ("nccl"; "nccl_intra" on one node):
+// then CUDA work is launched on the caller's thread (nothing host-side in it), and a receive from
+// any source is impossible.
+bool cudaTransportsAllNccl(const std::string& cudaTransport, const Topology& topology);
+
+// Closes them all once their work is done (Transport::close), from the thread destroying the group.
+void closeTransports(const TransportSet& set);
+
 // A group's device transports as the watchdog sees them (DeviceComms): the CUDA transports are
 // added when the group's first CUDA op builds them; asked and aborted from the watchdog's thread.
 class WatchedTransports : public DeviceComms {
@@ -38,22 +47,20 @@ class WatchedTransports : public DeviceComms {
   void watch(const TransportSet& set);
   std::string asyncError() override;
   void abort() override;
+  void close();
 
  private:
   std::mutex mutex_;
   std::vector<TransportPtr> transports_;  // each once, though levels may share one
 };
 
-#ifdef CHAINERMN_WITH_CUDA
-// Collective over the group, on the worker thread at the group's first CUDA op. `stream` is the
-// group's cudaStream_t on `device`; `host` the group's CPU transports (what "staged" stages through).
-TransportSet buildCudaTransports(
-    c10d::Store& store,
-    const Topology& topology,
+// The builder of a group's CUDA transports (collective over the group, at its first CUDA op, on
+// the thread that launches its CUDA work): `host` is the group's CPU transports (what "staged"
+// stages through); what it builds is added to `watched`. Null in a build without CUDA.
+CudaTransportsBuilder cudaTransportsBuilder(
+    const GroupSetup& setup,
     const std::string& cudaTransport,
     const TransportSet& host,
-    c10::DeviceIndex device,
-    void* stream);
-#endif
+    std::shared_ptr<WatchedTransports> watched);
 
 } // namespace chainermn

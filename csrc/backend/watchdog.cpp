@@ -74,13 +74,15 @@ void Worker::State::breakGroup(std::unique_lock<std::mutex>& lock, const std::st
   onDevice.clear();  // the abort below ends their kernels: nothing is left to watch
   auto queued = takeQueued();
   lock.unlock();
+  // Failed before the abort ends their kernels: a wait() that blocks the host on the device
+  // (a barrier) finds the failure when the device lets it go.
+  for (auto& work : pending) {
+    work->fail(backendError("chainermn " + work->description() + ": " + reason));
+  }
   if (device) {
     // Kernels waiting on a peer that is gone or gave up would never return: NCCL's abort ends them,
     // so the streams that wait on them (the caller's too) move on.
     device->abort();
-  }
-  for (auto& work : pending) {
-    work->fail(backendError("chainermn " + work->description() + ": " + reason));
   }
   failAll(queued, "not run, " + reason);
   lock.lock();
@@ -132,9 +134,11 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
 bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck) {
   std::string error;
   c10::intrusive_ptr<WorkChainerMN> failedOp;
+  const size_t watched = onDevice.size();
   while (!onDevice.empty()) {
     try {
-      if (!onDevice.front().end->test()) {
+      // In stream order: one not yet checked across ranks holds back those behind it.
+      if (onDevice.front().awaitingCheck || !onDevice.front().end->test()) {
         break;
       }
     } catch (const std::exception& e) {
@@ -143,8 +147,17 @@ bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_
       failedOp = onDevice.front().work;
       break;
     }
-    onDevice.front().work->complete();  // a queued Work: no callbacks run (its future completed when queued)
+    if (brokenReason.empty()) {
+      onDevice.front().work->complete();  // a queued Work: no callbacks run (its future completed when queued)
+    } else {
+      // Ended by the abort that broke the group (a transport failed): its result cannot be trusted.
+      auto& work = *onDevice.front().work;
+      work.fail(backendError("chainermn " + work.description() + ": " + brokenReason));
+    }
     onDevice.pop_front();
+  }
+  if (onDevice.size() != watched) {
+    idle.notify_all();  // drain() waits for the device too
   }
   // Point-to-point CUDA transfers (inFlight) are device work too; host transfers are not.
   auto oldestOnDevice = [this]() -> c10::intrusive_ptr<WorkChainerMN> {

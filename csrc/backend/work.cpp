@@ -99,6 +99,11 @@ void WorkChainerMN::completeQueued() {
   }
 }
 
+void WorkChainerMN::waitQueued() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait_until(lock, deadline_ + kWatchdogGrace, [this] { return completed_ || queued_; });
+}
+
 bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
   const auto pollUntil = Clock::now() + kPollBeforeSleeping;
   while (!done_.load(std::memory_order_acquire) && !queued_.load(std::memory_order_acquire) && Clock::now() < pollUntil) {
@@ -130,6 +135,14 @@ bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
     // ProcessGroupNCCL's wait() does), without blocking the host. A failure the device reports later
     // reaches the caller through the next wait(), exception() or op of the group.
     future_->wait();
+  }
+  if (hostSync_) {
+    hostSync_();
+    // A peer that never came: the watchdog aborted the kernels at the timeout and failed the Work.
+    std::lock_guard<std::mutex> relock(mutex_);
+    if (exception_) {
+      std::rethrow_exception(exception_);
+    }
   }
   return true;
 }

@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,13 @@ class WorkChainerMN : public c10d::Work {
   // incomplete (isCompleted()) until complete() says the device finished it, or fail() says it never
   // will (then wait() and exception() report the failure; the future's value stands).
   void completeQueued();
+  // Blocks until completeQueued() or the end (bounded by the deadline): the op's kernels are queued.
+  void waitQueued();
+  // Called at the end of every successful wait(): a barrier over NCCL blocks the host until the
+  // device has run it, as ProcessGroupNCCL's does. Set before the Work is posted.
+  void setHostSync(std::function<void()> sync) {
+    hostSync_ = std::move(sync);
+  }
   void setSourceRank(int rank);
 
   // "all_reduce (seq 7, rank 0 of 4, gloo, timeout 30000 ms)", for messages.
@@ -82,6 +90,7 @@ class WorkChainerMN : public c10d::Work {
   std::atomic<bool> done_{false};  // completed_, readable without the mutex (wait() polls it first)
   std::atomic<int> sourceRank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::function<void()> hostSync_;
 };
 
 // A thread that completes Works: a group's worker. The then() callbacks it runs may wait() for a

@@ -57,11 +57,13 @@ void Worker::State::run(QueuedOp& op) {
   wakeWatchdog.notify_one();
   RequestPtr request;
   bool queuedOnDevice = false;
+  std::shared_ptr<void> scope;  // released once the Work completed when queued
   std::exception_ptr error;
   try {
     Pending pending = op.body();
     request = std::move(pending.request);
     queuedOnDevice = pending.onDevice;
+    scope = std::move(pending.scope);
   } catch (const std::exception& e) {
     error = failed(*op.work, e);
   }
@@ -75,6 +77,7 @@ void Worker::State::run(QueuedOp& op) {
     op.work->fail(error);
   } else if (queuedOnDevice) {
     op.work->completeQueued();
+    scope.reset();
   } else if (!request) {
     op.work->complete();
   }
@@ -84,8 +87,7 @@ void Worker::State::run(QueuedOp& op) {
     std::lock_guard<std::mutex> lock(mutex);
     current = outer;
     if (queuedOnDevice && request) {
-      watchFromNow = onDevice.empty();
-      onDevice.push_back({op.work, std::move(request)});
+      watchFromNow = watch({op.work, std::move(request)});
     } else if (transfer) {
       // Libraries that progress in threads of their own wake the worker when the transfer is done;
       // the others are polled. The wake takes no lock: it may run at once, here.
@@ -104,42 +106,68 @@ void Worker::State::run(QueuedOp& op) {
   }
 }
 
-// Returns true when some request made progress.
+// Returns true when some request made progress. The requests are tested without the lock: a staged
+// receive's test copies to the device and waits for it, and the watchdog and every enqueue would
+// stall behind it. Only this thread adds to or removes from inFlight, so the entries stay put.
 bool Worker::State::progressInFlight() {
-  std::vector<InFlight> finished;
-  std::vector<std::exception_ptr> errors;
+  std::vector<Request*> testing;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    for (auto it = inFlight.begin(); it != inFlight.end();) {
-      std::exception_ptr error;
-      bool done = false;
-      try {
-        done = it->request->test();
-      } catch (const std::exception& e) {
-        done = true;
-        error = failure(*it->work, e);
+    for (auto& entry : inFlight) {
+      testing.push_back(entry.request.get());
+    }
+  }
+  std::vector<Request*> over;
+  std::vector<std::exception_ptr> errors;
+  for (size_t i = 0; i < testing.size(); ++i) {
+    std::exception_ptr error;
+    bool done = false;
+    try {
+      done = testing[i]->test();
+    } catch (const std::exception& e) {
+      done = true;
+      error = std::current_exception();
+    }
+    if (done) {
+      over.push_back(testing[i]);
+      errors.push_back(error);
+    }
+  }
+  if (over.empty()) {
+    return false;
+  }
+  std::vector<InFlight> finished;
+  std::vector<std::exception_ptr> failures;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (size_t i = 0; i < over.size(); ++i) {
+      auto it = std::find_if(inFlight.begin(), inFlight.end(), [&](const InFlight& entry) { return entry.request.get() == over[i]; });
+      if (it == inFlight.end()) {
+        continue;
       }
-      if (done) {
-        finished.push_back(std::move(*it));
-        errors.push_back(error);
-        it = inFlight.erase(it);
-      } else {
-        ++it;
+      std::exception_ptr failed;
+      if (errors[i]) {
+        try {
+          std::rethrow_exception(errors[i]);
+        } catch (const std::exception& e) {
+          failed = failure(*it->work, e);
+        }
       }
+      finished.push_back(std::move(*it));
+      failures.push_back(failed);
+      inFlight.erase(it);
     }
   }
   for (size_t i = 0; i < finished.size(); ++i) {
     finished[i].body = nullptr;  // release the tensors before completing (see run())
-    if (errors[i]) {
-      finished[i].work->fail(errors[i]);
+    if (failures[i]) {
+      finished[i].work->fail(failures[i]);
     } else {
       finished[i].work->setSourceRank(finished[i].request->source());
       finished[i].work->complete();
     }
   }
-  if (!finished.empty()) {
-    idle.notify_all();
-  }
+  idle.notify_all();
   return !finished.empty();
 }
 
@@ -238,6 +266,12 @@ void Worker::stop() {
       for (auto& entry : state_->inFlight) {
         unfinished.push_back(entry.work);
       }
+      // Device work not seen to end (drain() waited for it, up to its deadline): no watchdog is left
+      // to watch it.
+      for (auto& entry : state_->onDevice) {
+        unfinished.push_back(entry.work);
+      }
+      state_->onDevice.clear();
       state_->stopping = true;
     }
     for (auto& work : unfinished) {
@@ -294,7 +328,11 @@ void Worker::drain() {
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->idle.wait(lock, [this] {
     // An op the watchdog failed counts as finished even if its transport call never returns.
-    if (!state_->queue.empty() || (state_->current && !state_->current->isCompleted())) {
+    if (state_->stopping) {
+      return true;  // stopped: nothing will finish any more
+    }
+    if (!state_->queue.empty() || (state_->current && !state_->current->isCompleted()) ||
+        !state_->onDevice.empty()) {
       return false;
     }
     return std::all_of(state_->inFlight.begin(), state_->inFlight.end(), [](const InFlight& entry) {

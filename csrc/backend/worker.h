@@ -60,6 +60,7 @@ struct Pending {
   Pending(RequestPtr transfer) : request(std::move(transfer)) {}  // NOLINT: a body returns its Request
   RequestPtr request;    // null: the op is over
   bool onDevice = false;  // the request marks queued device work: the Work completes at once
+  std::shared_ptr<void> scope;  // held until then: the device scope its completion records on
 };
 
 class Worker {
@@ -77,7 +78,25 @@ class Worker {
 
   void enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body);
 
-  // Blocks until everything enqueued so far has finished or failed (bounded by the ops' deadlines).
+  // CUDA work launched off the worker (on the caller's thread: process_group.cpp), already queued on
+  // the device, its Work completed when queued: the watchdog watches `end` as for the worker's own
+  // device ops. With `awaitCheck`, the Work completes only once its cross-rank check (enqueueCheck)
+  // has passed too.
+  void watchOnDevice(c10::intrusive_ptr<WorkChainerMN> work, RequestPtr end, bool awaitCheck);
+  // The launch of `work` off the worker threw: it fails as if its body had thrown on the worker (a
+  // transport failure breaks the group and tells the peers).
+  void launchFailed(const c10::intrusive_ptr<WorkChainerMN>& work, const std::exception& error);
+  // Queues the cross-rank check of `deviceWork`, whose kernels are already queued: `check` runs in
+  // the group's order on the worker. When it throws (the ranks disagree, or one refused the call),
+  // `deviceWork` fails with its error and the group breaks, aborting the device transports: the
+  // mismatched kernels would hang or reduce the wrong data.
+  void enqueueCheck(
+      c10::intrusive_ptr<WorkChainerMN> checkWork,
+      c10::intrusive_ptr<WorkChainerMN> deviceWork,
+      std::function<void()> check);
+
+  // Blocks until everything enqueued so far has finished or failed, device work included (bounded
+  // by the ops' deadlines).
   void drain();
 
   // Non-empty once a timeout has made the group unusable.

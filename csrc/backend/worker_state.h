@@ -31,6 +31,7 @@ struct InFlight {
 struct OnDevice {
   c10::intrusive_ptr<WorkChainerMN> work;
   RequestPtr end;  // reached once the device has run the op
+  bool awaitingCheck = false;  // its cross-rank check runs beside it and has not passed yet
 };
 
 // An exception's message without c10's backtrace.
@@ -80,6 +81,11 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   // Watchdog: completes the device ops whose end was reached; fails the group on a device error.
   bool watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
   bool progressInFlight();
+  // Registers device work (lock held); wakes the watchdog when it was idle. Returns whether it did.
+  bool watch(OnDevice entry);
+  // A device op's cross-rank check passed, or failed with `error`.
+  void checked(const c10::intrusive_ptr<WorkChainerMN>& deviceWork);
+  void checkFailed(const c10::intrusive_ptr<WorkChainerMN>& deviceWork, const std::exception& error);
   std::deque<QueuedOp> takeQueued();  // with mutex held
 };
 

@@ -116,6 +116,10 @@ class Transport {
     return "";
   }
   virtual void abort() {}
+  // Ends a healthy transport once the process group has waited for the work it queued: NCCL
+  // flushes and frees its communicator (ncclCommFinalize, ncclCommDestroy), which abort() must not
+  // be used for (it drops queued work). Bounded; later calls throw. Never throws.
+  virtual void close() {}
 };
 
 constexpr size_t kExchangeBytes = 128;

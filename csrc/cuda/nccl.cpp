@@ -1,6 +1,7 @@
-#include "comm/nccl.h"
+#include "cuda/nccl.h"
+#include "cuda/nccl_types.h"
 
-#include <c10/cuda/CUDAException.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
@@ -10,66 +11,20 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
+#include <thread>
 
 namespace chainermn::nccl {
 namespace {
 
-ncclDataType_t toNccl(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::ScalarType::Float:
-      return ncclFloat32;
-    case c10::ScalarType::Double:
-      return ncclFloat64;
-    case c10::ScalarType::Half:
-      return ncclFloat16;
-    case c10::ScalarType::BFloat16:
-      return ncclBfloat16;
-    case c10::ScalarType::Char:
-      return ncclInt8;
-    case c10::ScalarType::Byte:
-    case c10::ScalarType::Bool:
-      return ncclUint8;
-    case c10::ScalarType::Int:
-      return ncclInt32;
-    case c10::ScalarType::Long:
-      return ncclInt64;
-    default:
-      TORCH_CHECK(false, "chainermn: NCCL cannot carry dtype ", dtype);
-  }
-}
+using Clock = std::chrono::steady_clock;
 
-ncclRedOp_t toNccl(ReduceKind op) {
-  switch (op) {
-    case ReduceKind::Sum:
-      return ncclSum;
-    case ReduceKind::Product:
-      return ncclProd;
-    case ReduceKind::Min:
-      return ncclMin;
-    case ReduceKind::Max:
-      return ncclMax;
-    default:
-      // Validation refuses bitwise reductions of CUDA tensors before anything is queued.
-      TORCH_CHECK(false, "chainermn: NCCL has no ", reduceKindName(op), " reduction");
-  }
-}
-
-class NcclRequest : public Request {
+// A send or receive queued on the stream: over as far as the caller is concerned (the process
+// group watches the stream's end, as for a collective).
+class Queued : public Request {
  public:
-  NcclRequest(cudaStream_t stream, int source) : source_(source) {
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    C10_CUDA_CHECK(cudaEventRecord(event_, stream));
-  }
-  ~NcclRequest() override {
-    cudaEventDestroy(event_);
-  }
+  explicit Queued(int source) : source_(source) {}
   bool test() override {
-    const cudaError_t state = cudaEventQuery(event_);
-    if (state == cudaErrorNotReady) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    C10_CUDA_CHECK(state);
     return true;
   }
   int source() const override {
@@ -77,19 +32,41 @@ class NcclRequest : public Request {
   }
 
  private:
-  cudaEvent_t event_ = nullptr;
   int source_;
 };
 
+std::string describe(ncclResult_t result, ncclComm_t comm) {
+  // After an abort the communicator is freed: only the thread's last error can be asked.
+  const char* detail = ncclGetLastError(comm);
+  return std::string(ncclGetErrorString(result)) + (detail && *detail ? std::string(" (") + detail + ")" : "");
+}
+
+// Non-blocking communicators (so that an abort can end any call, init included) answer
+// ncclInProgress until a call has settled: this polls until it has, up to `deadline`, or until
+// `stop` says the communicator is being aborted. Returns the final state.
+template <typename Stop>
+ncclResult_t settle(ncclComm_t comm, ncclResult_t result, Clock::time_point deadline, Stop&& stop) {
+  while (result == ncclInProgress) {
+    if (stop() || Clock::now() > deadline) {
+      return ncclInProgress;
+    }
+    std::this_thread::yield();
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t asked = ncclCommGetAsyncError(comm, &state);
+    result = asked != ncclSuccess ? asked : state;
+  }
+  return result;
+}
+
 class NcclTransport : public Transport {
  public:
-  NcclTransport(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream)
-      : comm_(comm), rank_(rank), size_(size), device_(device), stream_(stream) {}
+  NcclTransport(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream, std::chrono::milliseconds timeout)
+      : comm_(comm), rank_(rank), size_(size), device_(device), stream_(stream), timeout_(timeout) {}
 
   ~NcclTransport() override {
-    // At process exit the driver may be gone; a communicator left with work in flight (after a
-    // timeout) is aborted rather than destroyed, which could wait for that work.
-    if (!aborted_.load()) {
+    // A communicator neither closed nor aborted (the process is exiting without destroying the
+    // group): the driver may be going away; abort rather than finalize, which could wait.
+    if (!ended_.load()) {
       ncclCommAbort(comm_);
     }
   }
@@ -105,56 +82,64 @@ class NcclTransport : public Transport {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    const Wire w = reduced(count, dtype);
+    const ncclRedOp_t how = toNccl(op);
     Call call(*this, "allreduce");
-    call.check(-1, ncclAllReduce(buf, buf, count, toNccl(dtype), toNccl(op), call.comm, stream_));
+    call.check(-1, ncclAllReduce(buf, buf, w.count, w.type, how, call.comm, stream_));
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
+    const Wire w = moved(count, dtype);
     Call call(*this, "broadcast");
-    call.check(root, ncclBroadcast(buf, buf, count, toNccl(dtype), root, call.comm, stream_));
+    call.check(root, ncclBroadcast(buf, buf, w.count, w.type, root, call.comm, stream_));
   }
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
+    const Wire w = reduced(count, dtype);
+    const ncclRedOp_t how = toNccl(op);
     Call call(*this, "reduce");
-    call.check(root, ncclReduce(send, recv, count, toNccl(dtype), toNccl(op), root, call.comm, stream_));
+    call.check(root, ncclReduce(send, recv, w.count, w.type, how, root, call.comm, stream_));
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
+    const Wire w = moved(count, dtype);
     Call call(*this, "allgather");
-    call.check(-1, ncclAllGather(send, recv, count, toNccl(dtype), call.comm, stream_));
+    call.check(-1, ncclAllGather(send, recv, w.count, w.type, call.comm, stream_));
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    const Wire w = moved(count, dtype);
     const size_t bytes = count * c10::elementSize(dtype);
-    const auto type = toNccl(dtype);
     Call call(*this, "gather");
-    call.check(root, ncclGroupStart());
+    Group group(call, root);
     if (rank_ == root) {
       for (int peer = 0; peer < size_; ++peer) {
-        call.check(peer, ncclRecv(static_cast<char*>(recv) + peer * bytes, count, type, peer, call.comm, stream_));
+        call.queue(peer, ncclRecv(static_cast<char*>(recv) + peer * bytes, w.count, w.type, peer, call.comm, stream_));
       }
     }
-    call.check(root, ncclSend(send, count, type, root, call.comm, stream_));
-    call.check(root, ncclGroupEnd());
+    call.queue(root, ncclSend(send, w.count, w.type, root, call.comm, stream_));
+    group.end();
   }
 
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    const Wire w = moved(count, dtype);
     const size_t bytes = count * c10::elementSize(dtype);
-    const auto type = toNccl(dtype);
     Call call(*this, "scatter");
-    call.check(root, ncclGroupStart());
+    Group group(call, root);
     if (rank_ == root) {
       for (int peer = 0; peer < size_; ++peer) {
-        call.check(peer, ncclSend(static_cast<const char*>(send) + peer * bytes, count, type, peer, call.comm, stream_));
+        call.queue(peer, ncclSend(static_cast<const char*>(send) + peer * bytes, w.count, w.type, peer, call.comm, stream_));
       }
     }
-    call.check(root, ncclRecv(recv, count, type, root, call.comm, stream_));
-    call.check(root, ncclGroupEnd());
+    call.queue(root, ncclRecv(recv, w.count, w.type, root, call.comm, stream_));
+    group.end();
   }
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    const Wire w = reduced(count, dtype);
+    const ncclRedOp_t how = toNccl(op);
     Call call(*this, "reduce_scatter");
-    call.check(-1, ncclReduceScatter(send, recv, count, toNccl(dtype), toNccl(op), call.comm, stream_));
+    call.check(-1, ncclReduceScatter(send, recv, w.count, w.type, how, call.comm, stream_));
   }
 
   void alltoallv(
@@ -164,66 +149,67 @@ class NcclTransport : public Transport {
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
     const size_t width = c10::elementSize(dtype);
-    const auto type = toNccl(dtype);
+    const ncclDataType_t type = moved(1, dtype).type;
+    const size_t per = moved(1, dtype).count;  // NCCL elements per tensor element
     Call call(*this, "alltoall");
-    call.check(-1, ncclGroupStart());
+    Group group(call, -1);
     size_t sendAt = 0, recvAt = 0;
     for (int peer = 0; peer < size_; ++peer) {
-      call.check(peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer], type, peer, call.comm, stream_));
-      call.check(peer, ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer], type, peer, call.comm, stream_));
+      call.queue(peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer] * per, type, peer, call.comm, stream_));
+      call.queue(peer, ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer] * per, type, peer, call.comm, stream_));
       sendAt += sendCounts[peer] * width;
       recvAt += recvCounts[peer] * width;
     }
-    call.check(-1, ncclGroupEnd());
+    group.end();
   }
 
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
-    {
-      Call call(*this, "send");
-      call.check(peer, ncclSend(buf, count, toNccl(dtype), peer, call.comm, stream_));
-    }
-    return std::make_unique<NcclRequest>(stream_, -1);
+    const Wire w = moved(count, dtype);
+    Call call(*this, "send");
+    call.check(peer, ncclSend(buf, w.count, w.type, peer, call.comm, stream_));
+    return std::make_unique<Queued>(-1);
   }
 
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
-    TORCH_CHECK(peer != kAnySource, "chainermn: NCCL cannot receive from any source");
-    {
-      Call call(*this, "recv");
-      call.check(peer, ncclRecv(buf, count, toNccl(dtype), peer, call.comm, stream_));
-    }
-    return std::make_unique<NcclRequest>(stream_, peer);
+    // The process group refuses a receive from any source over NCCL on the caller's thread.
+    TORCH_CHECK_VALUE(peer != kAnySource, "chainermn: NCCL cannot receive from any source");
+    const Wire w = moved(count, dtype);
+    Call call(*this, "recv");
+    call.check(peer, ncclRecv(buf, w.count, w.type, peer, call.comm, stream_));
+    return std::make_unique<Queued>(peer);
   }
 
   RequestPtr startAll(const std::vector<Transfer>& transfers) override {
-    {
-      Call call(*this, "batch_isend_irecv");
-      call.check(-1, ncclGroupStart());
-      for (const auto& t : transfers) {
-        TORCH_CHECK(t.peer != kAnySource, "chainermn: NCCL cannot receive from any source");
-        call.check(t.peer, t.send ? ncclSend(t.buf, t.count, toNccl(t.dtype), t.peer, call.comm, stream_)
-                                  : ncclRecv(t.buf, t.count, toNccl(t.dtype), t.peer, call.comm, stream_));
-      }
-      call.check(-1, ncclGroupEnd());
+    std::vector<Wire> wires;
+    wires.reserve(transfers.size());
+    for (const auto& t : transfers) {
+      TORCH_CHECK_VALUE(t.peer != kAnySource, "chainermn: NCCL cannot receive from any source");
+      wires.push_back(moved(t.count, t.dtype));
     }
-    return std::make_unique<NcclRequest>(stream_, -1);
+    Call call(*this, "batch_isend_irecv");
+    Group group(call, -1);
+    for (size_t i = 0; i < transfers.size(); ++i) {
+      const auto& t = transfers[i];
+      call.queue(t.peer, t.send ? ncclSend(t.buf, wires[i].count, wires[i].type, t.peer, call.comm, stream_)
+                                : ncclRecv(t.buf, wires[i].count, wires[i].type, t.peer, call.comm, stream_));
+    }
+    group.end();
+    return std::make_unique<Queued>(-1);
   }
 
+  // Ordered on the stream like every call here (the process group's barrier over NCCL all-reduces
+  // a token and waits for the stream itself, as ProcessGroupNCCL's does).
   void barrier() override {
-    {
-      Call call(*this, "barrier");
-      if (!token_) {
-        C10_CUDA_CHECK(cudaMalloc(&token_, sizeof(int32_t)));
-        C10_CUDA_CHECK(cudaMemsetAsync(token_, 0, sizeof(int32_t), stream_));
-      }
-      call.check(-1, ncclAllReduce(token_, token_, 1, ncclInt32, ncclSum, call.comm, stream_));
+    Call call(*this, "barrier");
+    if (!token_.defined()) {
+      token_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
     }
-    // Outside the call: if a peer never comes, the watchdog's abort() ends the kernel and this returns.
-    C10_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    call.check(-1, ncclAllReduce(token_.data_ptr(), token_.data_ptr(), 1, ncclInt32, ncclSum, call.comm, stream_));
   }
 
   std::string asyncError() override {
-    if (aborted_.load()) {
-      return "";  // the group already failed: whoever aborted said why
+    if (ended_.load()) {
+      return "";  // closed, or aborted: whoever aborted said why
     }
     // Thread safe by NCCL's contract: this is how a watchdog polls a communicator others enqueue on.
     ncclResult_t state = ncclSuccess;
@@ -242,36 +228,51 @@ class NcclTransport : public Transport {
     if (abortStarted_.exchange(true)) {
       return;
     }
-    // Let a call being enqueued finish with the communicator before it is freed. A call that does
-    // not return in time is blocked on a peer (connecting to a dead one): the abort is what ends it,
-    // as with torch's NCCL watchdog, so it goes ahead under that call.
+    // A call settling (polling a non-blocking communicator) sees abortStarted_ and lets go; one
+    // being enqueued finishes first. Either way the communicator is freed under the lock only.
     std::unique_lock<std::timed_mutex> lock(mutex_, std::defer_lock);
     (void)lock.try_lock_for(kAbortWait);
-    aborted_.store(true);
-    ncclCommAbort(comm_);
+    if (!ended_.exchange(true)) {
+      ncclCommAbort(comm_);
+    }
+  }
+
+  void close() override {
+    std::unique_lock<std::timed_mutex> lock(mutex_);
+    if (ended_.load() || abortStarted_.load()) {
+      return;
+    }
+    // The process group waited for the work it queued; finalize flushes what NCCL still holds,
+    // then destroy frees it. A finalize that does not settle in time (a peer gone) is aborted.
+    const auto deadline = Clock::now() + timeout_;
+    const ncclResult_t flushed =
+        settle(comm_, ncclCommFinalize(comm_), deadline, [this] { return abortStarted_.load(); });
+    ended_.store(true);
+    if (flushed == ncclSuccess) {
+      ncclCommDestroy(comm_);
+    } else {
+      ncclCommAbort(comm_);
+    }
   }
 
  private:
   static constexpr auto kAbortWait = std::chrono::seconds(2);
 
-  static std::string describe(ncclResult_t result, ncclComm_t comm) {
-    const char* detail = ncclGetLastError(comm);
-    return std::string(ncclGetErrorString(result)) + (detail && *detail ? std::string(" (") + detail + ")" : "");
-  }
-
   // One Transport call: holds the communicator (abort() waits for the call), refuses one that was
-  // aborted, and turns NCCL's result codes into errors naming the op, the rank and the peer.
+  // aborted, waits for a non-blocking call to settle, and turns NCCL's result codes into errors
+  // naming the op, the rank and the peer.
   class Call {
    public:
     Call(NcclTransport& transport, const char* op) : transport_(transport), op_(op), lock_(transport.mutex_) {
       TORCH_CHECK(
-          !transport.aborted_.load(),
+          !transport.ended_.load(),
           "NCCL ", op, " on rank ", transport.rank_, " of ", transport.size_,
-          ": the communicator was aborted after an earlier failure of this group");
+          ": the communicator was aborted after an earlier failure of this group, or closed");
       comm = transport.comm_;
     }
     void check(int peer, ncclResult_t result) const {
-      if (result == ncclSuccess || result == ncclInProgress) {
+      result = settle(comm, result, Clock::now() + transport_.timeout_, [this] { return transport_.abortStarted_.load(); });
+      if (result == ncclSuccess) {
         return;
       }
       TORCH_CHECK(
@@ -284,7 +285,12 @@ class NcclTransport : public Transport {
           transport_.size_,
           peer >= 0 ? " (peer/root " + std::to_string(peer) + ")" : std::string(),
           ": ",
-          describe(result, comm));
+          result == ncclInProgress ? std::string("did not settle (aborted, or past the group timeout)")
+                                   : describe(result, transport_.abortStarted_.load() ? nullptr : comm));
+    }
+    // A call between ncclGroupStart and ncclGroupEnd: only queued (it settles with the group's end).
+    void queue(int peer, ncclResult_t result) const {
+      check(peer, result == ncclInProgress ? ncclSuccess : result);
     }
     ncclComm_t comm = nullptr;
 
@@ -294,15 +300,42 @@ class NcclTransport : public Transport {
     std::unique_lock<std::timed_mutex> lock_;
   };
 
+  // ncclGroupStart .. ncclGroupEnd of one Call. A throw in between still ends the group: a group
+  // left open on this thread would hold back every later NCCL call from it, forever (torch's
+  // AutoNcclGroup).
+  class Group {
+   public:
+    Group(const Call& call, int peer) : call_(call), peer_(peer) {
+      call_.check(peer_, ncclGroupStart());
+    }
+    ~Group() {
+      if (open_) {
+        (void)ncclGroupEnd();
+      }
+    }
+    void end() {
+      open_ = false;
+      call_.check(peer_, ncclGroupEnd());
+    }
+    Group(const Group&) = delete;
+    Group& operator=(const Group&) = delete;
+
+   private:
+    const Call& call_;
+    int peer_;
+    bool open_ = true;
+  };
+
   ncclComm_t comm_;
   const int rank_;
   const int size_;
   const c10::DeviceIndex device_;
   cudaStream_t stream_;
-  void* token_ = nullptr;  // barrier's one int (never freed: it may be in use at teardown)
-  std::timed_mutex mutex_;  // held by each Call; abort() frees the communicator under it
+  const std::chrono::milliseconds timeout_;
+  at::Tensor token_;  // barrier's one int
+  std::timed_mutex mutex_;  // held by each Call; abort() and close() free the communicator under it
   std::atomic<bool> abortStarted_{false};
-  std::atomic<bool> aborted_{false};  // set under mutex_ (or after abort's wait); Calls check it
+  std::atomic<bool> ended_{false};  // aborted or closed: the communicator is gone
 };
 
 } // namespace
@@ -313,7 +346,8 @@ TransportPtr createTransport(
     int rank,
     int size,
     c10::DeviceIndex device,
-    void* stream) {
+    void* stream,
+    std::chrono::milliseconds timeout) {
   c10::cuda::CUDAGuard guard(device);
   ncclUniqueId id;
   const std::string idKey = "chainermn/nccl/" + key;
@@ -327,11 +361,21 @@ TransportPtr createTransport(
     TORCH_CHECK(bytes.size() == sizeof(id), "chainermn: malformed NCCL unique id under ", idKey);
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
+  // Non-blocking: the init itself can then be bounded (a peer that never joins) and aborted.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
   ncclComm_t comm = nullptr;
-  const ncclResult_t result = ncclCommInitRank(&comm, size, id, rank);
+  const auto deadline = Clock::now() + timeout;
+  ncclResult_t result = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+  if (comm != nullptr) {
+    result = settle(comm, result, deadline, [] { return false; });
+  }
+  if (result != ncclSuccess && comm != nullptr) {
+    ncclCommAbort(comm);
+  }
   TORCH_CHECK(
       result == ncclSuccess,
-      "NCCL ncclCommInitRank failed for ",
+      "NCCL ncclCommInitRankConfig failed for ",
       key,
       " on rank ",
       rank,
@@ -340,12 +384,12 @@ TransportPtr createTransport(
       " (cuda:",
       static_cast<int>(device),
       "): ",
-      ncclGetErrorString(result),
-      " ",
-      ncclGetLastError(nullptr),
+      result == ncclInProgress ? "the peers did not all join within the group timeout (" +
+              std::to_string(timeout.count()) + " ms)"
+                               : std::string(ncclGetErrorString(result)) + " " + ncclGetLastError(nullptr),
       ". Several ranks on one GPU need a distinct NCCL_HOSTID each (with NCCL_SOCKET_IFNAME=lo, "
       "NCCL_IB_DISABLE=1), or CHAINERMN_CUDA_TRANSPORT=staged");
-  return std::make_shared<NcclTransport>(comm, rank, size, device, static_cast<cudaStream_t>(stream));
+  return std::make_shared<NcclTransport>(comm, rank, size, device, static_cast<cudaStream_t>(stream), timeout);
 }
 
 std::string version() {

@@ -5,15 +5,33 @@
 // offsets for its part, so a launch covers any number of parts of any sizes with no per-part launch
 // and no host loop over elements. Parts of equal dtype to the wire with scale 1 (and every integer
 // pack) are moved as raw bytes by the same kernel shape.
-#include "kernels/pack.h"
+#include "cuda/pack_kernels.h"
 
+// torch's header pads its locks with std::hardware_destructive_interference_size, which GCC 12+
+// warns about in every includer; the value is torch's business, not ours.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
+#endif
+#include <ATen/core/CachingHostAllocator.h>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic pop
+#endif
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 namespace chainermn::cuda {
@@ -151,34 +169,74 @@ int blocksFor(int64_t total) {
   return static_cast<int>(std::min<int64_t>(blocks, 65535));
 }
 
+constexpr int kTableSlots = 8;
+
+// Pinned host memory from torch's caching host allocator, never cudaMallocHost/cudaFreeHost (nor
+// cudaMalloc/cudaFree for the device table, below): cudaFree and cudaFreeHost synchronize the whole
+// device, so on the worker thread they would wait for every kernel of every process group, and one
+// of those can be an NCCL kernel of another group that waits for a peer which is itself waiting
+// for this process: a deadlock. ProcessGroupNCCL takes its memory from torch's allocators for the
+// same reason. The block is marked as used by `stream`: when it is released, the allocator records
+// an event on the stream and hands the block out again only after the stream has passed it, so a
+// copy still queued out of it never reads reused memory, and releasing it never waits.
+void markUsedBy(const at::Tensor& pinned, const c10::cuda::CUDAStream& stream) {
+  const bool recorded = at::getHostAllocator(at::kCUDA)->record_event(
+      pinned.data_ptr(), pinned.storage().data_ptr().get_context(), stream.unwrap());
+  TORCH_CHECK(recorded, "chainermn: pinned memory that torch's CUDA host allocator does not know");
+}
+
+at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream) {
+  at::Tensor pinned =
+      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  markUsedBy(pinned, stream);
+  return pinned;
+}
+
 } // namespace
 
+// A ring of pinned host copies of the table, each with the event recorded after the host-to-device
+// copy out of it, and one device table. A call writes the next slot on the host, so the host waits
+// for the GPU only when the copy out of that slot, kTableSlots calls ago, is still queued (behind
+// the caller's kernels and NCCL's): rare, where waiting for the last upload on every call would
+// busy-wait the host on each pack and turn the group's wait() into a host wait.
+// The device table needs no ring: the copy into it is queued on the stream behind the kernels that
+// read its previous contents, so it is ordered after them.
 struct PartTable::State {
-  char* host = nullptr;    // pinned
-  char* device = nullptr;  // device memory of the current device
+  struct Slot {
+    at::Tensor host;               // pinned, `capacity` bytes
+    cudaEvent_t copied = nullptr;  // recorded on the stream after the copy out of `host`
+    bool pending = false;          // `copied` recorded since `host` was allocated
+  };
+  std::array<Slot, kTableSlots> slots;
+  int next = 0;                    // the slot the next call writes
+  at::Tensor device;               // from the caching allocator, `capacity` bytes, owned by `stream`
   size_t capacity = 0;
-  cudaEvent_t uploaded = nullptr;  // the last upload out of `host`: it may be rewritten after it
-  int deviceIndex = -1;
+  c10::DeviceIndex deviceIndex = -1;  // where the events and the device table live
+  std::optional<cudaStream_t> stream;  // the stream `device` was allocated on and `slots` are marked for
 };
 
 PartTable::PartTable() : state(std::make_unique<State>()) {}
 
 PartTable::~PartTable() {
-  // Best effort at teardown (the CUDA runtime may be gone at process exit): errors are ignored.
-  if (state->uploaded) {
-    cudaEventSynchronize(state->uploaded);
-    cudaEventDestroy(state->uploaded);
-  }
-  if (state->host) {
-    cudaFreeHost(state->host);
-  }
-  if (state->device) {
-    cudaFree(state->device);
+  // Nothing is waited for: the last uploads may sit on the stream behind an NCCL kernel that waits
+  // for a peer (at teardown, perhaps one that is gone). The buffers go back to torch's allocators,
+  // which reuse them only once the stream has passed their last use (the device table's block
+  // belongs to the stream; the pinned blocks are marked for it), and an event destroyed before it
+  // completes is released by CUDA when it does. Best effort, as the CUDA runtime may be gone at
+  // process exit: errors are dropped, and cleared so that no later check reports them.
+  for (auto& slot : state->slots) {
+    if (slot.copied && cudaEventDestroy(slot.copied) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
   }
 }
 
 size_t PartTable::bytesHeld() const {
-  return state->capacity;
+  size_t total = state->device.defined() ? state->device.nbytes() : 0;
+  for (const auto& slot : state->slots) {
+    total += slot.host.defined() ? slot.host.nbytes() : 0;
+  }
+  return total;
 }
 
 namespace {
@@ -190,44 +248,94 @@ struct Uploaded {
   int64_t total;
 };
 
-// Writes offsets and parts into the pinned table and copies it to the device on `stream`.
+// Makes room for a table of `need` bytes uploaded on `stream` (on the current device). All slots
+// grow at once, so that a size seen once is warmed up for every slot ("nothing allocated per call
+// once warmed up" holds from the next call on, not kTableSlots calls later).
+void prepare(PartTable::State& s, size_t need, cudaStream_t stream) {
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  if (s.deviceIndex < 0) {
+    for (auto& slot : s.slots) {
+      if (!slot.copied) {
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+      }
+    }
+    s.deviceIndex = device;
+  }
+  TORCH_CHECK(
+      device == s.deviceIndex, "chainermn: a pack table of device ", static_cast<int>(s.deviceIndex),
+      " used on device ", static_cast<int>(device));
+  const bool grow = need > s.capacity;
+  if (!grow && s.stream == stream) {
+    return;
+  }
+  const c10::cuda::CUDAStream cudaStream = c10::cuda::getStreamFromExternal(stream, device);
+  const size_t capacity = grow ? std::max<size_t>({need, s.capacity * 2, 4096}) : s.capacity;
+  // The caching allocator gives a block to the stream current at allocation and reuses it, once
+  // freed, only for allocations on that stream: stream-ordered after every kernel queued there, so
+  // the old table is dropped without waiting while kernels may still read it. The callers run with
+  // the group's stream current; the guard makes sure of it for any other `stream`, which then gets
+  // its own device table (a table read on one stream and rewritten on another would race).
+  at::Tensor deviceTable;
+  {
+    std::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (c10::cuda::getCurrentCUDAStream(device).stream() != stream) {
+      guard.emplace(cudaStream);
+    }
+    deviceTable =
+        at::empty({static_cast<int64_t>(capacity)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  }
+  if (grow) {
+    std::array<at::Tensor, kTableSlots> hosts;
+    for (auto& host : hosts) {
+      host = pinnedFor(capacity, cudaStream);
+    }
+    for (int i = 0; i < kTableSlots; ++i) {
+      // The old buffer may still be copied out of: the host allocator holds it until then. The new
+      // one is unused, so its slot's pending event (the old buffer's) need not be waited for.
+      s.slots[i].host = std::move(hosts[i]);
+      s.slots[i].pending = false;
+    }
+  } else {
+    for (auto& slot : s.slots) {
+      markUsedBy(slot.host, cudaStream);
+    }
+  }
+  s.device = std::move(deviceTable);
+  s.capacity = capacity;
+  s.stream = stream;
+}
+
+// Writes offsets and parts into the next pinned slot and copies it to the device on `stream`.
 Uploaded upload(PartTable::State& s, const std::vector<FlatBuffer>& parts, bool bytes, cudaStream_t stream) {
   const int n = static_cast<int>(parts.size());
   const size_t offsetBytes = (static_cast<size_t>(n) + 1) * sizeof(int64_t);
   const size_t partsAt = (offsetBytes + alignof(Part) - 1) / alignof(Part) * alignof(Part);
   const size_t need = partsAt + static_cast<size_t>(n) * sizeof(Part);
-  if (s.uploaded) {
-    // The previous call's copy out of the pinned table must be over before it is rewritten.
-    C10_CUDA_CHECK(cudaEventSynchronize(s.uploaded));
-  } else {
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.uploaded, cudaEventDisableTiming));
+  prepare(s, need, stream);
+  auto& slot = s.slots[s.next];
+  s.next = (s.next + 1) % kTableSlots;
+  if (slot.pending) {
+    // The copy out of this slot, kTableSlots calls ago, must be over before it is rewritten. It
+    // normally is, and then this returns at once; it waits only when the stream is that far behind.
+    C10_CUDA_CHECK(cudaEventSynchronize(slot.copied));
+    slot.pending = false;
   }
-  if (need > s.capacity) {
-    const size_t capacity = std::max<size_t>({need, s.capacity * 2, 4096});
-    if (s.host) {
-      C10_CUDA_CHECK(cudaFreeHost(s.host));
-    }
-    if (s.device) {
-      // Earlier kernels on this stream may still read the old table.
-      C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-      C10_CUDA_CHECK(cudaFree(s.device));
-    }
-    C10_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&s.host), capacity));
-    C10_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&s.device), capacity));
-    s.capacity = capacity;
-  }
-  auto* offsets = reinterpret_cast<int64_t*>(s.host);
-  auto* records = reinterpret_cast<Part*>(s.host + partsAt);
+  auto* host = static_cast<char*>(slot.host.data_ptr());
+  auto* device = static_cast<char*>(s.device.data_ptr());
+  auto* offsets = reinterpret_cast<int64_t*>(host);
+  auto* records = reinterpret_cast<Part*>(host + partsAt);
   offsets[0] = 0;
   for (int p = 0; p < n; ++p) {
     const int64_t count = bytes ? parts[p].count * static_cast<int64_t>(c10::elementSize(parts[p].dtype)) : parts[p].count;
     offsets[p + 1] = offsets[p] + count;
     records[p] = Part{parts[p].data, bytes ? static_cast<int32_t>(Kind::Byte) : static_cast<int32_t>(kindOf(parts[p].dtype)), 0};
   }
-  C10_CUDA_CHECK(cudaMemcpyAsync(s.device, s.host, need, cudaMemcpyHostToDevice, stream));
-  C10_CUDA_CHECK(cudaEventRecord(s.uploaded, stream));
+  // Into the one device table: queued behind the kernels that read its previous contents.
+  C10_CUDA_CHECK(cudaMemcpyAsync(device, host, need, cudaMemcpyHostToDevice, stream));
+  C10_CUDA_CHECK(cudaEventRecord(slot.copied, stream));
+  slot.pending = true;
   return Uploaded{
-      reinterpret_cast<const int64_t*>(s.device), reinterpret_cast<const Part*>(s.device + partsAt), n, offsets[n]};
+      reinterpret_cast<const int64_t*>(device), reinterpret_cast<const Part*>(device + partsAt), n, offsets[n]};
 }
 
 // Raw bytes suffice when nothing is cast or scaled (and integers are never cast).

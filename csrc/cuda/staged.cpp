@@ -1,10 +1,24 @@
-#include "comm/staged.h"
+#include "cuda/staged.h"
 
+// torch's header pads its locks with std::hardware_destructive_interference_size, which GCC 12+
+// warns about in every includer; the value is torch's business, not ours.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
+#endif
+#include <ATen/core/CachingHostAllocator.h>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic pop
+#endif
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -12,88 +26,93 @@
 namespace chainermn::staged {
 namespace {
 
+// Pinned host memory from torch's caching host allocator, never cudaMallocHost/cudaFreeHost:
+// cudaFreeHost (like cudaFree) synchronizes the whole device, so on the worker thread it would wait
+// for every kernel of every process group, and one of those can be an NCCL kernel of another group
+// that waits for a peer which is itself waiting for this process: a deadlock. ProcessGroupNCCL
+// takes its memory from torch's allocators for the same reason. The block is marked as used by
+// `stream`: when it is released, the allocator records an event on the stream and hands the block
+// out again only after the stream has passed it, so a copy still queued out of or into it never
+// touches reused memory, and releasing it never waits for the stream.
+at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream) {
+  at::Tensor pinned =
+      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  const bool recorded = at::getHostAllocator(at::kCUDA)->record_event(
+      pinned.data_ptr(), pinned.storage().data_ptr().get_context(), stream.unwrap());
+  TORCH_CHECK(recorded, "chainermn: pinned memory that torch's CUDA host allocator does not know");
+  return pinned;
+}
+
 // One pinned host buffer that only grows.
 class Pinned {
  public:
-  ~Pinned() {
-    if (data_) {
-      cudaFreeHost(data_);
+  explicit Pinned(c10::cuda::CUDAStream stream) : stream_(stream) {}
+
+  void* get(size_t bytes) {
+    const size_t current = buffer_.defined() ? buffer_.nbytes() : 0;
+    if (bytes > current) {
+      // The old buffer is dropped without waiting for the stream, though the last toDevice copy
+      // out of it may still be queued: the host allocator keeps it until the stream is past it.
+      buffer_ = pinnedFor(std::max<size_t>({bytes, current + current / 2, 4096}), stream_);
     }
-  }
-  // `stream` may still copy out of the old buffer: it is waited for before that buffer is freed.
-  void* get(size_t bytes, cudaStream_t stream) {
-    if (bytes > capacity_) {
-      if (data_) {
-        C10_CUDA_CHECK(cudaStreamSynchronize(stream));
-        C10_CUDA_CHECK(cudaFreeHost(data_));
-        data_ = nullptr;
-      }
-      const size_t capacity = std::max<size_t>({bytes, capacity_ + capacity_ / 2, 4096});
-      C10_CUDA_CHECK(cudaMallocHost(&data_, capacity));
-      capacity_ = capacity;
-    }
-    return data_;
+    return buffer_.defined() ? buffer_.data_ptr() : nullptr;  // none yet when only 0 bytes were asked
   }
 
  private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
+  const c10::cuda::CUDAStream stream_;  // every copy out of or into the buffer is on it
+  at::Tensor buffer_;
 };
 
 // Pinned buffers for transfers in flight, several at a time (a send and a receive overlap): each
 // transfer takes one at least its size and gives it back when over, so buffers are reused, not
-// allocated per call. Shared with the requests, which may outlive their transport.
+// allocated per call. Shared with the requests, which may outlive their transport (the stream is
+// one of torch's pool streams, which live as long as the process).
 class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  public:
   class Lease {
    public:
-    Lease(std::shared_ptr<PinnedPool> pool, void* data, size_t capacity)
-        : pool_(std::move(pool)), data_(data), capacity_(capacity) {}
+    Lease(std::shared_ptr<PinnedPool> pool, at::Tensor buffer) : pool_(std::move(pool)), buffer_(std::move(buffer)) {}
     ~Lease() {
-      pool_->giveBack(data_, capacity_);
+      pool_->giveBack(std::move(buffer_));
     }
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
     void* data() const {
-      return data_;
+      return buffer_.data_ptr();
     }
 
    private:
     std::shared_ptr<PinnedPool> pool_;
-    void* data_;
-    size_t capacity_;
+    at::Tensor buffer_;
   };
 
-  ~PinnedPool() {
-    for (auto& [capacity, data] : free_) {
-      cudaFreeHost(data);
-    }
-  }
+  explicit PinnedPool(c10::cuda::CUDAStream stream) : stream_(stream) {}
 
   std::unique_ptr<Lease> take(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto fit = free_.lower_bound(bytes);  // the smallest that holds it
       if (fit != free_.end()) {
-        auto lease = std::make_unique<Lease>(shared_from_this(), fit->second, fit->first);
+        auto lease = std::make_unique<Lease>(shared_from_this(), std::move(fit->second));
         free_.erase(fit);
         return lease;
       }
     }
-    const size_t capacity = std::max<size_t>(bytes, 4096);
-    void* data = nullptr;
-    C10_CUDA_CHECK(cudaMallocHost(&data, capacity));
-    return std::make_unique<Lease>(shared_from_this(), data, capacity);
+    return std::make_unique<Lease>(shared_from_this(), pinnedFor(std::max<size_t>(bytes, 4096), stream_));
   }
 
  private:
-  void giveBack(void* data, size_t capacity) {
+  // A buffer comes back once its transfer is over, copies included (StagedRequest::test waits for
+  // a receive's copy to the device), so the next transfer may use it at once.
+  void giveBack(at::Tensor buffer) {
     std::lock_guard<std::mutex> lock(mutex_);
-    free_.emplace(capacity, data);
+    const size_t capacity = buffer.nbytes();
+    free_.emplace(capacity, std::move(buffer));
   }
 
+  const c10::cuda::CUDAStream stream_;
   std::mutex mutex_;
-  std::multimap<size_t, void*> free_;  // capacity -> buffer
+  std::multimap<size_t, at::Tensor> free_;  // capacity -> buffer
 };
 
 // A send staged through pinned memory: the data is already on the host; the host transfer remains.
@@ -136,7 +155,12 @@ class StagedRequest : public Request {
 class StagedTransport : public Transport {
  public:
   StagedTransport(TransportPtr host, c10::DeviceIndex device, cudaStream_t stream)
-      : host_(std::move(host)), device_(device), stream_(stream) {}
+      : host_(std::move(host)),
+        device_(device),
+        stream_(stream),
+        in_(c10::cuda::getStreamFromExternal(stream, device)),
+        out_(c10::cuda::getStreamFromExternal(stream, device)),
+        transfers_(std::make_shared<PinnedPool>(c10::cuda::getStreamFromExternal(stream, device))) {}
 
   int rank() const override {
     return host_->rank();
@@ -150,7 +174,7 @@ class StagedTransport : public Transport {
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     const size_t bytes = bytesOf(count, dtype);
-    void* staged = in_.get(bytes, stream_);
+    void* staged = in_.get(bytes);
     toHost(staged, buf, bytes);
     host_->allreduce(staged, count, dtype, op);
     toDevice(buf, staged, bytes);
@@ -158,7 +182,7 @@ class StagedTransport : public Transport {
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t bytes = bytesOf(count, dtype);
-    void* staged = in_.get(bytes, stream_);
+    void* staged = in_.get(bytes);
     if (rank() == root) {
       toHost(staged, buf, bytes);
     } else {
@@ -172,8 +196,8 @@ class StagedTransport : public Transport {
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
     const size_t bytes = bytesOf(count, dtype);
-    void* stagedSend = in_.get(bytes, stream_);
-    void* stagedRecv = out_.get(bytes, stream_);
+    void* stagedSend = in_.get(bytes);
+    void* stagedRecv = out_.get(bytes);
     toHost(stagedSend, send, bytes);
     host_->reduce(stagedSend, stagedRecv, count, dtype, op, root);
     if (rank() == root) {
@@ -183,8 +207,8 @@ class StagedTransport : public Transport {
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
     const size_t bytes = bytesOf(count, dtype);
-    void* stagedSend = in_.get(bytes, stream_);
-    void* stagedRecv = out_.get(bytes * size(), stream_);
+    void* stagedSend = in_.get(bytes);
+    void* stagedRecv = out_.get(bytes * size());
     toHost(stagedSend, send, bytes);
     host_->allgather(stagedSend, stagedRecv, count, dtype);
     toDevice(recv, stagedRecv, bytes * size());
@@ -192,8 +216,8 @@ class StagedTransport : public Transport {
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t bytes = bytesOf(count, dtype);
-    void* stagedSend = in_.get(bytes, stream_);
-    void* stagedRecv = rank() == root ? out_.get(bytes * size(), stream_) : nullptr;
+    void* stagedSend = in_.get(bytes);
+    void* stagedRecv = rank() == root ? out_.get(bytes * size()) : nullptr;
     toHost(stagedSend, send, bytes);
     host_->gather(stagedSend, stagedRecv, count, dtype, root);
     if (rank() == root) {
@@ -204,9 +228,9 @@ class StagedTransport : public Transport {
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t bytes = bytesOf(count, dtype);
     void* stagedSend = nullptr;
-    void* stagedRecv = out_.get(bytes, stream_);
+    void* stagedRecv = out_.get(bytes);
     if (rank() == root) {
-      stagedSend = in_.get(bytes * size(), stream_);
+      stagedSend = in_.get(bytes * size());
       toHost(stagedSend, send, bytes * size());
     } else {
       settle();
@@ -217,8 +241,8 @@ class StagedTransport : public Transport {
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     const size_t bytes = bytesOf(count, dtype);
-    void* stagedSend = in_.get(bytes * size(), stream_);
-    void* stagedRecv = out_.get(bytes, stream_);
+    void* stagedSend = in_.get(bytes * size());
+    void* stagedRecv = out_.get(bytes);
     toHost(stagedSend, send, bytes * size());
     host_->reduceScatter(stagedSend, stagedRecv, count, dtype, op);
     toDevice(recv, stagedRecv, bytes);
@@ -232,8 +256,8 @@ class StagedTransport : public Transport {
       c10::ScalarType dtype) override {
     const size_t sendBytes = bytesOf(std::accumulate(sendCounts.begin(), sendCounts.end(), int64_t{0}), dtype);
     const size_t recvBytes = bytesOf(std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0}), dtype);
-    void* stagedSend = in_.get(sendBytes, stream_);
-    void* stagedRecv = out_.get(recvBytes, stream_);
+    void* stagedSend = in_.get(sendBytes);
+    void* stagedRecv = out_.get(recvBytes);
     toHost(stagedSend, send, sendBytes);
     host_->alltoallv(stagedSend, sendCounts, stagedRecv, recvCounts, dtype);
     toDevice(recv, stagedRecv, recvBytes);
@@ -282,7 +306,7 @@ class StagedTransport : public Transport {
   cudaStream_t stream_;
   Pinned in_;
   Pinned out_;
-  std::shared_ptr<PinnedPool> transfers_ = std::make_shared<PinnedPool>();  // point to point's buffers
+  std::shared_ptr<PinnedPool> transfers_;  // point to point's buffers
 };
 
 } // namespace

@@ -4,83 +4,41 @@
 
 #include <cstring>
 
-#ifdef CHAINERMN_WITH_CUDA
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-#endif
-
 namespace chainermn {
 
-#ifdef CHAINERMN_WITH_CUDA
 namespace {
-void* currentStream(at::Device device) {
-  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
-}
-} // namespace
-#endif
-
-Scratch::Scratch(at::Device device) : device_(device) {
-  TORCH_CHECK(
-      device_.is_cpu()
-#ifdef CHAINERMN_WITH_CUDA
-          || device_.is_cuda()
-#endif
-      ,
-      "chainermn: no staging buffers for device ", device_);
-#ifdef CHAINERMN_WITH_CUDA
-  if (device_.is_cuda()) {
-    table_ = std::make_unique<cuda::PartTable>();
+class CpuMover : public Mover {
+ public:
+  void copy(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
   }
-#endif
+  void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) override {
+    packCpu(parts, packed, wire, scale);
+  }
+  void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) override {
+    unpackCpu(packed, wire, parts, scale);
+  }
+};
+} // namespace
+
+std::unique_ptr<Mover> cpuMover() {
+  return std::make_unique<CpuMover>();
+}
+
+Scratch::Scratch(at::Device device, std::unique_ptr<Mover> mover) : device_(device), mover_(std::move(mover)) {
+  if (!mover_) {
+    TORCH_CHECK(device_.is_cpu(), "chainermn: no staging buffers for device ", device_);
+    mover_ = cpuMover();
+  }
 }
 
 Scratch::~Scratch() = default;
 
-void Scratch::copy(void* dst, const void* src, size_t bytes) {
-  if (dst == src || bytes == 0) {
-    return;
-  }
-  if (device_.is_cpu()) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-#ifdef CHAINERMN_WITH_CUDA
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(currentStream(device_))));
-#endif
-}
-
-void Scratch::pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) {
-  if (device_.is_cpu()) {
-    packCpu(parts, packed, wire, scale);
-    return;
-  }
-#ifdef CHAINERMN_WITH_CUDA
-  cuda::pack(*table_, parts, packed, wire, scale, currentStream(device_));
-#endif
-}
-
-void Scratch::unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) {
-  if (device_.is_cpu()) {
-    unpackCpu(packed, wire, parts, scale);
-    return;
-  }
-#ifdef CHAINERMN_WITH_CUDA
-  cuda::unpack(*table_, packed, wire, parts, scale, currentStream(device_));
-#endif
-}
-
 size_t Scratch::bytesHeld() const {
-  size_t total = 0;
+  size_t total = mover_->bytesHeld();
   for (const auto& buffer : buffers_) {
     total += buffer.defined() ? static_cast<size_t>(buffer.numel()) : 0;
   }
-#ifdef CHAINERMN_WITH_CUDA
-  if (table_) {
-    total += table_->bytesHeld();
-  }
-#endif
   return total;
 }
 

@@ -1,9 +1,10 @@
-// Staging buffers of the group's worker: they grow to the largest request and are then reused, so
-// the hot path allocates nothing once warmed up. Only the worker thread touches them.
+// Staging buffers of a group on one device: they grow to the largest request and are then reused, so
+// the hot path allocates nothing once warmed up. Only the thread that runs the group's ops on that
+// device touches them (the worker; for CUDA over NCCL, the launching caller, under the device's lock).
 //
 // A Scratch lives on one device. It also moves bytes on that device (copy, pack, unpack) so that
 // strategies, which only see a Scratch and Communicators, never name a library: on the CPU these are
-// memcpy and loops; on CUDA they run on the current stream (the group's, on the worker thread) and
+// memcpy and loops; on CUDA they run on the current stream (the group's, in an op's scope) and
 // pack/unpack are one kernel launch each.
 #pragma once
 
@@ -39,11 +40,27 @@ enum class Slot : int {
   StrategyBlock = 3,  // a strategy's one-block buffer
 };
 
+// How a Scratch moves bytes on its device: memcpy and loops on the CPU (cpuMover, kernels/pack.h); on
+// CUDA, copies and one-kernel packs on the current stream (cuda/pack_kernels.h).
+class Mover {
+ public:
+  virtual ~Mover() = default;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) = 0;
+  virtual void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) = 0;
+  // Bytes the mover itself holds (a device's table of parts).
+  virtual size_t bytesHeld() const {
+    return 0;
+  }
+};
+std::unique_ptr<Mover> cpuMover();
+
 class Scratch {
  public:
   static constexpr int kSlots = 4;
 
-  explicit Scratch(at::Device device = at::kCPU);
+  // `mover` moves bytes on `device`; null: the CPU's (then `device` must be the CPU).
+  explicit Scratch(at::Device device = at::kCPU, std::unique_ptr<Mover> mover = nullptr);
   ~Scratch();
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -71,13 +88,21 @@ class Scratch {
   }
 
   // Bytes of device memory on this Scratch's device (non-overlapping, or equal pointers: a no-op).
-  void copy(void* dst, const void* src, size_t bytes);
+  void copy(void* dst, const void* src, size_t bytes) {
+    if (dst != src && bytes > 0) {
+      mover_->copy(dst, src, bytes);
+    }
+  }
 
   // The parts back to back into `packed` in the wire dtype, cast and scaled in one pass (see
   // kernels/pack.h); unpack is the reverse. Parts already in the wire dtype with scale 1 are moved
   // as bytes (any dtype; only floating dtypes are cast). `packed` may be a single part itself.
-  void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale);
-  void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale);
+  void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) {
+    mover_->pack(parts, packed, wire, scale);
+  }
+  void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) {
+    mover_->unpack(packed, wire, parts, scale);
+  }
 
   // Bytes held in all slots (for tests that check nothing grows after warm-up).
   size_t bytesHeld() const;
@@ -85,9 +110,7 @@ class Scratch {
  private:
   at::Device device_;
   std::array<at::Tensor, kSlots> buffers_;
-#ifdef CHAINERMN_WITH_CUDA
-  std::unique_ptr<cuda::PartTable> table_;  // CUDA only: the pack kernels' table of parts
-#endif
+  std::unique_ptr<Mover> mover_;
 };
 
 } // namespace chainermn

@@ -11,6 +11,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <map>
 #include <mutex>
 
 namespace py = pybind11;
@@ -55,6 +57,32 @@ class ScriptedEnd : public Request {
   int index_;
 };
 
+// The cross-rank verdict on a launched op, given by the test (check()): "" agrees, else the ValueError
+// a disagreement raises.
+class Verdict {
+ public:
+  void give(const std::string& mismatch) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      mismatch_ = mismatch;
+      given_ = true;
+    }
+    cv_.notify_all();
+  }
+  // On the worker: waits for the test's verdict (at most 30 s) and throws a disagreement.
+  void await() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    TORCH_CHECK(cv_.wait_for(lock, std::chrono::seconds(30), [this] { return given_; }), "no verdict given");
+    TORCH_CHECK_VALUE(mismatch_.empty(), mismatch_);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool given_ = false;
+  std::string mismatch_;
+};
+
 class DeviceQueue {
  public:
   explicit DeviceQueue(double timeoutSeconds)
@@ -65,18 +93,38 @@ class DeviceQueue {
   // Posts an all_reduce whose kernels "run" until finish() passes it.
   c10::intrusive_ptr<c10d::Work> post() {
     const int index = posted_++;
-    auto work = c10::make_intrusive<WorkChainerMN>(
-        c10d::OpType::ALLREDUCE,
-        WorkChainerMN::Label{"all_reduce", "nccl", 0, 1, timeout_},
-        static_cast<uint64_t>(index + 1),
-        std::vector<at::Tensor>{},
-        Clock::now() + timeout_);
+    auto work = makeWork(index, "nccl");
     worker_->enqueue(work, [finished = finished_, index] {
       Pending queued(std::make_unique<ScriptedEnd>(finished, index));
       queued.onDevice = true;
       return queued;
     });
     return work;
+  }
+
+  // An all_reduce launched on the caller's thread, as over NCCL: queued at once (its Work completes
+  // when queued), watched by the watchdog, and, when `checked`, completed only once its cross-rank
+  // check, run on the worker beside it, has the test's verdict (check()).
+  c10::intrusive_ptr<c10d::Work> launch(bool checked) {
+    const int index = posted_++;
+    auto work = makeWork(index, "nccl");
+    work->completeQueued();
+    worker_->watchOnDevice(work, std::make_unique<ScriptedEnd>(finished_, index), checked);
+    if (checked) {
+      auto verdict = std::make_shared<Verdict>();
+      verdicts_[index] = verdict;
+      worker_->enqueueCheck(makeWork(index, "gloo"), work, [verdict] { verdict->await(); });
+    }
+    return work;
+  }
+
+  // The ranks' verdict on launched op `index`: "" when they agree, else the disagreement.
+  void check(int index, const std::string& mismatch) {
+    verdicts_.at(index)->give(mismatch);
+  }
+
+  void drain() {
+    worker_->drain();
   }
 
   // The device has run the first `count` ops.
@@ -91,11 +139,21 @@ class DeviceQueue {
   }
 
  private:
+  c10::intrusive_ptr<WorkChainerMN> makeWork(int index, const char* transport) const {
+    return c10::make_intrusive<WorkChainerMN>(
+        c10d::OpType::ALLREDUCE,
+        WorkChainerMN::Label{"all_reduce", transport, 0, 1, timeout_},
+        static_cast<uint64_t>(index + 1),
+        std::vector<at::Tensor>{},
+        Clock::now() + timeout_);
+  }
+
   const std::chrono::milliseconds timeout_;
   std::shared_ptr<ScriptedDevice> device_;
   std::shared_ptr<std::atomic<int>> finished_ = std::make_shared<std::atomic<int>>(0);
   std::unique_ptr<Worker> worker_;
   int posted_ = 0;
+  std::map<int, std::shared_ptr<Verdict>> verdicts_;
 };
 
 } // namespace
@@ -106,6 +164,12 @@ void bindWorkerTesting(py::module_& testing) {
       testing, "DeviceQueue", "A Worker whose ops end on a scripted device (the watchdog's CUDA path)")
       .def(py::init<double>(), py::arg("timeout") = 30.0)
       .def("post", &DeviceQueue::post, noGil, "An all_reduce queued on the device; returns its Work")
+      .def("launch", &DeviceQueue::launch, noGil,
+           "An all_reduce launched on the caller's thread (as over NCCL); checked: its cross-rank check "
+           "waits for check()", py::arg("checked") = true)
+      .def("check", &DeviceQueue::check, noGil, "The ranks' verdict on launched op `index`", py::arg("index"),
+           py::arg("mismatch") = "")
+      .def("drain", &DeviceQueue::drain, noGil, "Waits for everything posted, the device's work included")
       .def("finish", &DeviceQueue::finish, "The device has run the first `count` ops", py::arg("count"))
       .def("set_error", &DeviceQueue::setError, "What the transports report as an asynchronous error",
            py::arg("error"))
