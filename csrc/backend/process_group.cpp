@@ -193,8 +193,10 @@ void ProcessGroupChainerMN::launch(
     work->fail(backendError("chainermn " + work->description() + ": not run, " + broken));
     return;
   }
+  // The launch and the check's place in the worker's queue under one lock: ops posted from several
+  // threads keep one order for both.
+  auto launching = lockDeviceLaunches(device);
   try {
-    auto launching = lockDeviceLaunches(device);
     auto scope = enterCuda(context_->cuda, *context_->strategy, context_->buildCuda, device, markCallerStream(used.front()));
     DeviceContext& cuda = *context_->cuda;
     keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind

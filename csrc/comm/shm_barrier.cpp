@@ -108,7 +108,7 @@ void Barrier::waitFor(int r, uint32_t target) {
       return;
     }
     const auto now = std::chrono::steady_clock::now();
-    checkPeer(r, start, now);
+    checkPeer(r, target, start, now);
     if (now - start < kYieldFor) {
       sched_yield();
       continue;
@@ -124,12 +124,14 @@ void Barrier::waitFor(int r, uint32_t target) {
 // Fails fast when the peer's process is gone, and at the timeout when it is only absent.
 void Barrier::checkPeer(
     int r,
+    uint32_t target,
     std::chrono::steady_clock::time_point start,
     std::chrono::steady_clock::time_point now) {
   if (watchPids_ && now - lastLivenessCheck_ > std::chrono::milliseconds(50)) {
     lastLivenessCheck_ = now;
     const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
-    if (pid > 0 && !processAlive(pid)) {
+    // A peer that arrived and then exited (its last barrier before a clean exit) did its part.
+    if (pid > 0 && !processAlive(pid) && !reached(flags_[r].sequence.load(std::memory_order_acquire), target)) {
       C10_THROW_ERROR(
           DistBackendError,
           "shared memory: local rank " + std::to_string(r) + " of this node (pid " + std::to_string(pid) +

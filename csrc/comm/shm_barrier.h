@@ -31,7 +31,8 @@ class Barrier {
 
  private:
   void waitFor(int r, uint32_t target);
-  void checkPeer(int r, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point now);
+  // Throws when peer r died before reaching `target`, or when the timeout has passed since `start`.
+  void checkPeer(int r, uint32_t target, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point now);
 
   Flag* flags_;
   const int rank_;

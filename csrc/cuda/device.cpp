@@ -1,5 +1,15 @@
 #include "cuda/device.h"
 
+// torch's header pads its locks with std::hardware_destructive_interference_size, which GCC 12+
+// warns about in every includer; the value is torch's business, not ours.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winterference-size"
+#endif
+#include <ATen/core/CachingHostAllocator.h>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#pragma GCC diagnostic pop
+#endif
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -113,6 +123,19 @@ void recordUse(const std::vector<at::Tensor>& tensors, const c10::cuda::CUDAStre
       c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), stream);
     }
   }
+}
+
+void markUsedBy(const at::Tensor& pinned, const c10::cuda::CUDAStream& stream) {
+  const bool recorded = at::getHostAllocator(at::kCUDA)->record_event(
+      pinned.data_ptr(), pinned.storage().data_ptr().get_context(), stream.unwrap());
+  TORCH_CHECK(recorded, "chainermn: pinned memory that torch's CUDA host allocator does not know");
+}
+
+at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream) {
+  at::Tensor pinned =
+      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  markUsedBy(pinned, stream);
+  return pinned;
 }
 
 } // namespace chainermn::cuda

@@ -67,4 +67,16 @@ class OnStream {
 // allocator will not hand it out earlier even if the caller drops the tensors (recordStream).
 void recordUse(const std::vector<at::Tensor>& tensors, const c10::cuda::CUDAStream& stream);
 
+// Pinned host memory from torch's caching host allocator, never cudaMallocHost/cudaFreeHost (nor
+// device memory from cudaMalloc/cudaFree: the caching allocator serves it): cudaFree and
+// cudaFreeHost synchronize the whole device, so on a thread of ours they would wait for every
+// kernel of every process group, one of which can be an NCCL kernel of another group waiting for a
+// peer that waits for this process: a deadlock. ProcessGroupNCCL takes its memory from torch's
+// allocators for the same reason. The block is marked as used by `stream` (markUsedBy): once
+// released, the allocator records an event there and hands the block out again only after the
+// stream has passed it, so a copy still queued out of or into it never touches reused memory, and
+// releasing it never waits.
+at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream);
+void markUsedBy(const at::Tensor& pinned, const c10::cuda::CUDAStream& stream);
+
 } // namespace chainermn::cuda

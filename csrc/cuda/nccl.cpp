@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -67,6 +68,7 @@ class NcclTransport : public Transport {
     // A communicator neither closed nor aborted (the process is exiting without destroying the
     // group): the driver may be going away; abort rather than finalize, which could wait.
     if (!ended_.load()) {
+      c10::cuda::CUDAGuard guard(device_);
       ncclCommAbort(comm_);
     }
   }
@@ -233,6 +235,7 @@ class NcclTransport : public Transport {
     std::unique_lock<std::timed_mutex> lock(mutex_, std::defer_lock);
     (void)lock.try_lock_for(kAbortWait);
     if (!ended_.exchange(true)) {
+      c10::cuda::CUDAGuard guard(device_);  // the watchdog's thread: not a context on GPU 0
       ncclCommAbort(comm_);
     }
   }
@@ -242,9 +245,10 @@ class NcclTransport : public Transport {
     if (ended_.load() || abortStarted_.load()) {
       return;
     }
+    c10::cuda::CUDAGuard guard(device_);
     // The process group waited for the work it queued; finalize flushes what NCCL still holds,
     // then destroy frees it. A finalize that does not settle in time (a peer gone) is aborted.
-    const auto deadline = Clock::now() + timeout_;
+    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, kFinalizeLimit);
     const ncclResult_t flushed =
         settle(comm_, ncclCommFinalize(comm_), deadline, [this] { return abortStarted_.load(); });
     ended_.store(true);
@@ -257,6 +261,9 @@ class NcclTransport : public Transport {
 
  private:
   static constexpr auto kAbortWait = std::chrono::seconds(2);
+  // The process group has waited for its work before close(): what finalize flushes then is NCCL's
+  // own bookkeeping. A process on its way out does not wait the group timeout for a gone peer.
+  static constexpr auto kFinalizeLimit = std::chrono::milliseconds(10000);
 
   // One Transport call: holds the communicator (abort() waits for the call), refuses one that was
   // aborted, waits for a non-blocking call to settle, and turns NCCL's result codes into errors

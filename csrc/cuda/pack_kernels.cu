@@ -7,16 +7,8 @@
 // pack) are moved as raw bytes by the same kernel shape.
 #include "cuda/pack_kernels.h"
 
-// torch's header pads its locks with std::hardware_destructive_interference_size, which GCC 12+
-// warns about in every includer; the value is torch's business, not ours.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Winterference-size"
-#endif
-#include <ATen/core/CachingHostAllocator.h>
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#pragma GCC diagnostic pop
-#endif
+#include "cuda/device.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -170,27 +162,6 @@ int blocksFor(int64_t total) {
 }
 
 constexpr int kTableSlots = 8;
-
-// Pinned host memory from torch's caching host allocator, never cudaMallocHost/cudaFreeHost (nor
-// cudaMalloc/cudaFree for the device table, below): cudaFree and cudaFreeHost synchronize the whole
-// device, so on the worker thread they would wait for every kernel of every process group, and one
-// of those can be an NCCL kernel of another group that waits for a peer which is itself waiting
-// for this process: a deadlock. ProcessGroupNCCL takes its memory from torch's allocators for the
-// same reason. The block is marked as used by `stream`: when it is released, the allocator records
-// an event on the stream and hands the block out again only after the stream has passed it, so a
-// copy still queued out of it never reads reused memory, and releasing it never waits.
-void markUsedBy(const at::Tensor& pinned, const c10::cuda::CUDAStream& stream) {
-  const bool recorded = at::getHostAllocator(at::kCUDA)->record_event(
-      pinned.data_ptr(), pinned.storage().data_ptr().get_context(), stream.unwrap());
-  TORCH_CHECK(recorded, "chainermn: pinned memory that torch's CUDA host allocator does not know");
-}
-
-at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream) {
-  at::Tensor pinned =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  markUsedBy(pinned, stream);
-  return pinned;
-}
 
 } // namespace
 

@@ -1,15 +1,7 @@
 #include "cuda/staged.h"
 
-// torch's header pads its locks with std::hardware_destructive_interference_size, which GCC 12+
-// warns about in every includer; the value is torch's business, not ours.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Winterference-size"
-#endif
-#include <ATen/core/CachingHostAllocator.h>
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#pragma GCC diagnostic pop
-#endif
+#include "cuda/device.h"
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -26,22 +18,7 @@
 namespace chainermn::staged {
 namespace {
 
-// Pinned host memory from torch's caching host allocator, never cudaMallocHost/cudaFreeHost:
-// cudaFreeHost (like cudaFree) synchronizes the whole device, so on the worker thread it would wait
-// for every kernel of every process group, and one of those can be an NCCL kernel of another group
-// that waits for a peer which is itself waiting for this process: a deadlock. ProcessGroupNCCL
-// takes its memory from torch's allocators for the same reason. The block is marked as used by
-// `stream`: when it is released, the allocator records an event on the stream and hands the block
-// out again only after the stream has passed it, so a copy still queued out of or into it never
-// touches reused memory, and releasing it never waits for the stream.
-at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream) {
-  at::Tensor pinned =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  const bool recorded = at::getHostAllocator(at::kCUDA)->record_event(
-      pinned.data_ptr(), pinned.storage().data_ptr().get_context(), stream.unwrap());
-  TORCH_CHECK(recorded, "chainermn: pinned memory that torch's CUDA host allocator does not know");
-  return pinned;
-}
+using cuda::pinnedFor;
 
 // One pinned host buffer that only grows.
 class Pinned {
