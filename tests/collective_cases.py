@@ -578,6 +578,17 @@ def coalesced_case(dtype_name: str, device="cpu", ops=("SUM",)):
         manager.wait()
         for out, expected in zip(outputs, expected_gathers):
             assert_same(out, expected, "all_gather_into_tensor under _coalescing_manager")
+        # With a device, torch ends the window with endCoalescing, which has no transfers to start:
+        # what it returns must be the window's last op (all_reduce_coalesced here), or wait() would
+        # return before the sums are in.
+        sums = [small_values(rank + i, (n,), dtype, device) for i, n in enumerate(sizes)]
+        with dist._coalescing_manager(device=torch.device(device), async_ops=True) as manager:
+            for tensor in sums:
+                dist.all_reduce(tensor, async_op=True)
+        manager.wait()
+        for i, (n, tensor) in enumerate(zip(sizes, sums)):
+            expected = reference_reduce([small_values(r + i, (n,), dtype) for r in range(size)], "SUM")
+            assert_same(tensor, expected, "all_reduce under _coalescing_manager(device=...)")
 
         for op in ops:
             blocks = (2, 3)

@@ -420,17 +420,6 @@ def nccl_readiness_cases():
         dist.barrier()
         dist.barrier(async_op=True).wait()
 
-    def an_empty_coalescing_window_returns_its_last_op():
-        from torch.distributed.distributed_c10d import _coalescing_manager
-
-        tensors = [torch.full((4,), float(rank), device="cuda") for _ in range(2)]
-        with _coalescing_manager(device=torch.device("cuda"), async_ops=True) as manager:
-            for tensor in tensors:
-                dist.all_reduce(tensor)
-        manager.wait()
-        expected = float(sum(range(size)))
-        assert all(torch.equal(t.cpu(), torch.full((4,), expected)) for t in tensors)
-
     def destroy_flushes_queued_work():
         group = dist.new_group(list(range(size)))
         tensor = torch.ones(1 << 20, device="cuda")
@@ -443,7 +432,6 @@ def nccl_readiness_cases():
     case("refuses any source on the caller", refuses_any_source_on_the_caller)
     case("premul_sum with a device factor", premul_sum_with_a_device_factor)
     case("barrier orders the device", barrier_orders_the_device)
-    case("an empty coalescing window returns its last op", an_empty_coalescing_window_returns_its_last_op)
     case("destroy flushes queued work", destroy_flushes_queued_work)
     torch.cuda.synchronize()
     return outcome

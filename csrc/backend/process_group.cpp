@@ -63,8 +63,10 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   worker_ = std::make_unique<Worker>(setup.name, std::move(health), deviceComms_);
 }
 
+// Without shutdown() first (destroy_process_group calls it), as ProcessGroupNCCL's destructor: what is
+// still queued is not waited for (the destroying thread may hold the GIL, which a worker releasing
+// a tensor may need), and NCCL's communicators are aborted by their transports.
 ProcessGroupChainerMN::~ProcessGroupChainerMN() {
-  shutdown();
   worker_.reset();
 }
 
@@ -76,9 +78,9 @@ void ProcessGroupChainerMN::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_.store(timeout.count());
 }
 
-// Waits for what was issued, the GPU's work included (bounded by the ops' deadlines), then ends the
-// device transports: a healthy group's NCCL communicators are finalized and destroyed, so that work
-// still queued is flushed, not dropped; a broken group's were aborted already.
+// destroy_process_group: waits for what was issued, the GPU's work included (bounded by the ops'
+// deadlines), then ends the device transports: a healthy group's NCCL communicators are finalized and
+// destroyed, so that work still queued is flushed, not dropped; a broken group's were aborted already.
 void ProcessGroupChainerMN::shutdown() {
   worker_->drain();
   if (worker_->brokenReason().empty()) {
