@@ -68,21 +68,26 @@ void Worker::State::breakGroup(std::unique_lock<std::mutex>& lock, const std::st
       pending.push_back(entry.work);
     }
   }
+  std::vector<c10::intrusive_ptr<WorkChainerMN>> queuedOnDevice;
   for (auto& entry : onDevice) {
-    pending.push_back(entry.work);
+    queuedOnDevice.push_back(entry.work);
   }
   onDevice.clear();  // the abort below ends their kernels: nothing is left to watch
   auto queued = takeQueued();
   lock.unlock();
-  // Failed before the abort ends their kernels: a wait() that blocks the host on the device
-  // (a barrier) finds the failure when the device lets it go.
-  for (auto& work : pending) {
+  // Work already completed when queued fails without running callbacks: before the abort ends its
+  // kernels, so a wait() that blocks the host on the device (a barrier) finds the failure then.
+  for (auto& work : queuedOnDevice) {
     work->fail(backendError("chainermn " + work->description() + ": " + reason));
   }
   if (device) {
     // Kernels waiting on a peer that is gone or gave up would never return: NCCL's abort ends them,
-    // so the streams that wait on them (the caller's too) move on.
+    // so the streams that wait on them (the caller's too) move on. Before the other failures, whose
+    // callbacks may wait for the device.
     device->abort();
+  }
+  for (auto& work : pending) {
+    work->fail(backendError("chainermn " + work->description() + ": " + reason));
   }
   failAll(queued, "not run, " + reason);
   lock.lock();
