@@ -1,5 +1,7 @@
 #include "backend/device_context.h"
 
+#include "backend/transports.h"
+
 #include <c10/util/Exception.h>
 
 #ifdef CHAINERMN_WITH_CUDA
@@ -17,9 +19,9 @@ bool cudaBuilt() {
   return false;
 }
 
-TransportSet makeCudaTransports(
-    c10d::Store&, const Topology&, std::chrono::milliseconds, const std::string&, const TransportSet&, c10::DeviceIndex, void*) {
-  TORCH_CHECK(false, "chainermn: this build handles CPU tensors only");
+CudaTransportsBuilder cudaTransportsBuilder(
+    const GroupSetup&, const std::string&, const TransportSet&, std::shared_ptr<WatchedTransports>) {
+  return nullptr;
 }
 
 std::string ncclVersion() {
@@ -71,15 +73,19 @@ bool cudaBuilt() {
   return true;
 }
 
-TransportSet makeCudaTransports(
-    c10d::Store& store,
-    const Topology& topology,
-    std::chrono::milliseconds timeout,
+CudaTransportsBuilder cudaTransportsBuilder(
+    const GroupSetup& setup,
     const std::string& cudaTransport,
     const TransportSet& host,
-    c10::DeviceIndex device,
-    void* stream) {
-  return cuda::buildTransports(store, topology, timeout, cudaTransport, host, device, stream);
+    std::shared_ptr<WatchedTransports> watched) {
+  // Not the host factory, which may hold Python objects.
+  return [store = setup.store, topology = setup.topology, timeout = setup.timeout, cudaTransport, host, watched](
+             c10::DeviceIndex device, void* stream) {
+    const std::string kind = cudaTransportsAllNccl(cudaTransport, topology) ? "nccl" : cudaTransport;
+    TransportSet set = cuda::buildTransports(*store, topology, timeout, kind, host, device, stream);
+    watched->watch(set);
+    return set;
+  };
 }
 
 std::string ncclVersion() {

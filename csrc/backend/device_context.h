@@ -18,9 +18,6 @@
 #include "strategies/strategy.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
-#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -42,17 +39,6 @@ struct DeviceContext {
 
 // Makes a CUDA device's transports, given the device and the group's stream there (a cudaStream_t).
 using CudaTransportsBuilder = std::function<TransportSet(c10::DeviceIndex device, void* stream)>;
-
-// A group's CUDA transports (cuda/device_transports.h): collective over the group. `cudaTransport` is
-// "nccl", "nccl_intra" (across nodes) or "staged".
-TransportSet makeCudaTransports(
-    c10d::Store& store,
-    const Topology& topology,
-    std::chrono::milliseconds timeout,
-    const std::string& cudaTransport,
-    const TransportSet& host,
-    c10::DeviceIndex device,
-    void* stream);
 
 // True when this build handles CUDA tensors (compiled with CHAINERMN_WITH_CUDA).
 bool cudaBuilt();

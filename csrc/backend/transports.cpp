@@ -75,22 +75,4 @@ void WatchedTransports::abort() {
   }
 }
 
-CudaTransportsBuilder cudaTransportsBuilder(
-    const GroupSetup& setup,
-    const std::string& cudaTransport,
-    const TransportSet& host,
-    std::shared_ptr<WatchedTransports> watched) {
-  if (!cudaBuilt()) {
-    return nullptr;
-  }
-  // Not the host factory, which may hold Python objects.
-  return [store = setup.store, topology = setup.topology, timeout = setup.timeout, cudaTransport, host, watched](
-             c10::DeviceIndex device, void* stream) {
-    const bool allNccl = cudaTransportsAllNccl(cudaTransport, topology);
-    TransportSet set = makeCudaTransports(*store, topology, timeout, allNccl ? "nccl" : cudaTransport, host, device, stream);
-    watched->watch(set);
-    return set;
-  };
-}
-
 } // namespace chainermn

@@ -56,7 +56,8 @@ class WatchedTransports : public DeviceComms {
 
 // The builder of a group's CUDA transports (collective over the group, at its first CUDA op, on
 // the thread that launches its CUDA work): `host` is the group's CPU transports (what "staged"
-// stages through); what it builds is added to `watched`. Null in a build without CUDA.
+// stages through); what it builds is added to `watched`. Null in a build without CUDA. Defined in
+// device_context.cpp, the backend's one door to csrc/cuda/.
 CudaTransportsBuilder cudaTransportsBuilder(
     const GroupSetup& setup,
     const std::string& cudaTransport,
