@@ -68,8 +68,7 @@ class NcclTransport : public Transport {
     // A communicator neither closed nor aborted (the process is exiting without destroying the
     // group): the driver may be going away; abort rather than finalize, which could wait.
     if (!ended_.load()) {
-      c10::cuda::CUDAGuard guard(device_);
-      ncclCommAbort(comm_);
+      onOwnDevice([this] { ncclCommAbort(comm_); });
     }
   }
 
@@ -235,8 +234,7 @@ class NcclTransport : public Transport {
     std::unique_lock<std::timed_mutex> lock(mutex_, std::defer_lock);
     (void)lock.try_lock_for(kAbortWait);
     if (!ended_.exchange(true)) {
-      c10::cuda::CUDAGuard guard(device_);  // the watchdog's thread: not a context on GPU 0
-      ncclCommAbort(comm_);
+      onOwnDevice([this] { ncclCommAbort(comm_); });  // the watchdog's thread: not a context on GPU 0
     }
   }
 
@@ -245,21 +243,34 @@ class NcclTransport : public Transport {
     if (ended_.load() || abortStarted_.load()) {
       return;
     }
-    c10::cuda::CUDAGuard guard(device_);
+    ended_.store(true);
     // The process group waited for the work it queued; finalize flushes what NCCL still holds,
     // then destroy frees it. A finalize that does not settle in time (a peer gone) is aborted.
-    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, kFinalizeLimit);
-    const ncclResult_t flushed =
-        settle(comm_, ncclCommFinalize(comm_), deadline, [this] { return abortStarted_.load(); });
-    ended_.store(true);
-    if (flushed == ncclSuccess) {
-      ncclCommDestroy(comm_);
-    } else {
-      ncclCommAbort(comm_);
-    }
+    onOwnDevice([this] {
+      const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout_, kFinalizeLimit);
+      const ncclResult_t flushed =
+          settle(comm_, ncclCommFinalize(comm_), deadline, [this] { return abortStarted_.load(); });
+      if (flushed == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    });
   }
 
  private:
+  // Runs `end` (the NCCL calls that end the communicator, on the watchdog's or a destroying thread)
+  // with its device current. Never throws: with the runtime gone (process exit), `end` runs anyway.
+  template <typename End>
+  void onOwnDevice(End&& end) noexcept {
+    std::optional<c10::cuda::CUDAGuard> guard;
+    try {
+      guard.emplace(device_);
+    } catch (...) {
+    }
+    end();
+  }
+
   static constexpr auto kAbortWait = std::chrono::seconds(2);
   // The process group has waited for its work before close(): what finalize flushes then is NCCL's
   // own bookkeeping. A process on its way out does not wait the group timeout for a gone peer.
