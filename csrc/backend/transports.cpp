@@ -2,7 +2,6 @@
 
 #include "comm/shm.h"
 
-
 #include <algorithm>
 
 namespace chainermn {
@@ -31,14 +30,6 @@ bool cudaTransportHasBitwise(const std::string& cudaTransport) {
 
 bool cudaTransportsAllNccl(const std::string& cudaTransport, const Topology& topology) {
   return cudaTransport == "nccl" || (cudaTransport == "nccl_intra" && topology.interSize == 1);
-}
-
-void closeTransports(const TransportSet& set) {
-  for (const auto& transport : {set.world, set.intra, set.inter}) {
-    if (transport) {
-      transport->close();  // idempotent: levels may share one
-    }
-  }
 }
 
 void WatchedTransports::close() {

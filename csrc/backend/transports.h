@@ -37,9 +37,6 @@ bool cudaTransportHasBitwise(const std::string& cudaTransport);
 // any source is impossible.
 bool cudaTransportsAllNccl(const std::string& cudaTransport, const Topology& topology);
 
-// Closes them all once their work is done (Transport::close), from the thread destroying the group.
-void closeTransports(const TransportSet& set);
-
 // A group's device transports as the watchdog sees them (DeviceComms): the CUDA transports are
 // added when the group's first CUDA op builds them; asked and aborted from the watchdog's thread.
 class WatchedTransports : public DeviceComms {
@@ -47,6 +44,7 @@ class WatchedTransports : public DeviceComms {
   void watch(const TransportSet& set);
   std::string asyncError() override;
   void abort() override;
+  // Each once their work is done (Transport::close), from the thread shutting the group down.
   void close();
 
  private:

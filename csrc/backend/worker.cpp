@@ -108,67 +108,53 @@ void Worker::State::run(QueuedOp& op) {
 
 // Returns true when some request made progress. The requests are tested without the lock: a staged
 // receive's test copies to the device and waits for it, and the watchdog and every enqueue would
-// stall behind it. Only this thread adds to or removes from inFlight, so the entries stay put.
+// stall behind it. Only this thread removes entries from inFlight, so the pointers stay valid.
 bool Worker::State::progressInFlight() {
-  std::vector<Request*> testing;
   {
     std::lock_guard<std::mutex> lock(mutex);
+    if (inFlight.empty()) {
+      return false;
+    }
+    testing.clear();
     for (auto& entry : inFlight) {
-      testing.push_back(entry.request.get());
+      testing.push_back({entry.request.get(), entry.work.get()});
     }
   }
-  std::vector<Request*> over;
-  std::vector<std::exception_ptr> errors;
-  for (size_t i = 0; i < testing.size(); ++i) {
-    std::exception_ptr error;
-    bool done = false;
+  std::vector<std::pair<Request*, std::exception_ptr>> over;  // done, and how
+  for (auto [request, work] : testing) {
     try {
-      done = testing[i]->test();
+      if (request->test()) {
+        over.emplace_back(request, nullptr);
+      }
     } catch (const std::exception& e) {
-      done = true;
-      error = std::current_exception();
-    }
-    if (done) {
-      over.push_back(testing[i]);
-      errors.push_back(error);
+      over.emplace_back(request, failure(*work, e));
     }
   }
   if (over.empty()) {
     return false;
   }
-  std::vector<InFlight> finished;
-  std::vector<std::exception_ptr> failures;
+  std::vector<std::pair<InFlight, std::exception_ptr>> finished;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    for (size_t i = 0; i < over.size(); ++i) {
-      auto it = std::find_if(inFlight.begin(), inFlight.end(), [&](const InFlight& entry) { return entry.request.get() == over[i]; });
-      if (it == inFlight.end()) {
-        continue;
+    for (auto& [request, error] : over) {
+      auto it = std::find_if(inFlight.begin(), inFlight.end(), [r = request](const InFlight& entry) { return entry.request.get() == r; });
+      if (it != inFlight.end()) {
+        finished.emplace_back(std::move(*it), error);
+        inFlight.erase(it);
       }
-      std::exception_ptr failed;
-      if (errors[i]) {
-        try {
-          std::rethrow_exception(errors[i]);
-        } catch (const std::exception& e) {
-          failed = failure(*it->work, e);
-        }
-      }
-      finished.push_back(std::move(*it));
-      failures.push_back(failed);
-      inFlight.erase(it);
     }
   }
-  for (size_t i = 0; i < finished.size(); ++i) {
-    finished[i].body = nullptr;  // release the tensors before completing (see run())
-    if (failures[i]) {
-      finished[i].work->fail(failures[i]);
+  for (auto& [entry, error] : finished) {
+    entry.body = nullptr;  // release the tensors before completing (see run())
+    if (error) {
+      entry.work->fail(error);
     } else {
-      finished[i].work->setSourceRank(finished[i].request->source());
-      finished[i].work->complete();
+      entry.work->setSourceRank(entry.request->source());
+      entry.work->complete();
     }
   }
   idle.notify_all();
-  return !finished.empty();
+  return true;
 }
 
 bool Worker::State::progress() {

@@ -59,6 +59,7 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   std::deque<QueuedOp> queue;
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
   std::vector<InFlight> inFlight;
+  std::vector<std::pair<Request*, WorkChainerMN*>> testing;  // worker only: progressInFlight's snapshot
   std::deque<OnDevice> onDevice;  // in stream order: the watchdog watches them end (watchdog.cpp)
   std::string brokenReason;
   std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
