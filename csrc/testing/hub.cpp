@@ -96,6 +96,7 @@ Hub::Hub(Run& run, std::string key, std::vector<int> ranks)
       key_(std::move(key)),
       ranks_(std::move(ranks)),
       arrived_(ranks_.size(), false),
+      gaveUp_(ranks_.size(), false),
       posts_(ranks_.size()),
       sends_(ranks_.size()),
       recvs_(ranks_.size()) {}
@@ -125,6 +126,7 @@ bool Hub::rendezvous(std::unique_lock<std::mutex>& lock, int index, bool abortab
     if (timedOut || (abortable && step_ == step && run_.aborted())) {
       // Leave: the step can no longer complete, so no peer will ever read this rank's buffers.
       arrived_[index] = false;
+      gaveUp_[index] = true;
       --arrivals_;
       return false;
     }
@@ -135,7 +137,7 @@ bool Hub::rendezvous(std::unique_lock<std::mutex>& lock, int index, bool abortab
 void Hub::leave(std::unique_lock<std::mutex>& lock, int index, const char* op) {
   std::string missing;
   for (int r = 0; r < size(); ++r) {
-    if (!arrived_[r] && r != index) {
+    if (!arrived_[r] && !gaveUp_[r] && r != index) {
       missing += (missing.empty() ? "" : ", ") + std::to_string(ranks_[r]);
     }
   }

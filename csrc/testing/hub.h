@@ -143,6 +143,7 @@ class Hub {
   std::condition_variable changed_;
   uint64_t step_ = 0;           // completed rendezvous (exchange and close each count one)
   std::vector<bool> arrived_;   // at the current rendezvous
+  std::vector<bool> gaveUp_;    // came, waited the timeout and left: not one that "never came"
   int arrivals_ = 0;
   std::vector<Post> posts_;
   std::vector<std::vector<Pending>> sends_;  // per receiver, in posting order
