@@ -440,3 +440,75 @@ def nccl_readiness_cases():
 @pytest.mark.parametrize("config", config_names())
 def test_what_a_first_gpu_run_would_hit(config):
     check_outcomes(run_cuda(nccl_readiness_cases, 2, config, timeout=300, op_timeout=120))
+
+
+# ---- gradient compression's kernels: CUDA against the CPU (kernels/quantize.h) ---------------------
+
+QUANTIZE_SIZES = [0, 1, 17, 1000, 100003, (1 << 20) + 5]
+
+
+def quantize_on(device, kind, residual, add, chunk, threshold):
+    """(block, residual after) of the kernel on `device`, both copied back to the CPU."""
+    residual = residual.to(device)
+    add = None if add is None else add.to(device)
+    block = torch_chainermn._C.testing.quantize(kind, add, residual, chunk, threshold)
+    return block.cpu(), residual.cpu()
+
+
+def dequantize_on(device, kind, block, out, count, threshold, accumulate):
+    out = out.to(device)
+    torch_chainermn._C.testing.dequantize(kind, block.to(device), out, count, threshold, accumulate)
+    return out.cpu()
+
+
+def quantize_cases():
+    """(n, chunk, residual, add or None): every size, as a whole block and as a short last one (the
+    tail words zeroed), with and without `add`."""
+    generator = torch.Generator().manual_seed(7)
+    for n in QUANTIZE_SIZES:
+        for chunk in (n, n + 40):
+            for with_add in (True, False):
+                residual = torch.randn(n, generator=generator)
+                residual[::97] = -0.0  # + 0.0f turns -0 into +0: the residual's bits must follow
+                add = torch.randn(n, generator=generator) if with_add else None
+                yield n, chunk, residual, add
+
+
+def bits(tensor):
+    return tensor.view(torch.int32)
+
+
+def test_two_bit_kernels_match_the_cpu_bit_for_bit():
+    threshold = 0.5
+    for n, chunk, residual, add in quantize_cases():
+        case = f"n={n} chunk={chunk} add={add is not None}"
+        cpu_block, cpu_residual = quantize_on("cpu", "2bit", residual, add, chunk, threshold)
+        cuda_block, cuda_residual = quantize_on("cuda", "2bit", residual, add, chunk, threshold)
+        assert cpu_block.dtype == cuda_block.dtype == torch.int32, case
+        assert cuda_block.numel() == (chunk + 15) // 16, case
+        assert torch.equal(cuda_block, cpu_block), case
+        assert torch.equal(bits(cuda_residual), bits(cpu_residual)), case
+        out = torch.randn(n)
+        for accumulate in (False, True):
+            expected = dequantize_on("cpu", "2bit", cpu_block, out, n, threshold, accumulate)
+            got = dequantize_on("cuda", "2bit", cpu_block, out, n, threshold, accumulate)
+            assert torch.equal(bits(got), bits(expected)), f"{case} accumulate={accumulate}"
+
+
+def test_one_bit_kernels_match_the_cpu():
+    """Signs and tail words exact; the scale (mean |r|, summed in double in another order) and so the
+    residual to float rounding."""
+    for n, chunk, residual, add in quantize_cases():
+        case = f"n={n} chunk={chunk} add={add is not None}"
+        cpu_block, cpu_residual = quantize_on("cpu", "1bit", residual, add, chunk, 0.0)
+        cuda_block, cuda_residual = quantize_on("cuda", "1bit", residual, add, chunk, 0.0)
+        assert cuda_block.dtype == torch.int32 and cuda_block.numel() == 1 + (chunk + 31) // 32, case
+        assert torch.equal(cuda_block[1:], cpu_block[1:]), case
+        cpu_scale, cuda_scale = cpu_block[:1].view(torch.float32), cuda_block[:1].view(torch.float32)
+        torch.testing.assert_close(cuda_scale, cpu_scale, rtol=1e-6, atol=0, msg=case)
+        torch.testing.assert_close(cuda_residual, cpu_residual, rtol=1e-6, atol=1e-6, msg=case)
+        out = torch.randn(n)
+        for accumulate in (False, True):
+            expected = dequantize_on("cpu", "1bit", cuda_block, out, n, 0.0, accumulate)
+            got = dequantize_on("cuda", "1bit", cuda_block, out, n, 0.0, accumulate)
+            assert torch.equal(bits(got), bits(expected)), f"{case} accumulate={accumulate}"

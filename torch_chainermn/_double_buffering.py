@@ -55,12 +55,15 @@ class BackgroundMean:
 
 @torch.no_grad()
 def start_mean(tensors, group, wire_dtype: torch.dtype | None = None,
-               reuse: torch.Tensor | None = None) -> BackgroundMean:
+               reuse: torch.Tensor | None = None, compression=None, params=(), last: bool = True) -> BackgroundMean:
     """Copy `tensors` (one step's gradients, at least one) into a flat buffer and start their mean.
 
     group: the chainermn process group to average over.
     wire_dtype: the dtype the sum travels in; None: the buffer's, the widest of the tensors' dtypes.
     reuse: the buffer of a mean already read; it is taken again when its size, dtype and device fit.
+    compression: a compression.GradientCompression to average with instead (wire_dtype is then
+        unused), with `params` ((id, offset, numel) of each parameter in the buffer) and `last`
+        (the step's last mean) as GradientCompression.start takes them.
     The tensors may be changed as soon as this returns: the mean is computed from the copy.
     """
     dtype = tensors[0].dtype
@@ -76,5 +79,8 @@ def start_mean(tensors, group, wire_dtype: torch.dtype | None = None,
     for tensor in tensors:
         buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
         offset += tensor.numel()
-    work = mean_coalesced([buffer], group=group, dtype=wire_dtype or dtype, async_op=True)
+    if compression is not None:
+        work = compression.start([buffer], params, last)
+    else:
+        work = mean_coalesced([buffer], group=group, dtype=wire_dtype or dtype, async_op=True)
     return BackgroundMean(buffer, work)

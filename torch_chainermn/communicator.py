@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import backend_of
+from .compression import compression_from, layout_of
 from .gradients import mean_coalesced
 from .options import Options
 from .topology import topology
@@ -58,6 +59,8 @@ class Communicator:
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
         self._topology = None
+        # MXNet's compression between nodes for multi_node_mean_grad (create_communicator sets it).
+        self.gradient_compression = None
 
     def __repr__(self):
         return (f"Communicator(rank={self.rank}, size={self.size}, communicator_name={self.communicator_name!r}, "
@@ -358,14 +361,15 @@ class Communicator:
 
     def multi_node_mean_grad(self, model: torch.nn.Module, zero_fill: bool = False, async_op: bool = False):
         """Replace every gradient by its mean over the communicator, in one packed call (ChainerMN's
-        allreduce_grad / multi_node_mean_grad), travelling in the group's allreduce_grad_dtype.
+        allreduce_grad / multi_node_mean_grad), travelling in the group's allreduce_grad_dtype, or
+        compressed between nodes when the communicator has a gradient_compression.
 
         Parameters are visited in sorted-name order; frozen and lazy (uninitialised) ones are skipped.
         A None gradient is skipped (every rank must agree), or with `zero_fill` replaced by zeros that
         take part, so afterwards it holds the mean. Returns the Work when async_op, else None.
         """
         op = "multi_node_mean_grad"
-        grads = []
+        params, grads = [], []
         for _, param in _named_parameters(op, model):
             if not param.requires_grad:
                 continue
@@ -373,8 +377,15 @@ class Communicator:
                 if not zero_fill:
                     continue
                 param.grad = torch.zeros_like(param)
+            params.append(param)
             grads.append(param.grad)
-        return mean_coalesced(grads, group=self.group, async_op=async_op)
+        if self.gradient_compression is None or not grads:
+            return mean_coalesced(grads, group=self.group, async_op=async_op)
+        work = self.gradient_compression.start(grads, layout_of(grads, params))
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     allreduce_grad = multi_node_mean_grad
 
@@ -444,12 +455,16 @@ def _launched() -> bool:
     return "RANK" in os.environ or "WORLD_SIZE" in os.environ
 
 
-def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_dtype=None) -> Communicator:
+def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_dtype=None,
+                        gradient_compression=None) -> Communicator:
     """Create a ChainerMN communicator: a chainermn process group with these options.
 
     communicator_name: "naive", "flat", "hierarchical", "two_dimensional", "single_node" or "pure_nccl".
     allreduce_grad_dtype: the dtype gradients travel in (torch or numpy dtype, or its name); None keeps
         the gradients' own dtype (unless $CHAINERMN_ALLREDUCE_GRAD_DTYPE says otherwise).
+    gradient_compression: None, or MXNet's compression between nodes for multi_node_mean_grad and the
+        multi-node optimizer, e.g. {"type": "2bit", "threshold": 0.5} (compression.GradientCompression's
+        settings: type, threshold, compress_result, result_dtype).
 
     Without a process group yet, this initialises torch.distributed with the chainermn backend (under
     torchrun or mpiexec; a process started by neither runs as a world of one, as ChainerMN did) and the
@@ -468,6 +483,12 @@ def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_
             dist.init_process_group("chainermn", pg_options=options)
         else:
             dist.init_process_group("chainermn", store=dist.HashStore(), rank=0, world_size=1, pg_options=options)
-        return Communicator()
-    group = dist.new_group(backend="chainermn", pg_options=options)
-    return Communicator(group, _owns_group=True)
+        comm = Communicator()
+    else:
+        comm = Communicator(dist.new_group(backend="chainermn", pg_options=options), _owns_group=True)
+    try:
+        comm.gradient_compression = compression_from(gradient_compression, comm.group, op)
+    except ValueError:
+        comm.finalize()
+        raise
+    return comm

@@ -11,6 +11,10 @@ group, or None for the default group, as for torch's own hooks:
     ...
     state.flush()   # before a checkpoint and at the end of training
 
+    state = torch_chainermn.hooks.GradientCompressionState(type="2bit", threshold=0.5)
+    model.register_comm_hook(state, torch_chainermn.hooks.gradient_compression_hook)
+    # or double buffered: DoubleBufferingState(compress=GradientCompressionState(...))
+
 The averaging goes through the group's allreduce strategy (Options.communicator). Casting to the wire
 dtype and the 1/world_size scaling are fused into the backend's packing pass (`mean_coalesced`), and
 16-bit wire dtypes are scaled before the sum so it cannot overflow where the mean fits.
@@ -21,6 +25,7 @@ import torch.distributed as dist
 
 from ._backend import group_of, wire_dtype_of
 from ._double_buffering import BackgroundMean, start_mean
+from .compression import GradientCompression
 from .gradients import mean_coalesced
 
 __all__ = [
@@ -29,9 +34,19 @@ __all__ = [
     "bf16_compress_hook",
     "DoubleBufferingState",
     "double_buffering_hook",
+    "GradientCompressionState",
+    "gradient_compression_hook",
 ]
 
 _GROUP_DEFAULT = object()
+
+
+def _bucket_params(bucket: dist.GradBucket) -> tuple:
+    """(id(param), offset, numel) of each of the bucket's parameters in its flat buffer."""
+    grads = bucket.buffer()
+    base = grads.data_ptr()
+    return tuple((id(p), (g.data_ptr() - base) // grads.element_size(), g.numel())
+                 for p, g in zip(bucket.parameters(), bucket.gradients()))
 
 
 def _mean_bucket(process_group, bucket: dist.GradBucket, dtype) -> torch.futures.Future[torch.Tensor]:
@@ -97,17 +112,22 @@ class DoubleBufferingState:
 
     process_group: a chainermn group (default: the default group).
     compress: the wire dtype (torch.float16 or torch.bfloat16); None takes the group's
-        allreduce_grad_dtype, and when that is None too, the gradients' own dtype.
+        allreduce_grad_dtype, and when that is None too, the gradients' own dtype. Or a
+        GradientCompressionState: the means are compressed between nodes (its group is used).
     """
 
     def __init__(self, process_group=None, compress=None):
+        self.compression = None
+        if isinstance(compress, GradientCompression):
+            self.compression, compress = compress, torch.float32
+            process_group = self.compression.process_group
         self.process_group = group_of(process_group, "DoubleBufferingState")
         group_dtype = wire_dtype_of(self.process_group, "DoubleBufferingState")
         if compress is None:
             compress = group_dtype
         if compress is not None and compress not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise ValueError("DoubleBufferingState: compress must be None, torch.float16 or torch.bfloat16 "
-                             f"(or a wider float dtype), got {compress}")
+                             f"(or a wider float dtype), or a GradientCompressionState, got {compress}")
         self.compress = compress
         self.world_size = self.process_group.size()
         self.ready = False
@@ -130,11 +150,10 @@ class DoubleBufferingState:
     def _launch(self, bucket: dist.GradBucket) -> _Snapshot:
         """Copy this step's gradients aside and start their mean in the background."""
         grads = bucket.buffer()
-        mean = start_mean([grads], self.process_group, self.compress, reuse=self._spare.pop(bucket.index(), None))
-        param_ids = tuple(id(p) for p in bucket.parameters())
-        base = grads.data_ptr()
-        offsets = tuple((g.data_ptr() - base) // grads.element_size() for g in bucket.gradients())
-        return _Snapshot(param_ids, offsets, mean)
+        params = _bucket_params(bucket)
+        mean = start_mean([grads], self.process_group, self.compress, reuse=self._spare.pop(bucket.index(), None),
+                          compression=self.compression, params=params, last=bucket.is_last())
+        return _Snapshot(tuple(p for p, _, _ in params), tuple(offset for _, offset, _ in params), mean)
 
     def _apply_previous(self, bucket: dist.GradBucket, launched: _Snapshot) -> None:
         """Write mean(g_{k-1}) for this bucket's parameters into the bucket."""
@@ -186,3 +205,31 @@ def double_buffering_hook(state: DoubleBufferingState, bucket: dist.GradBucket) 
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
+
+
+class GradientCompressionState(GradientCompression):
+    """State of `gradient_compression_hook`: MXNet's 2-bit (or 1-bit) compression between nodes.
+
+    The settings and residuals of compression.GradientCompression (process_group=None, type="2bit",
+    threshold=0.5, compress_result=False, result_dtype=torch.float32): within a node the gradients
+    are summed at full precision, between nodes 2 bits (1 bit) a value travel, and what was not sent
+    is kept per parameter and sent later. Save `state.state_dict()` (collective) with a checkpoint and
+    `load_state_dict` it on restart, so nothing owed is dropped.
+    """
+
+    def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
+                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32):
+        super().__init__(process_group, type, threshold, compress_result, result_dtype, op="GradientCompressionState")
+
+
+def gradient_compression_hook(state: GradientCompressionState,
+                              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket's mean over the group, compressed between nodes (see GradientCompressionState).
+
+    Register with `model.register_comm_hook(GradientCompressionState(...), gradient_compression_hook)`.
+    """
+    if not isinstance(state, GradientCompression):
+        raise ValueError("gradient_compression_hook: state must be a torch_chainermn.hooks.GradientCompressionState, "
+                         f"got {type(state).__name__}")
+    work = state.start([bucket.buffer()], _bucket_params(bucket), last=bucket.is_last())
+    return work.get_future().then(lambda fut: fut.value()[0])

@@ -20,12 +20,14 @@ import torch.distributed as dist
 
 from ._backend import group_of, wire_dtype_of
 from ._double_buffering import BackgroundMean, start_mean
+from .compression import compression_from, layout_of
 from .gradients import mean_coalesced
 
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer"]
 
 
-def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=False, zero_fill=True):
+def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=False, zero_fill=True,
+                                gradient_compression=None):
     """Wrap a torch optimizer so that its step() averages gradients over `communicator`.
 
     communicator: a torch_chainermn communicator, a chainermn process group, or None for the
@@ -33,11 +35,13 @@ def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=F
     double_buffering: overlap each step's allreduce with the next step (one step stale).
     zero_fill: a parameter whose .grad is None takes part as zeros, and gets the mean written back
         (False: it is skipped, and then every rank must have None for it).
+    gradient_compression: MXNet's compression between nodes ({"type": "2bit", "threshold": 0.5}, or a
+        compression.GradientCompression); None takes the communicator's gradient_compression, if any.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("create_multi_node_optimizer: optimizer must be a torch.optim.Optimizer, "
                          f"got {type(optimizer).__name__}")
-    return MultiNodeOptimizer(optimizer, communicator, double_buffering, zero_fill)
+    return MultiNodeOptimizer(optimizer, communicator, double_buffering, zero_fill, gradient_compression)
 
 
 def _parameters(optimizer) -> list:
@@ -63,9 +67,13 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     # Optimizer.__init__ is not called on purpose: parameters, groups and state belong to the
     # wrapped optimizer and are shared by reference, so there is one truth for schedulers and saving.
-    def __init__(self, optimizer, communicator=None, double_buffering=False, zero_fill=True):  # noqa: D107
+    def __init__(self, optimizer, communicator=None, double_buffering=False, zero_fill=True,  # noqa: D107
+                 gradient_compression=None):
         self.actual_optimizer = optimizer
         self.group = group_of(communicator, "create_multi_node_optimizer")
+        if gradient_compression is None:
+            gradient_compression = getattr(communicator, "gradient_compression", None)
+        self.gradient_compression = compression_from(gradient_compression, self.group, "create_multi_node_optimizer")
         self.wire_dtype = wire_dtype_of(self.group, "create_multi_node_optimizer")
         self.double_buffering = bool(double_buffering)
         self.zero_fill = bool(zero_fill)
@@ -152,8 +160,10 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if self.double_buffering:
             self._double_buffered_update(params)
         else:
-            _, grads = self._gradients(params)
-            if grads:
+            used, grads = self._gradients(params)
+            if grads and self.gradient_compression is not None:
+                self.gradient_compression.start(grads, layout_of(grads, used)).wait()
+            elif grads:
                 mean_coalesced(grads, group=self.group, dtype=self.wire_dtype)
             self.actual_optimizer.step()
         return loss
@@ -172,7 +182,9 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if not grads:
             return None
         spare, self._spare = self._spare, None
-        return _InFlight(used, start_mean(grads, self.group, self.wire_dtype, reuse=spare))
+        mean = start_mean(grads, self.group, self.wire_dtype, reuse=spare, compression=self.gradient_compression,
+                          params=layout_of(grads, used))
+        return _InFlight(used, mean)
 
     @torch.no_grad()
     def _apply(self, finished: _InFlight) -> None:

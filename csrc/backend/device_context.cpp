@@ -52,6 +52,11 @@ void synchronizeCurrentStream(at::Device device) {
   TORCH_CHECK(false, "chainermn: this build handles CPU tensors only, got one on ", device);
 }
 
+std::unique_ptr<Mover> moverFor(at::Device device) {
+  TORCH_CHECK(device.is_cpu(), "chainermn: this build handles CPU tensors only, got one on ", device);
+  return cpuMover();
+}
+
 #else
 
 namespace {
@@ -134,6 +139,10 @@ std::unique_lock<std::mutex> lockDeviceLaunches(at::Device device) {
 
 void synchronizeCurrentStream(at::Device device) {
   c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
+}
+
+std::unique_ptr<Mover> moverFor(at::Device device) {
+  return device.is_cpu() ? cpuMover() : cuda::makeMover(device);
 }
 
 #endif

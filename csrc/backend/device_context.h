@@ -75,6 +75,10 @@ RequestPtr markDeviceEnd(DeviceContext& context);
 // if the caller drops the tensors at once, or the body throws after queueing kernels (recordStream).
 void keepUntilDone(DeviceContext& context, const std::vector<at::Tensor>& tensors);
 
+// How a Scratch moves bytes and runs the compression kernels on `device` (the CPU's, or a GPU's on
+// the current stream): for harnesses that run kernels outside a group.
+std::unique_ptr<Mover> moverFor(at::Device device);
+
 // Blocks the host until this thread's current stream on `device` has run what was queued on it.
 void synchronizeCurrentStream(at::Device device);
 

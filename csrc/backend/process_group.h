@@ -13,6 +13,7 @@
 #include "backend/options.h"
 #include "backend/transports.h"
 #include "backend/worker.h"
+#include "strategies/compressed.h"
 #include "strategies/strategy.h"
 #include "topology.h"
 
@@ -160,6 +161,20 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> meanCoalesced(
       std::vector<at::Tensor>& tensors,
       std::optional<at::ScalarType> wireDtype);
+
+  // Gradient compression's mean (strategies/compressed.h): every tensor becomes the mean over the
+  // group of what the nodes sent, compressed between nodes. `residual` and `secondResidual` are this
+  // rank's float32 residuals on the tensors' device, shaped as compressionResiduals(count) says
+  // (empty tensors where none); they are read and updated by the op. In compression.cpp.
+  c10::intrusive_ptr<c10d::Work> compressedMean(
+      std::vector<at::Tensor>& tensors,
+      const at::Tensor& residual,
+      const at::Tensor& secondResidual,
+      const CompressionSpec& spec);
+  // The residuals this rank keeps for `count` gradient values under `spec`.
+  ResidualShape compressionResiduals(const CompressionSpec& spec, int64_t count) const {
+    return residualShape(topology_, spec, count);
+  }
 
   const Topology& topology() const {
     return topology_;

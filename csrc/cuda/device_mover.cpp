@@ -1,6 +1,7 @@
 // A CUDA Scratch's moves (kernels/scratch.h): on the current stream of its device, which is the
 // group's inside an op's scope (cuda/device.h), so they are ordered with the op's transport calls.
 #include "cuda/pack_kernels.h"
+#include "cuda/quantize_kernels.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -21,6 +22,14 @@ class DeviceMover : public Mover {
   }
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) override {
     cuda::unpack(table_, packed, wire, parts, scale, stream());
+  }
+  void quantize(CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
+                float threshold) override {
+    cuda::quantize(kind, add, residual, block, count, chunk, threshold, stream());
+  }
+  void dequantize(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold,
+                  bool accumulate) override {
+    cuda::dequantize(kind, block, out, count, threshold, accumulate, stream());
   }
   size_t bytesHeld() const override {
     return table_.bytesHeld();

@@ -18,6 +18,14 @@ class CpuMover : public Mover {
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) override {
     unpackCpu(packed, wire, parts, scale);
   }
+  void quantize(CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
+                float threshold) override {
+    quantizeCpu(kind, add, residual, block, count, chunk, threshold);
+  }
+  void dequantize(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold,
+                  bool accumulate) override {
+    dequantizeCpu(kind, block, out, count, threshold, accumulate);
+  }
 };
 } // namespace
 

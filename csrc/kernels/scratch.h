@@ -9,6 +9,7 @@
 #pragma once
 
 #include "kernels/pack.h"
+#include "kernels/quantize.h"
 
 #include <ATen/ATen.h>
 
@@ -38,6 +39,7 @@ enum class Slot : int {
   Received = 1,       // what an op receives before it is unpacked (gathered blocks, a reduce's sink)
   StrategyWhole = 2,  // a strategy's working copy of the whole buffer
   StrategyBlock = 3,  // a strategy's one-block buffer
+  Compressed = 4,     // gradient compression's packed codes, as sent
 };
 
 // How a Scratch moves bytes on its device: memcpy and loops on the CPU (cpuMover, kernels/pack.h); on
@@ -48,6 +50,11 @@ class Mover {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) = 0;
   virtual void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) = 0;
+  // Gradient compression's kernels (kernels/quantize.h), on this device.
+  virtual void quantize(
+      CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) = 0;
+  virtual void dequantize(
+      CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) = 0;
   // Bytes the mover itself holds (a device's table of parts).
   virtual size_t bytesHeld() const {
     return 0;
@@ -57,7 +64,7 @@ std::unique_ptr<Mover> cpuMover();
 
 class Scratch {
  public:
-  static constexpr int kSlots = 4;
+  static constexpr int kSlots = 5;
 
   // `mover` moves bytes on `device`; null: the CPU's (then `device` must be the CPU).
   explicit Scratch(at::Device device = at::kCPU, std::unique_ptr<Mover> mover = nullptr);
@@ -102,6 +109,14 @@ class Scratch {
   }
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) {
     mover_->unpack(packed, wire, parts, scale);
+  }
+  // Error feedback and packing of one block, and its unpacking, on this device (kernels/quantize.h).
+  void quantize(
+      CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
+    mover_->quantize(kind, add, residual, block, count, chunk, threshold);
+  }
+  void dequantize(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
+    mover_->dequantize(kind, block, out, count, threshold, accumulate);
   }
 
   // Bytes held in all slots (for tests that check nothing grows after warm-up).

@@ -152,6 +152,36 @@ PYBIND11_MODULE(_C, m) {
           py::arg("tensors"),
           py::arg("wire_dtype") = std::nullopt,
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "compressed_mean",
+          [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::Tensor> residual,
+             std::optional<at::Tensor> secondResidual, const std::string& kind, double threshold, bool compressResult,
+             at::ScalarType resultDtype) {
+            return pg.compressedMean(tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
+                                     chainermn::compressionSpec(kind, threshold, compressResult, resultDtype));
+          },
+          py::arg("tensors"),
+          py::arg("residual"),
+          py::arg("second_residual"),
+          py::arg("kind"),
+          py::arg("threshold"),
+          py::arg("compress_result"),
+          py::arg("result_dtype"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "compression_residuals",
+          [](const ProcessGroupChainerMN& pg, int64_t count, const std::string& kind, double threshold,
+             bool compressResult, at::ScalarType resultDtype) {
+            const chainermn::ResidualShape shape =
+                pg.compressionResiduals(chainermn::compressionSpec(kind, threshold, compressResult, resultDtype), count);
+            return py::make_tuple(shape.first, shape.second, shape.secondOffset, shape.secondCount);
+          },
+          py::arg("count"),
+          py::arg("kind"),
+          py::arg("threshold"),
+          py::arg("compress_result"),
+          py::arg("result_dtype"),
+          "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
 
   auto testing = m.def_submodule("testing", "in-process harnesses for the C++ layers (tests only)");

@@ -3,7 +3,9 @@
 // only while it runs Python code.
 #include "python/testing.h"
 
+#include "backend/device_context.h"
 #include "kernels/scratch.h"
+#include "strategies/compressed.h"
 #include "strategies/strategy.h"
 #include "testing/runner.h"
 
@@ -97,6 +99,47 @@ std::vector<std::vector<at::Tensor>> allreduceCases(
   return outputs;
 }
 
+CompressionKind compressionKind(const std::string& name) {
+  return compressionSpec(name, 1.0, false, at::kFloat).kind;
+}
+
+// The compressed mean of inputs[r] on rank r (threads), `steps` times with the same inputs, each rank
+// keeping its residuals as a process group's caller would. Returns [step][rank] results, and the
+// residuals every rank ends with.
+py::tuple compressedMeanSteps(
+    const std::vector<std::string>& nodeNames,
+    const std::vector<at::Tensor>& inputs,
+    int steps,
+    const std::string& kind,
+    double threshold,
+    bool compressResult,
+    at::ScalarType resultWire,
+    bool sharedMemory) {
+  TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
+  const CompressionSpec spec = compressionSpec(kind, threshold, compressResult, resultWire);
+  const size_t size = inputs.size();
+  std::vector<std::vector<at::Tensor>> results(steps, std::vector<at::Tensor>(size));
+  std::vector<at::Tensor> first(size), second(size);
+  {
+    py::gil_scoped_release release;
+    testing::runRanks(nodeNames, runOptions(sharedMemory, 30.0), [&](RankGroup& group) {
+      const int rank = group.topology.rank;
+      const ResidualShape shape = residualShape(group.topology, spec, inputs[rank].numel());
+      first[rank] = at::zeros({shape.first}, at::kFloat);
+      second[rank] = at::zeros({shape.second}, at::kFloat);
+      Scratch scratch(at::kCPU);
+      for (int step = 0; step < steps; ++step) {
+        at::Tensor tensor = inputs[rank].clone(at::MemoryFormat::Contiguous);
+        compressedMean(group.transports, scratch, group.topology, flatParts({tensor}), spec,
+                       shape.first ? first[rank].data_ptr<float>() : nullptr,
+                       shape.second ? second[rank].data_ptr<float>() : nullptr);
+        results[step][rank] = tensor;
+      }
+    });
+  }
+  return py::make_tuple(results, first, second);
+}
+
 py::list run(const std::vector<std::string>& nodeNames, const py::function& perRank, bool sharedMemory, double timeout) {
   std::vector<py::object> results(nodeNames.size());
   {
@@ -185,6 +228,40 @@ void bindTesting(py::module_& testing) {
         return std::string(makeStrategy(strategy, topologyFromNames(nodeNames, 0))->name());
       },
       "The algorithm the named strategy runs on these nodes", py::arg("strategy"), py::arg("node_names"));
+  testing.def(
+      "compressed_mean_steps", &compressedMeanSteps,
+      "Gradient compression's mean of inputs[r] on rank r (threads), `steps` times; returns "
+      "([step][rank] results, first residuals, second residuals)",
+      py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("kind"), py::arg("threshold") = 0.5,
+      py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("shared_memory") = false);
+  testing.def(
+      "quantize",
+      [](const std::string& kind, std::optional<at::Tensor> add, at::Tensor& residual, int64_t chunk, double threshold) {
+        const CompressionKind which = compressionKind(kind);
+        TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual: contiguous float32");
+        TORCH_CHECK_VALUE(chunk >= residual.numel(), "chunk must hold the residual's values");
+        at::Tensor block = at::empty({blockWords(which, chunk)}, residual.options().dtype(at::kInt));
+        moverFor(residual.device())
+            ->quantize(which, add ? add->contiguous().data_ptr<float>() : nullptr, residual.data_ptr<float>(),
+                       reinterpret_cast<uint32_t*>(block.data_ptr<int32_t>()), residual.numel(), chunk,
+                       static_cast<float>(threshold));
+        return block;
+      },
+      "One block of codes for residual (+ add), updating residual in place (kernels/quantize.h)",
+      py::arg("kind"), py::arg("add"), py::arg("residual"), py::arg("chunk"), py::arg("threshold") = 0.5);
+  testing.def(
+      "dequantize",
+      [](const std::string& kind, const at::Tensor& block, at::Tensor& out, int64_t count, double threshold,
+         bool accumulate) {
+        TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= count,
+                          "out: contiguous float32 of at least count values");
+        moverFor(out.device())
+            ->dequantize(compressionKind(kind), reinterpret_cast<const uint32_t*>(block.data_ptr<int32_t>()),
+                         out.data_ptr<float>(), count, static_cast<float>(threshold), accumulate);
+      },
+      "out (+)= the values a block of codes carries (kernels/quantize.h)",
+      py::arg("kind"), py::arg("block"), py::arg("out"), py::arg("count"), py::arg("threshold") = 0.5,
+      py::arg("accumulate") = false);
   bindTransport(testing);
   bindWorkerTesting(testing);
   testing.def(

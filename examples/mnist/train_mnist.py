@@ -16,6 +16,9 @@ Without it, it uses scikit-learn's bundled 8x8 handwritten digits, so it runs wi
 Pass --backend gloo to compare against torch's own backend. With the chainermn backend,
 --compress fp16|bf16 sends the gradients in 16 bits and --double-buffering overlaps each step's
 allreduce with the next step (ChainerMN's double buffering: the update is one step stale).
+--compression 2bit|1bit compresses the gradients between nodes as MXNet does (2 bits a value with
+--threshold, or the sign and a scale), keeping what was not sent for later steps; with one node there
+is nothing to compress (CHAINERMN_RANKS_PER_NODE=2 makes 4 processes two simulated nodes).
 """
 import argparse
 import gzip
@@ -51,6 +54,9 @@ def parse_args():
     parser.add_argument("--out", type=Path, help="rank 0 writes a JSON summary of the run here")
     parser.add_argument("--compress", choices=sorted(WIRE_DTYPES), default="none",
                         help="dtype of the gradients on the wire (chainermn backend only)")
+    parser.add_argument("--compression", choices=("none", "2bit", "1bit"), default="none",
+                        help="MXNet's gradient compression between nodes (chainermn backend only)")
+    parser.add_argument("--threshold", type=float, default=0.5, help="2-bit compression's threshold")
     parser.add_argument("--double-buffering", action="store_true",
                         help="apply the previous step's mean gradient while this step's allreduce runs")
     return parser.parse_args()
@@ -162,8 +168,17 @@ def write_json_atomically(path: Path, payload) -> None:
 def register_comm_hook(model, args):
     """The chainermn DDP hook the flags ask for; returns the double-buffering state, if any."""
     wire_dtype = WIRE_DTYPES[args.compress]
-    if (wire_dtype is not None or args.double_buffering) and args.backend != "chainermn":
-        raise SystemExit("--compress and --double-buffering need --backend chainermn")
+    compression = args.compression != "none"
+    if (wire_dtype is not None or compression or args.double_buffering) and args.backend != "chainermn":
+        raise SystemExit("--compress, --compression and --double-buffering need --backend chainermn")
+    if compression and wire_dtype is not None:
+        raise SystemExit("--compression and --compress are alternatives")
+    if compression:
+        state = hooks.GradientCompressionState(type=args.compression, threshold=args.threshold)
+        if not args.double_buffering:
+            model.register_comm_hook(state, hooks.gradient_compression_hook)
+            return None
+        wire_dtype = state
     if args.double_buffering:
         state = hooks.DoubleBufferingState(compress=wire_dtype)
         model.register_comm_hook(state, hooks.double_buffering_hook)
@@ -236,6 +251,8 @@ def main():
                 "transport": transport,
                 "epochs": args.epoch,
                 "compress": args.compress,
+                "compression": args.compression,
+                "threshold": args.threshold,
                 "double_buffering": args.double_buffering,
                 "final_accuracy": final_accuracy,
                 "history": history,

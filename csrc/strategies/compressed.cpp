@@ -1,0 +1,140 @@
+#include "strategies/compressed.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace chainermn {
+
+namespace {
+
+constexpr c10::ScalarType kCodes = c10::ScalarType::Int;  // codes travel as 32-bit words
+
+int64_t countOfChunk(int64_t count, int64_t chunk, int index) {
+  return std::clamp<int64_t>(count - index * chunk, 0, chunk);
+}
+
+// Steps 2 to 4 on a node leader: `sum` (nodes * chunk floats of room, `count` of them used) holds the
+// node's sum and becomes the sum of what every node sent, in `result` (returned: `sum`, or with a
+// 16-bit result wire, a scratch buffer of that dtype).
+void* exchangeBetweenNodes(
+    Transport& inter,
+    Scratch& scratch,
+    float* sum,
+    int64_t count,
+    const CompressionSpec& spec,
+    float* residual,
+    float* secondResidual) {
+  const int nodes = inter.size();
+  const int node = inter.rank();
+  const int64_t chunk = compressionChunk(count, nodes);
+  const int64_t words = blockWords(spec.kind, chunk);
+  auto* codes = static_cast<uint32_t*>(scratch.get(Slot::Compressed, 2 * nodes * words * sizeof(uint32_t)));
+  uint32_t* received = codes + nodes * words;
+
+  for (int i = 0; i < nodes; ++i) {
+    const int64_t start = std::min<int64_t>(i * chunk, count);  // a chunk past the end is empty
+    scratch.quantize(spec.kind, sum + start, residual + start, codes + i * words, countOfChunk(count, chunk, i), chunk,
+                     spec.threshold);
+  }
+  const std::vector<int64_t> blocks(nodes, words);
+  inter.alltoallv(codes, blocks, received, blocks, kCodes);
+
+  const int64_t mine = countOfChunk(count, chunk, node);
+  auto* chunkSum = static_cast<float*>(scratch.get(Slot::StrategyBlock, chunk * sizeof(float)));
+  for (int i = 0; i < nodes; ++i) {
+    scratch.dequantize(spec.kind, received + i * words, chunkSum, mine, spec.threshold, /*accumulate=*/i > 0);
+  }
+
+  if (spec.compressResult) {
+    scratch.quantize(spec.kind, chunkSum, secondResidual, codes, mine, chunk, spec.threshold);
+    inter.allgather(codes, received, words, kCodes);
+    for (int i = 0; i < nodes; ++i) {
+      scratch.dequantize(spec.kind, received + i * words, sum + i * chunk, countOfChunk(count, chunk, i),
+                         spec.threshold, /*accumulate=*/false);
+    }
+    return sum;
+  }
+  if (spec.resultWire == c10::ScalarType::Float) {
+    inter.allgather(chunkSum, sum, chunk, c10::ScalarType::Float);
+    return sum;
+  }
+  // The sums travel in a 16-bit dtype: cast once, gathered into a buffer of that dtype.
+  const size_t width = c10::elementSize(spec.resultWire);
+  void* narrow = scratch.get(Slot::StrategyWhole, chunk * width);
+  scratch.pack({FlatBuffer{chunkSum, chunk, c10::ScalarType::Float}}, narrow, spec.resultWire, 1.0);
+  void* result = scratch.get(Slot::Received, nodes * chunk * width);
+  inter.allgather(narrow, result, chunk, spec.resultWire);
+  return result;
+}
+
+} // namespace
+
+CompressionSpec compressionSpec(const std::string& type, double threshold, bool compressResult, c10::ScalarType resultWire) {
+  TORCH_CHECK_VALUE(type == "2bit" || type == "1bit", "gradient compression: type must be '2bit' or '1bit', got '",
+                    type, "'");
+  return CompressionSpec{
+      type == "2bit" ? CompressionKind::TwoBit : CompressionKind::OneBit, static_cast<float>(threshold), compressResult,
+      resultWire};
+}
+
+int64_t compressionChunk(int64_t count, int nodes) {
+  const int64_t even = (count + nodes - 1) / nodes;
+  return (even + 31) / 32 * 32;
+}
+
+ResidualShape residualShape(const Topology& topology, const CompressionSpec& spec, int64_t count) {
+  ResidualShape shape;
+  if (topology.interSize == 1 || topology.intraRank != 0) {
+    return shape;
+  }
+  shape.first = count;
+  if (spec.compressResult) {
+    const int64_t chunk = compressionChunk(count, topology.interSize);
+    shape.second = chunk;
+    shape.secondOffset = std::min<int64_t>(topology.interRank * chunk, count);
+    shape.secondCount = countOfChunk(count, chunk, topology.interRank);
+  }
+  return shape;
+}
+
+void compressedMean(
+    TransportSet& transports,
+    Scratch& scratch,
+    const Topology& topology,
+    const std::vector<FlatBuffer>& parts,
+    const CompressionSpec& spec,
+    float* residual,
+    float* secondResidual) {
+  int64_t count = 0;
+  for (const auto& part : parts) {
+    count += part.count;
+  }
+  const double mean = 1.0 / topology.size;
+  const int nodes = topology.interSize;
+  const int64_t room = nodes > 1 ? compressionChunk(count, nodes) * nodes : count;
+  auto* sum = static_cast<float*>(scratch.get(Slot::Packed, room * sizeof(float)));
+  scratch.pack(parts, sum, c10::ScalarType::Float, 1.0);
+  if (nodes == 1) {
+    transports.world->allreduce(sum, count, c10::ScalarType::Float, ReduceKind::Sum);
+    scratch.unpack(sum, c10::ScalarType::Float, parts, mean);
+    return;
+  }
+  Transport& intra = *transports.intra;
+  if (intra.size() > 1) {
+    intra.reduce(sum, sum, count, c10::ScalarType::Float, ReduceKind::Sum, /*root=*/0);
+  }
+  // Every rank of a node knows the result's dtype and place from the spec alone.
+  const bool narrow = !spec.compressResult && spec.resultWire != c10::ScalarType::Float;
+  const c10::ScalarType resultType = narrow ? spec.resultWire : c10::ScalarType::Float;
+  void* result = narrow ? scratch.get(Slot::Received, room * c10::elementSize(resultType)) : sum;
+  if (intra.rank() == 0) {
+    result = exchangeBetweenNodes(*transports.inter, scratch, sum, count, spec, residual, secondResidual);
+  }
+  if (intra.size() > 1) {
+    intra.broadcast(result, count, resultType, /*root=*/0);
+  }
+  scratch.unpack(result, resultType, parts, mean);
+}
+
+} // namespace chainermn

@@ -1,0 +1,66 @@
+// Gradient compression between nodes (MXNet's 2-bit with error feedback, and 1-bit sign with a
+// scale): the mean of a set of gradients where only the links between nodes carry compressed values.
+//
+//   1. within each node, the ranks' gradients are summed at full precision (float32) on the node's
+//      first rank (its leader);
+//   2. each leader adds the sum to its residual and quantizes it (kernels/quantize.h), chunk by
+//      chunk: one chunk per node;
+//   3. the leaders exchange chunks all-to-all (node j receives every node's chunk j) and node j sums
+//      its chunk from the codes;
+//   4. the chunk sums are all-gathered: as float32 (or resultWire), or, with compressResult,
+//      quantized again against a second residual (the two-stage error feedback of 1-bit Adam);
+//   5. each leader broadcasts the sum within its node; every rank writes sum / world size.
+// Both exchanges move (nodes - 1) / nodes of the compressed buffer per leader, whatever the number
+// of nodes. With one node nothing is compressed: the mean is a plain float32 allreduce.
+#pragma once
+
+#include "comm/transport.h"
+#include "kernels/quantize.h"
+#include "kernels/scratch.h"
+#include "topology.h"
+#include "types.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+struct CompressionSpec {
+  CompressionKind kind = CompressionKind::TwoBit;
+  float threshold = 0.5f;  // 2-bit's t (1-bit's scale is the chunk's mean magnitude)
+  bool compressResult = false;
+  c10::ScalarType resultWire = c10::ScalarType::Float;  // the sums' dtype when not compressed
+};
+
+// A spec from its Python spelling: type "2bit" or "1bit" (anything else: ValueError).
+CompressionSpec compressionSpec(const std::string& type, double threshold, bool compressResult, c10::ScalarType resultWire);
+
+// The residuals one rank keeps for a buffer of `count` values: a node's leader keeps `first`
+// (every value), and with compressResult `second` (its node's chunk of the sums, which is
+// first[secondOffset, secondOffset + secondCount)); every other rank keeps none. All zero with one node.
+struct ResidualShape {
+  int64_t first = 0;
+  int64_t second = 0;
+  int64_t secondOffset = 0;
+  int64_t secondCount = 0;
+};
+ResidualShape residualShape(const Topology& topology, const CompressionSpec& spec, int64_t count);
+
+// Values per node chunk: count split over `nodes`, rounded up to whole words of codes.
+int64_t compressionChunk(int64_t count, int nodes);
+
+// Every part (floating dtypes) becomes the mean over the group of what the nodes sent. `residual` and
+// `secondResidual` are float32 on the scratch's device, as residualShape gives them (null when none).
+void compressedMean(
+    TransportSet& transports,
+    Scratch& scratch,
+    const Topology& topology,
+    const std::vector<FlatBuffer>& parts,
+    const CompressionSpec& spec,
+    float* residual,
+    float* secondResidual);
+
+} // namespace chainermn

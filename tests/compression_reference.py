@@ -1,0 +1,84 @@
+"""Gradient compression written plainly in PyTorch, value by value, as kernels/quantize.h and
+strategies/compressed.h specify it: what the kernels and the backend's mean must equal bit for bit."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
+    """Codes (small ints, one per value) packed `per_word` a 32-bit word, value i at bits
+    (32 // per_word) * (i % per_word), as int32."""
+    bits = 32 // per_word
+    padded = torch.zeros(math.ceil(codes.numel() / per_word) * per_word, dtype=torch.int64)
+    padded[:codes.numel()] = codes.to(torch.int64)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = (padded.view(-1, per_word) << shifts).sum(dim=1)
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+
+
+def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: float):
+    """(block as int32 words, new residual, the values the block carries)."""
+    r = residual + add if add is not None else residual.clone()
+    count = r.numel()
+    if kind == "2bit":
+        t = torch.tensor(threshold, dtype=torch.float32)
+        pos, neg = r >= t, r <= -t
+        sent = pos.float() * t - neg.float() * t
+        new = torch.where(pos, r - t, torch.where(neg, r + t, r))
+        block = torch.zeros(math.ceil(chunk / 16), dtype=torch.int32)
+        codes = words_of(pos.to(torch.int64) | (neg.to(torch.int64) << 1), 16)
+        block[:codes.numel()] = codes
+        return block, new, sent
+    scale = torch.tensor(float(r.abs().double().sum() / count) if count else 0.0, dtype=torch.float32)
+    positive = r >= 0
+    sent = torch.where(positive, scale, -scale)
+    block = torch.zeros(1 + math.ceil(chunk / 32), dtype=torch.int32)
+    block[0] = scale.view(torch.int32)
+    signs = words_of(positive.to(torch.int64), 32)
+    block[1:1 + signs.numel()] = signs
+    return block, r - sent, sent
+
+
+def chunk_of(count: int, nodes: int) -> int:
+    return math.ceil(math.ceil(count / nodes) / 32) * 32
+
+
+def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_result=False,
+                          result_dtype=torch.float32, residuals=None):
+    """The backend's compressed mean of inputs[step][rank] (flat float32), step after step.
+
+    nodes: the ranks of each node, in order. residuals: each node's starting first residual.
+    Returns ([step] -> the mean every rank gets, first residuals, second residuals) per node.
+    """
+    world = sum(len(ranks) for ranks in nodes)
+    count = inputs[0][0].numel()
+    first = [torch.zeros(count) if residuals is None else residuals[j].clone() for j in range(len(nodes))]
+    chunk = chunk_of(count, len(nodes))
+    second = [torch.zeros(chunk) for _ in nodes]
+    means = []
+    for step in range(steps):
+        sums = []
+        for ranks in nodes:
+            total = inputs[step][ranks[0]].clone()
+            for rank in ranks[1:]:
+                total = total + inputs[step][rank]
+            sums.append(total)
+        if len(nodes) == 1:
+            means.append(sums[0] * (1.0 / world))
+            continue
+        result = torch.zeros(chunk * len(nodes))
+        for i in range(len(nodes)):  # node i sums chunk i of every node's codes
+            lo, hi = min(i * chunk, count), min((i + 1) * chunk, count)
+            chunk_sum = None
+            for j in range(len(nodes)):
+                _, first[j][lo:hi], sent = quantize(kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold)
+                chunk_sum = sent if chunk_sum is None else chunk_sum + sent
+            if compress_result:
+                _, second[i][:hi - lo], chunk_sum = quantize(kind, second[i][:hi - lo], chunk_sum, chunk, threshold)
+            elif result_dtype != torch.float32:
+                chunk_sum = chunk_sum.to(result_dtype).float()
+            result[lo:hi] = chunk_sum
+        means.append(result[:count] * (1.0 / world))
+    return means, first, second

@@ -1,0 +1,228 @@
+"""Gradient compression (MXNet's 2-bit, 1-bit sign): the kernels, the backend's mean, and the
+hook, communicator and optimizer on real processes, each against tests/compression_reference.py."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torch_chainermn
+from torch_chainermn import _C, hooks
+from torch_chainermn.compression import GradientCompression, layout_of
+from tests import compression_reference as reference
+from tests.harness import run_spawn
+
+
+def values(count: int, seed: int, scale: float = 0.4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(count, generator=generator) * scale
+
+
+# ---- the kernels --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["2bit", "1bit"])
+@pytest.mark.parametrize("count, extra", [(0, 0), (1, 0), (17, 40), (1000, 0), (4099, 33)])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_kernels_equal_the_reference_bit_for_bit(kind, count, extra, with_add):
+    chunk = count + extra
+    residual = values(count, 1)
+    add = values(count, 2) if with_add else None
+    expected_block, expected_residual, expected_sent = reference.quantize(kind, residual, add, chunk, 0.3)
+    block = _C.testing.quantize(kind, add, residual, chunk, 0.3)
+    assert torch.equal(block, expected_block)
+    assert torch.equal(residual, expected_residual)
+    out = torch.full((count,), 7.0)
+    _C.testing.dequantize(kind, block, out, count, 0.3, accumulate=False)
+    assert torch.equal(out, expected_sent)
+    _C.testing.dequantize(kind, block, out, count, 0.3, accumulate=True)
+    assert torch.equal(out, expected_sent + expected_sent)
+
+
+def test_two_bit_sends_threshold_steps_and_keeps_the_rest():
+    residual = torch.tensor([0.2, 0.7, -0.6, 1.4, -0.5, 0.5])
+    _C.testing.quantize("2bit", None, residual, 16, 0.5)
+    assert residual.tolist() == pytest.approx([0.2, 0.2, -0.1, 0.9, 0.0, 0.0])
+
+
+# ---- the backend's mean, ranks as threads --------------------------------------------------------
+
+MEAN_CASES = [
+    # nodes, kind, compress_result, result dtype
+    (["a", "b"], "2bit", False, torch.float32),
+    (["a", "a", "b", "b"], "2bit", False, torch.float32),
+    (["a", "a", "b", "b"], "2bit", True, torch.float32),
+    (["a", "a", "b", "b"], "1bit", True, torch.float32),
+    (["a", "b", "c"], "1bit", False, torch.float16),
+    (["a", "b", "c"], "2bit", False, torch.bfloat16),
+    (["a", "a"], "2bit", False, torch.float32),  # one node: nothing compressed
+]
+
+
+@pytest.mark.parametrize("names, kind, compress_result, result_dtype", MEAN_CASES)
+def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, result_dtype):
+    count, steps = 1001, 3
+    inputs = [values(count, 10 + rank) for rank in range(len(names))]
+    results, firsts, seconds = _C.testing.compressed_mean_steps(
+        names, inputs, steps, kind, 0.3, compress_result, result_dtype, shared_memory=True)
+    nodes = [[r for r, n in enumerate(names) if n == name] for name in dict.fromkeys(names)]
+    means, first, second = reference.compressed_mean_steps(
+        [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype)
+    for step in range(steps):
+        for rank in range(len(names)):
+            assert torch.equal(results[step][rank], means[step]), (step, rank)
+    for node, ranks in enumerate(nodes):
+        leader = ranks[0]
+        if len(nodes) == 1:
+            assert firsts[leader].numel() == 0
+            continue
+        assert torch.equal(firsts[leader], first[node])
+        if compress_result:
+            chunk = reference.chunk_of(count, len(nodes))
+            used = min(count - node * chunk, chunk)
+            assert torch.equal(seconds[leader][:used], second[node][:used])
+        for rank in ranks[1:]:
+            assert firsts[rank].numel() == 0 and seconds[rank].numel() == 0
+
+
+def test_mean_without_compression_sends_the_residual_nowhere():
+    """Error feedback loses nothing: over many steps the sum of what was sent approaches the sum of
+    the gradients, off by at most what the residuals hold."""
+    names, count, steps = ["a", "b"], 64, 20
+    inputs = [values(count, 30 + rank, scale=0.1) for rank in range(2)]
+    results, firsts, _ = _C.testing.compressed_mean_steps(names, inputs, steps, "2bit", 0.5)
+    delivered = sum(result[0] for result in results) * 2
+    owed = firsts[0] + firsts[1]
+    assert torch.allclose(delivered + owed, (inputs[0] + inputs[1]) * steps, atol=1e-4)
+    assert delivered.abs().max() > 0  # values far below the threshold still got through
+
+
+# ---- real processes: the hook, relayout, checkpoints, the communicator, errors --------------------
+
+SIZES = {"a": 300, "b": 350, "c": 1000}
+
+
+class Known(torch.nn.Module):
+    """Parameters whose gradients are the given tensors: loss = sum of param * gradient."""
+
+    def __init__(self):
+        super().__init__()
+        for name, count in SIZES.items():
+            setattr(self, name, torch.nn.Parameter(torch.zeros(count)))
+
+    def forward(self, grads):
+        return sum((getattr(self, name) * grads[name]).sum() for name in SIZES)
+
+
+def gradients(rank: int, step: int) -> dict:
+    return {name: values(count, 1000 * step + 10 * rank + i) for i, (name, count) in enumerate(SIZES.items())}
+
+
+def flat(grads: dict) -> torch.Tensor:
+    return torch.cat([grads[name].reshape(-1) for name in SIZES])
+
+
+def expected_means(steps, residuals=None, **settings):
+    """The reference means (flat, in SIZES order) of the ranks' gradients, 2-bit elementwise."""
+    size = dist.get_world_size()
+    per_node = torch_chainermn.topology().intra_size
+    nodes = [list(range(n, n + per_node)) for n in range(0, size, per_node)]
+    inputs = [[flat(gradients(rank, step)) for rank in range(size)] for step in range(steps)]
+    return reference.compressed_mean_steps(inputs, nodes, steps, "2bit", residuals=residuals, **settings)[0]
+
+
+def process_cases():
+    rank, threshold = dist.get_rank(), 0.5
+    outcome = {}
+
+    # The DDP hook, several buckets (which DDP rebuilds after step 1), against the reference.
+    model = DDP(Known(), bucket_cap_mb=0.002)
+    state = hooks.GradientCompressionState(type="2bit", threshold=threshold)
+    model.register_comm_hook(state, hooks.gradient_compression_hook)
+    expected = expected_means(4)
+    hook_exact, layouts_seen = [], None
+    for step in range(4):
+        model.zero_grad()
+        model(gradients(rank, step)).backward()
+        got = torch.cat([getattr(model.module, name).grad for name in SIZES])
+        hook_exact.append(torch.equal(got, expected[step]))
+        layouts_seen = layouts_seen if step else [set(state._residuals)]
+    outcome["hook"] = hook_exact
+    outcome["hook rebuilt"] = set(state._residuals) != layouts_seen[0]  # DDP's rebuild was crossed
+
+    # A new layout of the same parameters (as DDP's rebuild makes) carries each one's residual.
+    compression = GradientCompression(type="2bit", threshold=threshold)
+    params = {name: torch.nn.Parameter(torch.zeros(count)) for name, count in SIZES.items()}
+    layouts = [[["a", "b"], ["c"]], [["a", "b"], ["c"]], [["c", "a"], ["b"]], [["b"], ["c", "a"]]]
+    relayout_exact = []
+    for step, layout in enumerate(layouts):
+        grads, got = gradients(rank, step), {}
+        works = []
+        for i, names in enumerate(layout):
+            buffer = torch.cat([grads[name] for name in names])
+            layout_params = layout_of([grads[name] for name in names], [params[name] for name in names])
+            works.append((names, buffer, compression.start([buffer], layout_params, last=i == len(layout) - 1)))
+        for names, buffer, work in works:
+            work.wait()
+            for name, part in zip(names, buffer.split([SIZES[n] for n in names])):
+                got[name] = part
+        relayout_exact.append(torch.equal(flat(got), expected[step]))
+    outcome["relayout"] = relayout_exact
+
+    # A checkpoint keeps what is owed: a restored state continues with node 0 owing the sum.
+    saved = compression.state_dict()
+    restored = GradientCompression(type="2bit", threshold=threshold)
+    restored.load_state_dict(saved)
+    again = restored.state_dict()
+    outcome["round trip"] = all(torch.equal(saved["residuals"][k], again["residuals"][k]) for k in saved["residuals"])
+    owed = torch.cat([saved["residuals"][i] for i in range(3)])  # first sight: a, b, c
+    nodes = len(range(0, dist.get_world_size(), torch_chainermn.topology().intra_size))
+    start = [owed] + [torch.zeros_like(owed)] * (nodes - 1)
+    grads = gradients(rank, 0)
+    buffer = flat(grads)
+    restored.start([buffer], layout_of([grads[n] for n in SIZES], [params[n] for n in SIZES])).wait()
+    outcome["restored step"] = torch.equal(buffer, expected_means(1, residuals=start)[0])
+
+    # The communicator and the multi-node optimizer take the same settings.
+    comm = torch_chainermn.create_communicator("flat", gradient_compression={"type": "2bit", "threshold": threshold})
+    known = Known()
+    known(gradients(rank, 0)).backward()
+    comm.multi_node_mean_grad(known)
+    by_name = {name: getattr(known, name).grad for name in sorted(SIZES)}
+    outcome["communicator"] = torch.equal(torch.cat([by_name[n] for n in SIZES]), expected[0])
+    optimizer = torch_chainermn.create_multi_node_optimizer(torch.optim.SGD(known.parameters(), lr=1.0), comm)
+    outcome["optimizer has it"] = optimizer.gradient_compression is comm.gradient_compression
+
+    # Bad input: a clear ValueError on every rank.
+    errors = []
+    for make in (lambda: hooks.GradientCompressionState(threshold=0),
+                 lambda: hooks.GradientCompressionState(type="3bit"),
+                 lambda: torch_chainermn.create_communicator(gradient_compression={"type": "2bit", "thresh": 1}),
+                 lambda: compression.start([torch.ones(4, dtype=torch.int64)], ((0, 0, 4),)).wait()):
+        try:
+            make()
+            errors.append("")
+        except ValueError as error:
+            errors.append(str(error))
+    outcome["errors"] = errors
+    comm.finalize()
+    return outcome
+
+
+def check(outcomes):
+    for outcome in outcomes:
+        assert all(outcome["hook"]) and outcome["hook rebuilt"], outcome["hook"]
+        assert all(outcome["relayout"]), outcome["relayout"]
+        assert outcome["round trip"] and outcome["restored step"]
+        assert outcome["communicator"] and outcome["optimizer has it"]
+        threshold, kind, setting, dtype = outcome["errors"]
+        assert "GradientCompressionState: threshold must be a positive number" in threshold
+        assert "type must be one of" in kind
+        assert "create_communicator: gradient_compression has unknown settings ['thresh']" in setting
+        assert "gradient_compression: gradients must be floating point" in dtype
+
+
+def test_hook_and_toolkit_two_ranks_as_two_nodes():
+    check(run_spawn(process_cases, 2, env={"CHAINERMN_RANKS_PER_NODE": "1"}, timeout=240))
+
+
+def test_hook_and_toolkit_two_nodes_of_two():
+    check(run_spawn(process_cases, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=360))

@@ -1,0 +1,219 @@
+"""Gradient compression between nodes: MXNet's 2-bit with error feedback, and 1-bit sign with a scale.
+
+Within a node the ranks' gradients are summed at full precision; each node's first rank adds that sum
+to its residual and sends 2 bits (or 1 bit) per value to the other nodes, keeping what it did not send
+for the next step, so nothing is lost, only delayed. The chunk sums come back as float32 (MXNet),
+as `result_dtype`, or with `compress_result=True` compressed too, against a second residual. Every
+rank gets the sum of what the nodes sent divided by the world size. With one node nothing is
+compressed. The codes and the exchange are the backend's (csrc/strategies/compressed.h).
+
+    compression = GradientCompression(type="2bit", threshold=0.5)
+    work = compression.start([flat_gradients], params)     # params: the tensors' parameters, in order
+
+The DDP hook (hooks.GradientCompressionState), double buffering, the communicator
+(create_communicator(..., gradient_compression={...})) and the multi-node optimizer all go through
+this class, so the residuals follow parameters wherever the gradients are laid out: when DDP rebuilds
+its buckets (after its first step) they are carried over parameter by parameter.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._backend import backend_of, group_of
+
+__all__ = ["GradientCompression", "TYPES", "compression_from"]
+
+TYPES = ("2bit", "1bit")
+RESULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SETTINGS = ("type", "threshold", "compress_result", "result_dtype")
+
+
+class _Residual:
+    """A node leader's residuals for one layout of gradients (empty tensors elsewhere)."""
+
+    __slots__ = ("first", "second", "second_offset", "second_count", "params", "work")
+
+    def __init__(self, first, second, second_offset, second_count, params):
+        self.first = first
+        self.second = second
+        self.second_offset = second_offset
+        self.second_count = second_count
+        self.params = params  # ((id(param), offset, numel), ...) in the flat layout
+        self.work = None      # the last mean that updates these residuals (double buffering: in flight)
+
+    def folded(self) -> torch.Tensor:
+        """What the node still owes, as one vector over the layout: the second residual's chunk
+        added into the first (both are error of the same sum; sending either later delivers it)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        first = self.first
+        if self.second.numel():
+            first = first.clone()
+            first[self.second_offset:self.second_offset + self.second_count] += self.second[:self.second_count]
+        return first
+
+
+class GradientCompression:
+    """Compression settings for a group, and the residuals they keep (see the module docstring).
+
+    process_group: a chainermn group (default: the default group).
+    type: "2bit" (MXNet's: +threshold, -threshold or 0 per value) or "1bit" (the sign, times the chunk's
+        mean magnitude).
+    threshold: 2-bit's threshold, > 0 (MXNet's default 0.5). 1-bit does not use it.
+    compress_result: compress the chunk sums on their way back too (both phases 2 or 1 bits a value).
+    result_dtype: otherwise, the dtype the sums travel back in: torch.float32 (MXNet), float16, bfloat16.
+    """
+
+    def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
+                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *,
+                 op: str = "GradientCompression"):
+        if type not in TYPES:
+            raise ValueError(f"{op}: type must be one of {TYPES}, got {type!r}")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0 \
+                or threshold == float("inf"):
+            raise ValueError(f"{op}: threshold must be a positive number, got {threshold!r}")
+        if not isinstance(compress_result, bool):
+            raise ValueError(f"{op}: compress_result must be a bool, got {compress_result!r}")
+        if result_dtype not in RESULT_DTYPES:
+            raise ValueError(f"{op}: result_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                             f"got {result_dtype!r}")
+        self.process_group = group_of(process_group, op)
+        self._backend = backend_of(self.process_group, op)
+        self.type = type
+        self.threshold = float(threshold)
+        self.compress_result = compress_result
+        self.result_dtype = result_dtype
+        self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
+        self._carried: dict[int, torch.Tensor] | None = None  # id(param) -> residual, while relaid out
+        self._index: dict[int, int] = {}   # id(param) -> order of first sight (the state dict's keys)
+        self._numel: dict[int, int] = {}   # id(param) -> values
+        self._loaded: dict[int, torch.Tensor] = {}  # index -> residual from load_state_dict, not yet placed
+
+    def __repr__(self):
+        return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, "
+                f"compress_result={self.compress_result}, result_dtype={self.result_dtype})")
+
+    def settings(self) -> dict:
+        return {"type": self.type, "threshold": self.threshold, "compress_result": self.compress_result,
+                "result_dtype": self.result_dtype}
+
+    # ---- the mean ---------------------------------------------------------------------------------
+
+    def start(self, tensors, params, last: bool = True):
+        """Start the compressed mean of `tensors` (floating gradients) in place; returns the Work.
+
+        params: (id(param), offset, numel) of each parameter, in the tensors' values laid end to end.
+        last: this is the last call of the step: a relayout of the residuals is complete after it.
+        """
+        params = tuple(params)
+        key = tuple(param_id for param_id, _, _ in params)
+        residual = self._residuals.get(key)
+        if residual is None:
+            residual = self._residual_for(params, sum(t.numel() for t in tensors), tensors[0].device)
+            self._residuals[key] = residual
+        if last:
+            self._carried = None
+        residual.work = self._backend.compressed_mean(
+            list(tensors), residual.first, residual.second, self.type, self.threshold, self.compress_result,
+            self.result_dtype)
+        return residual.work
+
+    def _residual_for(self, params, count: int, device) -> _Residual:
+        """A residual for a new layout, holding what earlier layouts (or a loaded state) owe its parameters."""
+        # Parameters seen before in another layout: DDP rebuilt its buckets (a first step's buckets,
+        # and parameters added later, are new).
+        relayout = any(param_id in self._index for param_id, _, _ in params)
+        for param_id, _, numel in params:
+            if param_id not in self._index:
+                self._index[param_id] = len(self._index)
+                self._numel[param_id] = numel
+        first_n, second_n, second_offset, second_count = self._backend.compression_residuals(
+            count, self.type, self.threshold, self.compress_result, self.result_dtype)
+        first = torch.zeros(first_n, dtype=torch.float32, device=device)
+        second = torch.zeros(second_n, dtype=torch.float32, device=device)
+        if relayout and self._carried is None:
+            # Carry every parameter's residual into the new layouts of this step.
+            self._carried = {}
+            for old in self._residuals.values():
+                owed = old.folded()
+                for param_id, offset, numel in old.params:
+                    if owed.numel():
+                        self._carried[param_id] = owed[offset:offset + numel]
+            self._residuals.clear()
+        if first_n:
+            for param_id, offset, numel in params:
+                owed = (self._carried or {}).get(param_id)
+                if owed is None and self.process_group.rank() == 0:
+                    owed = self._loaded.get(self._index[param_id])
+                if owed is not None:
+                    first[offset:offset + numel] = owed.reshape(-1).to(device)
+        for param_id, _, _ in params:
+            self._loaded.pop(self._index[param_id], None)  # placed (or, off the first rank, owed by it)
+        return _Residual(first, second, second_offset, second_count, params)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What the nodes still owe, summed over the nodes, per parameter: the same on every rank.
+
+        Collective over the group (every rank calls it). Keys are the parameters' order of first
+        sight, the same in every run of the same model and buckets.
+        """
+        numel = {index: self._numel[param_id] for param_id, index in self._index.items()}
+        for index, values in self._loaded.items():
+            numel.setdefault(index, values.numel())
+        where, offset = {}, 0
+        for index in sorted(numel):
+            where[index] = offset
+            offset += numel[index]
+        owed = torch.zeros(offset, dtype=torch.float32)
+        for residual in self._residuals.values():
+            values = residual.folded().cpu()
+            for param_id, start, count in residual.params:
+                if values.numel():
+                    owed[where[self._index[param_id]]:][:count] += values[start:start + count]
+        if self.process_group.rank() == 0:  # loaded and not placed yet: the first rank owes it
+            for index, values in self._loaded.items():
+                owed[where[index]:][:values.numel()] += values.reshape(-1).cpu()
+        if owed.numel():
+            dist.all_reduce(owed, group=self.process_group)
+        residuals = {index: owed[where[index]:][:numel[index]].clone() for index in sorted(numel)}
+        return {"settings": {**self.settings(), "result_dtype": str(self.result_dtype)}, "residuals": residuals}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a state_dict(): the group's first rank owes everything it holds (the sum over the nodes
+        is what matters), the other ranks nothing. Residuals held now are dropped. Every rank calls it."""
+        settings = dict(state.get("settings", {}))
+        mine = {**self.settings(), "result_dtype": str(self.result_dtype)}
+        if settings != mine:
+            raise ValueError(f"GradientCompression.load_state_dict: the state was saved with {settings}, "
+                             f"this compression has {mine}")
+        self._residuals.clear()
+        self._carried = None
+        # Every rank keeps the values so that every rank lays out state_dict() alike; only the first
+        # rank places them into its residuals (_residual_for).
+        self._loaded = {int(k): v.detach().reshape(-1).to(torch.float32, copy=True) for k, v in state["residuals"].items()}
+
+
+def compression_from(value, group, op: str) -> GradientCompression | None:
+    """None, a GradientCompression (used as it is), or a dict of its settings for `group`."""
+    if value is None or isinstance(value, GradientCompression):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{op}: gradient_compression must be None, a dict or a GradientCompression, "
+                         f"got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_SETTINGS))
+    if unknown:
+        raise ValueError(f"{op}: gradient_compression has unknown settings {unknown} (known: {list(_SETTINGS)})")
+    return GradientCompression(group, **value, op=op)
+
+
+def layout_of(tensors, params) -> tuple:
+    """(id(param), offset, numel) for parameters whose gradients lie end to end as `tensors` do."""
+    out, offset = [], 0
+    for tensor, param in zip(tensors, params):
+        out.append((id(param), offset, tensor.numel()))
+        offset += tensor.numel()
+    return tuple(out)
