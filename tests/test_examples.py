@@ -11,10 +11,11 @@ from tests.harness import MPIEXEC, REPO, free_port, launcher_free_environment
 SCRIPT = REPO / "examples" / "mnist" / "train_mnist.py"
 
 
-def launch(command, tmp_path: Path, *flags) -> dict:
+def launch(command, tmp_path: Path, *flags, env_extra=None) -> dict:
     out = tmp_path / f"summary{'-'.join(flags)}.json"
     env = launcher_free_environment()
     env["OMP_NUM_THREADS"] = "1"
+    env.update(env_extra or {})
     result = subprocess.run(command + [str(SCRIPT), "--out", str(out), *flags], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -45,6 +46,16 @@ def test_mnist_under_torchrun(plain_torchrun_run):
 def test_mnist_fp16_double_buffering_within_a_point_of_plain(plain_torchrun_run, tmp_path):
     summary = launch(torchrun(), tmp_path, *SMALL_BATCHES, "--compress", "fp16", "--double-buffering")
     assert summary["compress"] == "fp16" and summary["double_buffering"]
+    assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
+        summary["final_accuracy"], plain_torchrun_run["final_accuracy"])
+
+
+def test_mnist_2bit_compression_between_two_nodes_within_a_point_of_plain(plain_torchrun_run, tmp_path):
+    # 4 processes as 2 simulated nodes: the 2-bit codes cross between them. Adam's gradients here are
+    # ~1e-2 and smaller, hence the threshold (0.002 lands at 0.82: +-t almost every step is noise).
+    summary = launch(torchrun(), tmp_path, *SMALL_BATCHES, "--compression", "2bit", "--threshold", "0.01",
+                     env_extra={"CHAINERMN_RANKS_PER_NODE": "2"})
+    assert summary["compression"] == "2bit"
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
         summary["final_accuracy"], plain_torchrun_run["final_accuracy"])
 
