@@ -3,11 +3,21 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+// Each kernel is one pass over the values (1-bit's quantize: two, the scale needs the whole chunk
+// first). Where SSE2 is there (every x86-64), four values go at a time: compares give lane masks, and
+// movemask turns them into code bits; the arithmetic is the scalar code's exactly (x - 0 and x + 0
+// where nothing is sent), so both paths give the same bits. Elsewhere the scalar loops run.
+
 namespace chainermn {
 namespace {
 
-// One word of 2-bit codes for `n` (<= 16) values from `i0`. Branch-free, so the compiler vectorises
-// the loop over a full word.
+// ---- scalar: the specification, and the tails ---------------------------------------------------
+
+// One word of 2-bit codes for `n` (<= 16) values from `i0`.
 inline uint32_t quantizeWord2bit(const float* add, float* residual, int64_t i0, int n, float t) {
   uint32_t bits = 0;
   for (int k = 0; k < n; ++k) {
@@ -22,18 +32,71 @@ inline uint32_t quantizeWord2bit(const float* add, float* residual, int64_t i0, 
   return bits;
 }
 
+inline float value2bit(uint32_t bits, int k, float t) {
+  return static_cast<float>((bits >> (2 * k)) & 1u) * t - static_cast<float>((bits >> (2 * k + 1)) & 1u) * t;
+}
+
+#if defined(__SSE2__)
+
+// Bit k of a nibble at bit 2k of a byte.
+constexpr uint8_t kSpread[16] = {0x00, 0x01, 0x04, 0x05, 0x10, 0x11, 0x14, 0x15,
+                                 0x40, 0x41, 0x44, 0x45, 0x50, 0x51, 0x54, 0x55};
+
+// A full word of 2-bit codes for the 16 values from i0.
+inline uint32_t quantizeWord2bitSse(const float* add, float* residual, int64_t i0, __m128 t, __m128 minusT) {
+  uint32_t bits = 0;
+  for (int g = 0; g < 4; ++g) {
+    float* at = residual + i0 + 4 * g;
+    __m128 r = _mm_add_ps(_mm_loadu_ps(at), add ? _mm_loadu_ps(add + i0 + 4 * g) : _mm_setzero_ps());
+    const __m128 pos = _mm_cmpge_ps(r, t);
+    const __m128 neg = _mm_cmple_ps(r, minusT);
+    r = _mm_sub_ps(r, _mm_and_ps(pos, t));
+    r = _mm_add_ps(r, _mm_and_ps(neg, t));
+    _mm_storeu_ps(at, r);
+    const uint32_t codes = kSpread[_mm_movemask_ps(pos)] | (kSpread[_mm_movemask_ps(neg)] << 1);
+    bits |= codes << (8 * g);
+  }
+  return bits;
+}
+
+// out[0..4) (+)= the values of the four codes in `byte`.
+template <bool Accumulate>
+inline void dequantizeFour2bit(uint32_t byte, float* out, __m128 t) {
+  const __m128i posBits = _mm_set_epi32(64, 16, 4, 1);
+  const __m128i negBits = _mm_set_epi32(128, 32, 8, 2);
+  const __m128i b = _mm_set1_epi32(static_cast<int>(byte));
+  const __m128 pos = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(b, posBits), posBits));
+  const __m128 neg = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(b, negBits), negBits));
+  const __m128 value = _mm_sub_ps(_mm_and_ps(pos, t), _mm_and_ps(neg, t));
+  _mm_storeu_ps(out, Accumulate ? _mm_add_ps(_mm_loadu_ps(out), value) : value);
+}
+
+// out[0..4) (+)= +scale or -scale by the four sign bits of `nibble`.
+template <bool Accumulate>
+inline void dequantizeFour1bit(uint32_t nibble, float* out, __m128 scale, __m128 minusScale) {
+  const __m128i bits = _mm_set_epi32(8, 4, 2, 1);
+  const __m128 positive =
+      _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(_mm_set1_epi32(static_cast<int>(nibble)), bits), bits));
+  const __m128 value = _mm_or_ps(_mm_and_ps(positive, scale), _mm_andnot_ps(positive, minusScale));
+  _mm_storeu_ps(out, Accumulate ? _mm_add_ps(_mm_loadu_ps(out), value) : value);
+}
+
+#endif
+
 void quantize2bit(const float* add, float* residual, uint32_t* block, int64_t count, int64_t words, float t) {
   const int64_t full = count / 16;
-  if (add) {
-    for (int64_t w = 0; w < full; ++w) {
-      block[w] = quantizeWord2bit(add, residual, w * 16, 16, t);
-    }
-  } else {
-    for (int64_t w = 0; w < full; ++w) {
-      block[w] = quantizeWord2bit(nullptr, residual, w * 16, 16, t);
-    }
+  int64_t w = 0;
+#if defined(__SSE2__)
+  const __m128 tv = _mm_set1_ps(t);
+  const __m128 minusT = _mm_set1_ps(-t);
+  for (; w < full; ++w) {
+    block[w] = quantizeWord2bitSse(add, residual, w * 16, tv, minusT);
   }
-  int64_t w = full;
+#else
+  for (; w < full; ++w) {
+    block[w] = quantizeWord2bit(add, residual, w * 16, 16, t);
+  }
+#endif
   if (count % 16) {
     block[w] = quantizeWord2bit(add, residual, w * 16, static_cast<int>(count % 16), t);
     ++w;
@@ -41,7 +104,26 @@ void quantize2bit(const float* add, float* residual, uint32_t* block, int64_t co
   std::memset(block + w, 0, (words - w) * sizeof(uint32_t));
 }
 
+template <bool Accumulate>
+void dequantize2bit(const uint32_t* block, float* out, int64_t count, float t) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 tv = _mm_set1_ps(t);
+  for (; i + 16 <= count; i += 16) {
+    const uint32_t bits = block[i / 16];
+    for (int g = 0; g < 4; ++g) {
+      dequantizeFour2bit<Accumulate>((bits >> (8 * g)) & 0xffu, out + i + 4 * g, tv);
+    }
+  }
+#endif
+  for (; i < count; ++i) {
+    const float value = value2bit(block[i / 16], static_cast<int>(i % 16), t);
+    out[i] = Accumulate ? out[i] + value : value;
+  }
+}
+
 void quantize1bit(const float* add, float* residual, uint32_t* block, int64_t count, int64_t words) {
+  // Pass 1: the error feedback, and the magnitude (in double, in index order: the specification).
   double magnitude = 0.0;
   for (int64_t i = 0; i < count; ++i) {
     const float r = residual[i] + (add ? add[i] : 0.0f);
@@ -50,33 +132,38 @@ void quantize1bit(const float* add, float* residual, uint32_t* block, int64_t co
   }
   const float scale = count > 0 ? static_cast<float>(magnitude / static_cast<double>(count)) : 0.0f;
   std::memcpy(block, &scale, sizeof(float));
+  // Pass 2: the signs; what was sent leaves the residual.
   uint32_t* signs = block + 1;
-  const int64_t signWords = (count + 31) / 32;
-  for (int64_t w = 0; w < signWords; ++w) {
-    const int n = static_cast<int>(count - w * 32 < 32 ? count - w * 32 : 32);
-    float* r = residual + w * 32;
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 zero = _mm_setzero_ps();
+  const __m128 scales = _mm_set1_ps(scale);
+  const __m128 minusScales = _mm_set1_ps(-scale);
+  for (; i + 32 <= count; i += 32) {
+    uint32_t bits = 0;
+    for (int g = 0; g < 8; ++g) {
+      float* at = residual + i + 4 * g;
+      const __m128 r = _mm_loadu_ps(at);
+      const __m128 positive = _mm_cmpge_ps(r, zero);
+      const __m128 sent = _mm_or_ps(_mm_and_ps(positive, scales), _mm_andnot_ps(positive, minusScales));
+      _mm_storeu_ps(at, _mm_sub_ps(r, sent));
+      bits |= static_cast<uint32_t>(_mm_movemask_ps(positive)) << (4 * g);
+    }
+    signs[i / 32] = bits;
+  }
+#endif
+  for (; i < count; i += 32) {
+    const int n = static_cast<int>(count - i < 32 ? count - i : 32);
     uint32_t bits = 0;
     for (int k = 0; k < n; ++k) {
-      const uint32_t positive = r[k] >= 0.0f;
-      r[k] -= positive ? scale : -scale;
+      const uint32_t positive = residual[i + k] >= 0.0f;
+      residual[i + k] -= positive ? scale : -scale;
       bits |= positive << k;
     }
-    signs[w] = bits;
+    signs[i / 32] = bits;
   }
+  const int64_t signWords = (count + 31) / 32;
   std::memset(signs + signWords, 0, (words - 1 - signWords) * sizeof(uint32_t));
-}
-
-template <bool Accumulate>
-void dequantize2bit(const uint32_t* block, float* out, int64_t count, float t) {
-  for (int64_t w = 0; w * 16 < count; ++w) {
-    const uint32_t bits = block[w];
-    const int n = static_cast<int>(count - w * 16 < 16 ? count - w * 16 : 16);
-    float* o = out + w * 16;
-    for (int k = 0; k < n; ++k) {
-      const float value = static_cast<float>((bits >> (2 * k)) & 1u) * t - static_cast<float>((bits >> (2 * k + 1)) & 1u) * t;
-      o[k] = Accumulate ? o[k] + value : value;
-    }
-  }
 }
 
 template <bool Accumulate>
@@ -84,14 +171,20 @@ void dequantize1bit(const uint32_t* block, float* out, int64_t count) {
   float scale;
   std::memcpy(&scale, block, sizeof(float));
   const uint32_t* signs = block + 1;
-  for (int64_t w = 0; w * 32 < count; ++w) {
-    const uint32_t bits = signs[w];
-    const int n = static_cast<int>(count - w * 32 < 32 ? count - w * 32 : 32);
-    float* o = out + w * 32;
-    for (int k = 0; k < n; ++k) {
-      const float value = ((bits >> k) & 1u) ? scale : -scale;
-      o[k] = Accumulate ? o[k] + value : value;
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 scales = _mm_set1_ps(scale);
+  const __m128 minusScales = _mm_set1_ps(-scale);
+  for (; i + 32 <= count; i += 32) {
+    const uint32_t bits = signs[i / 32];
+    for (int g = 0; g < 8; ++g) {
+      dequantizeFour1bit<Accumulate>((bits >> (4 * g)) & 0xfu, out + i + 4 * g, scales, minusScales);
     }
+  }
+#endif
+  for (; i < count; ++i) {
+    const float value = ((signs[i / 32] >> (i % 32)) & 1u) ? scale : -scale;
+    out[i] = Accumulate ? out[i] + value : value;
   }
 }
 
