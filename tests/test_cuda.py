@@ -163,6 +163,38 @@ def test_mean_coalesced_on_cuda(config):
     check_outcomes(run_cuda(mean_cases, 2, config, timeout=300))
 
 
+def compression_cases():
+    """Gradient compression of CUDA buffers between 2 nodes, against the CPU reference (2-bit: exact)."""
+    from tests import compression_reference as reference
+    from torch_chainermn.compression import GradientCompression
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    outcome = {}
+    for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True)):
+        case = f"{kind}, compress_result={compress_result}"
+        try:
+            compression = GradientCompression(type=kind, threshold=0.3, compress_result=compress_result)
+            inputs = [[torch.randn(1001, generator=torch.Generator().manual_seed(100 * step + r)) * 0.4
+                       for r in range(size)] for step in range(3)]
+            means = reference.compressed_mean_steps(inputs, [[r] for r in range(size)], 3, kind, 0.3, compress_result)[0]
+            for step in range(3):
+                buffer = inputs[step][rank].cuda()
+                compression.start([buffer], ((0, 0, buffer.numel()),)).wait()
+                if kind == "2bit":
+                    assert torch.equal(buffer.cpu(), means[step]), step
+                else:  # the GPU sums each chunk's magnitude in another order
+                    torch.testing.assert_close(buffer.cpu(), means[step], rtol=1e-5, atol=1e-5)
+            outcome[case] = None
+        except Exception:  # noqa: BLE001
+            outcome[case] = traceback.format_exc()
+    return outcome
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_gradient_compression_on_cuda(config):
+    check_outcomes(run_cuda(compression_cases, 2, config, extra_env={"CHAINERMN_RANKS_PER_NODE": "1"}, timeout=300))
+
+
 # ---- stream ordering, futures, refusals -----------------------------------------------------------
 
 def stream_and_future_cases():

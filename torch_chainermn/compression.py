@@ -107,6 +107,8 @@ class GradientCompression:
         params: (id(param), offset, numel) of each parameter, in the tensors' values laid end to end.
         last: this is the last call of the step: a relayout of the residuals is complete after it.
         """
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValueError("gradient_compression: tensors must be a non-empty list of torch.Tensor")
         params = tuple(params)
         key = tuple(param_id for param_id, _, _ in params)
         residual = self._residuals.get(key)
