@@ -16,6 +16,16 @@ so the gradient is large (4 bytes per parameter) while the compute stays modest;
     <strategy>+db            ... with double buffering (torch_chainermn.hooks.double_buffering_hook,
                              DoubleBufferingState(compress=None))
     <strategy>+fp16+db       ... double buffering with float16 on the wire
+    <strategy>+2bit          ... with gradient compression between nodes (MXNet's 2-bit with error
+                             feedback, threshold --threshold): hooks.gradient_compression_hook,
+                             GradientCompressionState(type="2bit", threshold=T); the sums come back
+                             as float32
+    <strategy>+1bit          ... the same with 1-bit sign compression (type="1bit")
+    ...+2bit+cr, ...+1bit+cr compress_result=True: the sums come back compressed too
+    ...+2bit+fp16            result_dtype=torch.float16: the sums come back as float16 (+bf16: bfloat16;
+                             the same for +1bit; not with +cr)
+    ...+2bit+db, ...         double buffering of the compressed mean:
+                             DoubleBufferingState(compress=GradientCompressionState(...))
     ...+noshm                (chainermn modes) CHAINERMN_SHM=0: a node's ranks meet over Gloo on the
                              node's loopback instead of shared memory
 
@@ -23,7 +33,9 @@ Timing: --warmup steps, a barrier, then --steps timed steps (forward, backward w
 allreduce, optimizer.step). A step's time is measured on every rank; the reported step time is the
 median over steps of the slowest rank's time. Afterwards --compute-steps steps run under no_sync()
 (no communication at all) to measure the compute alone, and --comm-steps rounds of all_reduce of
-the gradient's buckets in the wire dtype (no compute) measure the communication alone; the CPU time
+the gradient's buckets in the wire dtype (no compute; for compressed modes the compressed mean,
+GradientCompression.start on float32 buffers of the buckets' sizes, after one untimed round that
+allocates its residuals) measure the communication alone; the CPU time
 of every rank process during the timed steps is reported too (cpu_per_step_s, summed over ranks).
 Rank 0 prints one JSON line and, with --json, writes it to that file.
 """
@@ -56,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--comm-steps", type=int, default=1,
                    help="rounds of allreduce alone (the gradient's buckets, wire dtype; 0: skip)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threshold", type=float, default=0.5, help="2-bit compression's threshold (+2bit modes)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
@@ -66,9 +79,17 @@ def parse_args(argv=None):
 def parse_mode(mode: str):
     parts = mode.split("+")
     base, flags = parts[0], set(parts[1:])
-    unknown = flags - {"fp16", "bf16", "db", "noshm"}
+    unknown = flags - {"fp16", "bf16", "db", "noshm", "2bit", "1bit", "cr"}
     if unknown or ("fp16" in flags and "bf16" in flags):
-        raise SystemExit(f"bad mode {mode!r}: flags are +fp16, +bf16, +db, +noshm")
+        raise SystemExit(f"bad mode {mode!r}: flags are +fp16, +bf16, +db, +noshm, +2bit, +1bit, +cr")
+    if "2bit" in flags and "1bit" in flags:
+        raise SystemExit(f"bad mode {mode!r}: +2bit or +1bit, not both")
+    if "cr" in flags and not flags & {"2bit", "1bit"}:
+        raise SystemExit(f"bad mode {mode!r}: +cr (compress_result) needs +2bit or +1bit")
+    if "cr" in flags and flags & {"fp16", "bf16"}:
+        raise SystemExit(f"bad mode {mode!r}: with +cr the sums come back compressed, not as fp16/bf16")
+    if base == "gloo" and flags & {"2bit", "1bit"}:
+        raise SystemExit("gradient compression (+2bit, +1bit) is a torch_chainermn hook: use a chainermn strategy")
     if base == "gloo" and "bf16" in flags:
         raise SystemExit("gloo+bf16: torch's bf16_compress_hook needs CUDA and NCCL; use gloo+fp16")
     if base == "gloo" and "noshm" in flags:
@@ -88,7 +109,16 @@ def build_model(params_m: float, layers: int) -> tuple[nn.Module, int]:
     return nn.Sequential(*mods), width
 
 
-def install_hook(model, base: str, flags: set):
+def compression_settings(flags: set, threshold: float) -> dict | None:
+    """GradientCompressionState's settings for a compressed mode (+2bit, +1bit), else None."""
+    kind = "2bit" if "2bit" in flags else "1bit" if "1bit" in flags else None
+    if kind is None:
+        return None
+    result = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else torch.float32
+    return {"type": kind, "threshold": threshold, "compress_result": "cr" in flags, "result_dtype": result}
+
+
+def install_hook(model, base: str, flags: set, threshold: float = 0.5):
     """Register the comm hook of the mode; returns the double-buffering state (or None)."""
     if base == "gloo":
         if "fp16" in flags:
@@ -98,6 +128,15 @@ def install_hook(model, base: str, flags: set):
     if not flags - {"noshm"}:
         return None                                  # DDP's own allreduce on the chainermn group
     import torch_chainermn.hooks as hooks
+    compression = compression_settings(flags, threshold)
+    if compression is not None:
+        state = hooks.GradientCompressionState(process_group=None, **compression)
+        if "db" in flags:
+            db = hooks.DoubleBufferingState(compress=state)
+            model.register_comm_hook(db, hooks.double_buffering_hook)
+            return db
+        model.register_comm_hook(state, hooks.gradient_compression_hook)
+        return None
     wire = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else None
     if "db" in flags:
         state = hooks.DoubleBufferingState(process_group=None, compress=wire)
@@ -134,7 +173,7 @@ def main(argv=None) -> int:
     # Every rank built the same parameters from seed 0, so DDP's start-up broadcast of 4 bytes per
     # parameter (seconds on a slow link, and not part of a training step) is skipped.
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb, init_sync=False)
-    db_state = install_hook(ddp, base, flags)
+    db_state = install_hook(ddp, base, flags, args.threshold)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, width, generator=gen)
@@ -186,17 +225,36 @@ def main(argv=None) -> int:
 
     # The communication alone: the gradient's size in buckets, in the wire dtype, no compute.
     t_phase = time.time()
+    compression = compression_settings(flags, args.threshold)
     wire = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else torch.float32
+    if compression is not None:
+        wire = torch.float32                  # compressed modes: float32 gradients, compressed in the backend
     per_bucket = int(args.bucket_cap_mb * 2**20 / 4)
     bufs = [torch.zeros(min(per_bucket, n_params - i), dtype=wire) for i in range(0, n_params, per_bucket)]
+
+    if compression is None:
+        def comm_round():
+            for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
+                w.wait()
+    else:
+        # The compressed mean of each bucket, as the hook runs it (one GradientCompression per buffer,
+        # so each keeps one layout and its own residual; the training state's residuals stay untouched).
+        from torch_chainermn.compression import GradientCompression
+        compressors = [GradientCompression(None, **compression) for _ in bufs]
+
+        def comm_round():
+            works = [c.start([b], ((id(b), 0, b.numel()),)) for c, b in zip(compressors, bufs)]
+            for w in works:
+                w.wait()
+        if args.comm_steps:
+            comm_round()                      # allocates the residuals (a first step's cost, not a step's)
     comm = []
     comm_cpu = 0.0
     dist.barrier()                            # the connections and buffers are warm from training
     for i in range(args.comm_steps):
         t0 = time.perf_counter()
         c0 = time.process_time()
-        for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
-            w.wait()
+        comm_round()
         comm.append(time.perf_counter() - t0)
         comm_cpu += time.process_time() - c0
     dist.barrier()
@@ -223,6 +281,8 @@ def main(argv=None) -> int:
             "nodes": len({r["host"] for r in everyone}),
             "params": n_params, "grad_mb": n_params * 4 / 1e6, "width": width, "layers": args.layers,
             "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "transport": transport,
+            "compression": ({**compression, "result_dtype": str(compression["result_dtype"])}
+                            if compression else None),
             "step_s": step_s, "step_min_s": min(slowest), "step_max_s": max(slowest),
             "wall_per_step_s": max(r["wall"] for r in everyone) / args.steps,
             "compute_s": compute_s, "comm_s": comm_s,

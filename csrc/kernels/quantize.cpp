@@ -123,9 +123,26 @@ void dequantize2bit(const uint32_t* block, float* out, int64_t count, float t) {
 }
 
 void quantize1bit(const float* add, float* residual, uint32_t* block, int64_t count, int64_t words) {
-  // Pass 1: the error feedback, and the magnitude (in double, in index order: the specification).
+  // Pass 1: the error feedback, and the magnitude (in double: rounding the mean to float hides the
+  // order of the sum, so four lanes may sum side by side).
   double magnitude = 0.0;
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const __m128 sign = _mm_set1_ps(-0.0f);
+  __m128d low = _mm_setzero_pd();
+  __m128d high = _mm_setzero_pd();
+  for (; i + 4 <= count; i += 4) {
+    const __m128 r = _mm_add_ps(_mm_loadu_ps(residual + i), add ? _mm_loadu_ps(add + i) : _mm_setzero_ps());
+    _mm_storeu_ps(residual + i, r);
+    const __m128 size = _mm_andnot_ps(sign, r);
+    low = _mm_add_pd(low, _mm_cvtps_pd(size));
+    high = _mm_add_pd(high, _mm_cvtps_pd(_mm_movehl_ps(size, size)));
+  }
+  double lanes[2];
+  _mm_storeu_pd(lanes, _mm_add_pd(low, high));
+  magnitude = lanes[0] + lanes[1];
+#endif
+  for (; i < count; ++i) {
     const float r = residual[i] + (add ? add[i] : 0.0f);
     residual[i] = r;
     magnitude += std::fabs(r);
@@ -134,7 +151,7 @@ void quantize1bit(const float* add, float* residual, uint32_t* block, int64_t co
   std::memcpy(block, &scale, sizeof(float));
   // Pass 2: the signs; what was sent leaves the residual.
   uint32_t* signs = block + 1;
-  int64_t i = 0;
+  i = 0;
 #if defined(__SSE2__)
   const __m128 zero = _mm_setzero_ps();
   const __m128 scales = _mm_set1_ps(scale);

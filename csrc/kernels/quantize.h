@@ -7,7 +7,7 @@
 //     (r += t), else 0; r is the new residual. Value i is bits 2*(i%16) of word i/16: 0b01 is +t,
 //     0b10 is -t, 0b00 is 0. 16 values a word: 1/16 of float32.
 //   OneBit (sign with a scale): r = residual + add; scale = mean |r| over the chunk (summed in
-//     double, in index order, then rounded to float); code +scale where r >= 0, else -scale;
+//     double, in any order, then rounded to float: the rounding hides the order); code +scale where r >= 0, else -scale;
 //     residual = r - code. Word 0 holds the scale's bits, value i is bit i%32 of word 1 + i/32 (1 is
 //     +scale). 32 values a word.
 // Words past `count`'s last value, up to the block's end, are zero (they decode to 0 / -scale and

@@ -240,9 +240,13 @@ void bindTesting(py::module_& testing) {
         const CompressionKind which = compressionKind(kind);
         TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual: contiguous float32");
         TORCH_CHECK_VALUE(chunk >= residual.numel(), "chunk must hold the residual's values");
+        TORCH_CHECK_VALUE(!add || (add->scalar_type() == at::kFloat && add->numel() == residual.numel() &&
+                                   add->device() == residual.device()),
+                          "add: float32 with the residual's values and device");
         at::Tensor block = at::empty({blockWords(which, chunk)}, residual.options().dtype(at::kInt));
+        const at::Tensor values = add ? add->contiguous() : at::Tensor();  // kept alive through the call
         moverFor(residual.device())
-            ->quantize(which, add ? add->contiguous().data_ptr<float>() : nullptr, residual.data_ptr<float>(),
+            ->quantize(which, add ? values.data_ptr<float>() : nullptr, residual.data_ptr<float>(),
                        reinterpret_cast<uint32_t*>(block.data_ptr<int32_t>()), residual.numel(), chunk,
                        static_cast<float>(threshold));
         return block;
@@ -255,8 +259,12 @@ void bindTesting(py::module_& testing) {
          bool accumulate) {
         TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= count,
                           "out: contiguous float32 of at least count values");
+        const CompressionKind which = compressionKind(kind);
+        TORCH_CHECK_VALUE(block.scalar_type() == at::kInt && block.is_contiguous() &&
+                              block.numel() >= blockWords(which, count) && block.device() == out.device(),
+                          "block: contiguous int32 words enough for count values, on out's device");
         moverFor(out.device())
-            ->dequantize(compressionKind(kind), reinterpret_cast<const uint32_t*>(block.data_ptr<int32_t>()),
+            ->dequantize(which, reinterpret_cast<const uint32_t*>(block.data_ptr<int32_t>()),
                          out.data_ptr<float>(), count, static_cast<float>(threshold), accumulate);
       },
       "out (+)= the values a block of codes carries (kernels/quantize.h)",
