@@ -148,6 +148,19 @@ def process_cases():
     outcome["hook"] = hook_exact
     outcome["hook rebuilt"] = set(state._residuals) != layouts_seen[0]  # DDP's rebuild was crossed
 
+    # Double buffered: step k applies step k-1's compressed mean (zeros at step 0), across the rebuild.
+    db_model = DDP(Known(), bucket_cap_mb=0.002)
+    db = hooks.DoubleBufferingState(compress=hooks.GradientCompressionState(type="2bit", threshold=threshold))
+    db_model.register_comm_hook(db, hooks.double_buffering_hook)
+    stale = []
+    for step in range(3):
+        db_model.zero_grad()
+        db_model(gradients(rank, step)).backward()
+        got = torch.cat([getattr(db_model.module, name).grad for name in SIZES])
+        stale.append(torch.equal(got, torch.zeros_like(got) if step == 0 else expected[step - 1]))
+    db.flush()
+    outcome["double buffering"] = stale
+
     # A new layout of the same parameters (as DDP's rebuild makes) carries each one's residual.
     compression = GradientCompression(type="2bit", threshold=threshold)
     params = {name: torch.nn.Parameter(torch.zeros(count)) for name, count in SIZES.items()}
@@ -211,6 +224,7 @@ def check(outcomes):
     for outcome in outcomes:
         assert all(outcome["hook"]) and outcome["hook rebuilt"], outcome["hook"]
         assert all(outcome["relayout"]), outcome["relayout"]
+        assert all(outcome["double buffering"]), outcome["double buffering"]
         assert outcome["round trip"] and outcome["restored step"]
         assert outcome["communicator"] and outcome["optimizer has it"]
         threshold, kind, setting, dtype = outcome["errors"]

@@ -112,24 +112,48 @@ void compressedMean(
   }
   const double mean = 1.0 / topology.size;
   const int nodes = topology.interSize;
+  constexpr auto kFloat = c10::ScalarType::Float;
+  // A single float32 buffer (a DDP bucket) is read and written where it lies: no pack, no unpack
+  // off the node's leader. Anything else is packed into float32 first.
+  const bool inPlace = parts.size() == 1 && parts[0].dtype == kFloat;
   const int64_t room = nodes > 1 ? compressionChunk(count, nodes) * nodes : count;
   auto* sum = static_cast<float*>(scratch.get(Slot::Packed, room * sizeof(float)));
-  scratch.pack(parts, sum, c10::ScalarType::Float, 1.0);
+  Transport& intra = *transports.intra;
   if (nodes == 1) {
-    transports.world->allreduce(sum, count, c10::ScalarType::Float, ReduceKind::Sum);
-    scratch.unpack(sum, c10::ScalarType::Float, parts, mean);
+    float* values = inPlace ? static_cast<float*>(parts[0].data) : sum;
+    if (!inPlace) {
+      scratch.pack(parts, sum, kFloat, 1.0);
+    }
+    transports.world->allreduce(values, count, kFloat, ReduceKind::Sum);
+    scratch.unpack(values, kFloat, parts, mean);
     return;
   }
-  Transport& intra = *transports.intra;
   if (intra.size() > 1) {
-    intra.reduce(sum, sum, count, c10::ScalarType::Float, ReduceKind::Sum, /*root=*/0);
+    const void* mine = inPlace ? parts[0].data : sum;
+    if (!inPlace) {
+      scratch.pack(parts, sum, kFloat, 1.0);
+    }
+    intra.reduce(mine, sum, count, kFloat, ReduceKind::Sum, /*root=*/0);
+  } else {
+    scratch.pack(parts, sum, kFloat, 1.0);  // the exchange needs a node's sum with room for every chunk
   }
   // Every rank of a node knows the result's dtype and place from the spec alone.
-  const bool narrow = !spec.compressResult && spec.resultWire != c10::ScalarType::Float;
-  const c10::ScalarType resultType = narrow ? spec.resultWire : c10::ScalarType::Float;
+  const bool narrow = !spec.compressResult && spec.resultWire != kFloat;
+  const c10::ScalarType resultType = narrow ? spec.resultWire : kFloat;
   void* result = narrow ? scratch.get(Slot::Received, room * c10::elementSize(resultType)) : sum;
-  if (intra.rank() == 0) {
+  const bool leader = intra.rank() == 0;
+  if (leader) {
     result = exchangeBetweenNodes(*transports.inter, scratch, sum, count, spec, residual, secondResidual);
+  }
+  if (inPlace && !narrow) {
+    // The leader writes the mean into its buffer, which the node's other ranks receive into theirs.
+    if (leader) {
+      scratch.unpack(result, kFloat, parts, mean);
+    }
+    if (intra.size() > 1) {
+      intra.broadcast(parts[0].data, count, kFloat, /*root=*/0);
+    }
+    return;
   }
   if (intra.size() > 1) {
     intra.broadcast(result, count, resultType, /*root=*/0);
