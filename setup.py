@@ -105,6 +105,11 @@ setup(
     version=version(),
     description="ChainerMN's distributed training strategies as a torch.distributed backend",
     packages=find_packages(include=["torch_chainermn", "torch_chainermn.*"]),
+    # `import torch` registers the "chainermn" name through this entry point (torch's device-backend
+    # autoload), so a process that never imports torch_chainermn can still init_process_group with it.
+    # A module of its own, outside the package: loading it must not load the extension.
+    py_modules=["torch_chainermn_autoload"],
+    entry_points={"torch.backends": ["chainermn = torch_chainermn_autoload:register"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     ext_modules=[

@@ -77,7 +77,9 @@ def refusal(op: str, dtype_name: str, device="cpu"):
         return ("int16",)  # moves, but is never reduced (Gloo cannot, so neither transport does)
     if op in BITWISE and dtype_name in FLOATING:
         return (op,)
-    if op in ("AVG", "PREMUL_SUM") and dtype_name not in FLOATING:
+    if op == "PREMUL_SUM" and dtype_name not in FLOATING:
+        return (op,)
+    if op == "AVG" and dtype_name == "bool":  # integers average as NCCL does (sum // size)
         return (op,)
     if op in BITWISE and torch.device(device).type == "cuda" and not cuda_has_bitwise():
         return (op, "CUDA")
@@ -96,8 +98,9 @@ def reference_reduce(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     wide = torch.stack(inputs).to(torch.float64 if dtype.is_floating_point else torch.int64)
     if op == "SUM":
         out = wide.sum(0)
-    elif op == "AVG":
-        out = wide.sum(0) / len(inputs)
+    elif op == "AVG":  # integers: NCCL's rule, the sum divided by the size, truncating
+        out = wide.sum(0) / len(inputs) if dtype.is_floating_point else torch.div(
+            wide.sum(0), len(inputs), rounding_mode="trunc")
     elif op == "PREMUL_SUM":
         out = wide.sum(0) * PREMUL_FACTOR
     elif op == "PRODUCT":
@@ -627,9 +630,9 @@ def coalesced_case(dtype_name: str, device="cpu", ops=("SUM",)):
 
 def bad_input_case(rank, size):
     """Each bad call raises ValueError on the calling rank, names the op and argument, and queues nothing."""
-    expect_value_error(lambda: dist.all_reduce(torch.ones(3, 4).t()), "all_reduce", "contiguous")
+    expect_value_error(lambda: dist.all_reduce(torch.ones(3, 4)[:, ::2]), "all_reduce", "contiguous")  # not dense
     expect_value_error(lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BXOR), "all_reduce", "BXOR")
-    expect_value_error(lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG), "AVG")
+    expect_value_error(lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool), op=dist.ReduceOp.AVG), "AVG")
     expect_value_error(lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint32)), "all_reduce", "uint32")
     expect_value_error(lambda: dist.broadcast(torch.ones(3), src=size), "broadcast", "src")
     expect_value_error(lambda: dist.reduce(torch.ones(3), dst=size + 3), "reduce", "dst")

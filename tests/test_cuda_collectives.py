@@ -4,7 +4,7 @@
 The cases are tests/collective_cases.py's, built for the "cuda" device: the inputs are made on the GPU
 and each result is compared with a reference computed on the CPU from every rank's input. Every
 reduction is tried with every op; the combinations that must be refused are called anyway and must
-raise their ValueError: AVG and PREMUL_SUM of integers, bitwise ops of floats, and bitwise ops of
+raise their ValueError: AVG of bool, PREMUL_SUM of integers, bitwise ops of floats, and bitwise ops of
 any CUDA tensor unless CUDA tensors are staged through the host library (NCCL has no bitwise
 reductions). tests/test_collectives.py runs these same case sets on CPU tensors, so their
 expectations are checked on machines without a GPU too.

@@ -78,9 +78,20 @@ def register() -> None:
 def backend_of(group=None, op: str = "chainermn"):
     """The ProcessGroupChainerMN behind `group` (None, a ProcessGroup or a communicator), or a clear error."""
     group = group_of(group, op)
-    backend = group._get_backend(torch.device("cpu"))
+    backend = _unwrapped(group._get_backend(torch.device("cpu")))
     if not isinstance(backend, _C.ProcessGroupChainerMN):
         raise ValueError(f"{op}: the group does not use the chainermn backend (it uses {backend.name()})")
+    return backend
+
+
+def _unwrapped(backend):
+    """The backend inside the wrappers torch may put around it: TORCH_DISTRIBUTED_DEBUG=DETAIL wraps
+    every backend in a _ProcessGroupWrapper that checks collectives before passing them on."""
+    for _ in range(8):  # wrappers do not nest deeper than this; a cycle must not hang
+        inner = getattr(backend, "wrapped_pg", None)
+        if isinstance(backend, _C.ProcessGroupChainerMN) or inner is None:
+            break
+        backend = inner
     return backend
 
 

@@ -113,7 +113,8 @@ class Communicator:
         return backend_of(self.group, "allreduce_grad_dtype").options.allreduce_grad_dtype
 
     def _options(self) -> Options:
-        return Options(self.communicator_name, self.allreduce_grad_dtype)
+        """Every field of the group's Options, as the group holds them (split's children get them all)."""
+        return Options.from_cpp(backend_of(self.group, "split").options)
 
     # ---- arrays, point to point
     def send(self, data, dest: int, tag: int = 0) -> None:

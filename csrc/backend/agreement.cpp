@@ -113,6 +113,13 @@ uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes) {
         hash = mix(hash, extent);
       }
     }
+    if (tensor.layout() == at::kStrided && !tensor.is_contiguous()) {
+      // A dense layout other than the contiguous one (channels_last): elementwise ops reduce memory
+      // in storage order, so every rank must lay its tensor out alike.
+      for (int64_t stride : tensor.strides()) {
+        hash = mix(hash, stride);
+      }
+    }
   }
   return hash;
 }
@@ -180,7 +187,7 @@ std::string disagreement(
            });
   }
   if (differs(all, [](const Fingerprint& p) { return p.layout; })) {
-    return head + ": the tensors' sizes differ (same total): " +
+    return head + ": the tensors' sizes or memory layouts (channels_last, ...) differ (same total): " +
         byValue(all, [](const Fingerprint& p) { return "layout " + std::to_string(p.layout % 100000); });
   }
   if (differs(all, [](const Fingerprint& p) { return p.root; })) {

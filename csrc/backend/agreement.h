@@ -62,7 +62,8 @@ Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op);
 
 Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement);
 
-// Hash of the tensors' element counts, and with `shapes` of their sizes too.
+// Hash of the tensors' element counts, with `shapes` of their sizes too, and of the strides of any
+// tensor that is not contiguous.
 uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes);
 
 // The exchanges of fingerprints, into buffers sized once: they run before every collective, and

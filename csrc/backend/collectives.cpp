@@ -40,12 +40,14 @@ const void* scaledInput(Scratch& scratch, const at::Tensor& source, const Reduct
   return staged;
 }
 
-// The reduction's result scaled where it lies (AVG's 1/size for wide dtypes); no pass when 1.
+// The reduction's result scaled where it lies (AVG's 1/size for wide dtypes, its integer division
+// for integers); no pass when nothing changes.
 void scaleResult(Scratch& scratch, const at::Tensor& result, const Reduction& plan) {
   if (plan.scaling.after != 1.0) {
     const FlatBuffer whole{result.data_ptr(), result.numel(), plan.wireType};
     scratch.unpack(whole.data, plan.wireType, {whole}, plan.scaling.after);
   }
+  divideIntegerAverage(plan, result);
 }
 
 // all-to-all: the ranks' counts legitimately differ, so the fingerprint compares the dtype only;
@@ -65,7 +67,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce(
     const c10d::ReduceOptions& opts) {
   const char* op = "reduce";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    at::Tensor tensor = single(op, "tensor", tensors);
+    at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
     checkRank(op, "dst", opts.rootRank, size_);
     const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
     checkDeviceReduction(op, plan, tensor, cudaBitwise_);
@@ -96,7 +98,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    at::Tensor input = single(op, "tensor", inputTensors);
+    // Any dense layout: gathered in logical order from a contiguous copy (none when contiguous).
+    at::Tensor input = single(op, "tensor", inputTensors, Layout::Dense).contiguous();
     std::vector<at::Tensor> outputs = onlyList(op, "output list", outputTensors);
     checkListSize(op, "tensor_list", outputs.size(), size_);
     for (const auto& output : outputs) {
@@ -120,8 +123,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    checkWorldBlocks(op, "output_tensor", outputBuffer, "input_tensor", inputBuffer, size_);
-    at::Tensor output = outputBuffer, input = inputBuffer;
+    checkWorldBlocks(op, "output_tensor", outputBuffer, "input_tensor", inputBuffer, size_, -1, Layout::Dense);
+    at::Tensor output = outputBuffer, input = inputBuffer.contiguous();
     return post({c10d::OpType::_ALLGATHER_BASE, op, {output}, {input}, opts.timeout, agreeOn({input})}, [output, input](DeviceContext& on) {
       if (input.numel() > 0) {
         on.transports.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
@@ -137,7 +140,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    checkTensors(op, "input_tensor_list", inputTensors);
+    checkTensors(op, "input_tensor_list", inputTensors, Layout::Dense);
     checkListSize(op, "output_tensor_lists", outputTensorLists.size(), size_);
     std::vector<at::Tensor> outputs;  // rank-major, as they arrive
     for (const auto& list : outputTensorLists) {
@@ -148,7 +151,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
         outputs.push_back(list[i]);
       }
     }
-    std::vector<at::Tensor> inputs = inputTensors;
+    std::vector<at::Tensor> inputs;
+    for (const auto& input : inputTensors) {
+      inputs.push_back(input.contiguous());
+    }
     const int size = size_;
     return post(
         {c10d::OpType::ALLGATHER_COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs)}, [inputs, outputs, size](DeviceContext& on) {
@@ -176,10 +182,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_into_tensor_coal
   const char* op = "all_gather_into_tensor_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(), op, ": needs as many outputs as inputs");
+    std::vector<at::Tensor> contiguous;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      checkWorldBlocks(op, "output", outputs[i], "input", inputs[i], size_, static_cast<int>(i));
+      checkWorldBlocks(op, "output", outputs[i], "input", inputs[i], size_, static_cast<int>(i), Layout::Dense);
+      contiguous.push_back(inputs[i].contiguous());
     }
-    return post({c10d::OpType::COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs)}, [outputs, inputs](DeviceContext& on) {
+    return post({c10d::OpType::COALESCED, op, outputs, contiguous, opts.timeout, agreeOn(contiguous)}, [outputs, inputs = contiguous](DeviceContext& on) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         if (inputs[i].numel() > 0) {
           on.transports.world->allgather(
@@ -197,7 +205,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::gather(
     const c10d::GatherOptions& opts) {
   const char* op = "gather";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    at::Tensor input = single(op, "tensor", inputTensors);
+    at::Tensor input = single(op, "tensor", inputTensors, Layout::Dense).contiguous();
     checkRank(op, "dst", opts.rootRank, size_);
     const int root = static_cast<int>(opts.rootRank);
     std::vector<at::Tensor> outputs = rootList(op, "gather_list", outputTensors, rank_ == root, size_, input);

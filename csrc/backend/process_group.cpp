@@ -235,7 +235,11 @@ Agreement ProcessGroupChainerMN::agreeOn(const std::vector<at::Tensor>& tensors)
     agreement.dtype = tensors.front().scalar_type();
   }
   const bool detail = options_.checks == CheckLevel::Detail;
-  if (tensors.size() > 1 || detail) {
+  const bool denseLayout =
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+        return t.layout() == at::kStrided && !t.is_contiguous();
+      });
+  if (tensors.size() > 1 || detail || denseLayout) {
     agreement.layout = layoutOf(tensors, detail);
   }
   return agreement;
@@ -291,8 +295,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
+  if (tensors.size() == 1 && tensors[0].is_sparse()) {
+    return allreduceSparse(tensors[0], opts);  // sparse.cpp
+  }
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    at::Tensor tensor = single(op, "tensor", tensors);
+    at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
     checkStrategyHandles(op, *context_->strategy, tensor);
     const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
     checkDeviceReduction(op, plan, tensor, cudaBitwise_);
@@ -300,6 +307,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
       premultiply(plan, tensor.data_ptr(), tensor.numel(), tensor.device());  // in place: the result replaces it
       on.strategy.allreduceParts(
           on.transports, on.scratch, flatParts({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
+      divideIntegerAverage(plan, tensor);
       return RequestPtr();
     });
   });
@@ -311,7 +319,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
   const char* op = "all_reduce_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(!tensors.empty(), op, ": needs at least one tensor");
-    checkTensors(op, "tensors", tensors);
+    checkTensors(op, "tensors", tensors, Layout::Dense);
     checkSameDtype(op, tensors);
     for (const auto& tensor : tensors) {
       checkStrategyHandles(op, *context_->strategy, tensor);
@@ -325,6 +333,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
           }
           on.strategy.allreduceParts(
               on.transports, on.scratch, flatParts(tensors, plan.wireType), plan.wireType, plan.kind, plan.scaling);
+          for (const auto& tensor : tensors) {
+            divideIntegerAverage(plan, tensor);
+          }
           return RequestPtr();
         });
   });
@@ -365,7 +376,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
     const c10d::BroadcastOptions& opts) {
   const char* op = "broadcast";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
-    at::Tensor tensor = single(op, "tensor", tensors);
+    at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
     checkRank(op, "src", opts.rootRank, size_);
     const int root = static_cast<int>(opts.rootRank);
     return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout, withRoot(agreeOn({tensor}), "src", root)}, [tensor, root](DeviceContext& on) {

@@ -77,6 +77,12 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  // torch sends sparse CUDA tensors here (sparse CPU ones to allreduce): both go to allreduceSparse.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
+    return allreduceSparse(onlyTensor(tensors), opts);
+  }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
@@ -220,6 +226,14 @@ class ProcessGroupChainerMN : public c10d::Backend {
       const c10::intrusive_ptr<WorkChainerMN>& work,
       at::Device device,
       const std::vector<at::Tensor>& used);
+
+  // all_reduce of a sparse COO tensor (sparse.cpp): Gloo's semantics, SUM, CPU.
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor tensor, const c10d::AllreduceOptions& opts);
+  static at::Tensor onlyTensor(std::vector<at::Tensor>& tensors) {
+    TORCH_CHECK_VALUE(tensors.size() == 1, "all_reduce: expects exactly one tensor (one device per process), got ",
+                      tensors.size());
+    return tensors[0];
+  }
 
   // A send or receive: posted, or added to the batch being coalesced.
   c10::intrusive_ptr<c10d::Work> postTransfer(const char* op, c10d::OpType type, const at::Tensor& tensor, int peer, int tag);

@@ -72,6 +72,12 @@ void premultiply(const Reduction& plan, void* data, int64_t count, at::Device de
   }
 }
 
+void divideIntegerAverage(const Reduction& plan, const at::Tensor& result) {
+  if (plan.integerDivisor != 1 && result.numel() > 0) {
+    result.div_(plan.integerDivisor, "trunc");
+  }
+}
+
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size) {
   const auto which = reduceOp.op_;
   TORCH_CHECK_VALUE(
@@ -107,8 +113,12 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
                                                 : ReduceKind::BitXor;
       break;
     case c10d::ReduceOp::AVG:
-      TORCH_CHECK_VALUE(floating, op, ": ReduceOp.AVG needs a floating-point tensor, got ", dtypeName(dtype));
+      TORCH_CHECK_VALUE(dtype != at::kBool, op, ": ReduceOp.AVG needs a numeric tensor, got ", dtypeName(dtype));
       plan.kind = ReduceKind::Sum;
+      if (!floating) {
+        plan.integerDivisor = size;  // as NCCL's ncclAvg: integer division of the sum
+        break;
+      }
       // 16-bit sums can overflow before the division: scale first, as ChainerMN's mean does.
       if (sixteenBit) {
         plan.scaling.before = 1.0 / size;

@@ -18,13 +18,19 @@ struct Reduction {
   // PREMUL_SUM's factor when it is a tensor on a GPU: applied there (premultiply), since reading it
   // into scaling.before (.item()) would make the caller wait for the GPU on every op.
   at::Tensor factor;
+  // AVG of integers, as NCCL computes it: the sum, then divided by the group's size (truncating).
+  int64_t integerDivisor = 1;
 };
+
+// AVG of integers: `result` (the sum) divided by the group's size in place, truncating toward zero,
+// on the current stream for CUDA tensors. Nothing for any other reduction.
+void divideIntegerAverage(const Reduction& plan, const at::Tensor& result);
 
 // PREMUL_SUM's device factor, if any, applied in place to `count` elements of plan.wireType at
 // `data` on `device` (on the current stream: the group's, in an op's body).
 void premultiply(const Reduction& plan, void* data, int64_t count, at::Device device);
 
-// Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on integers, ...).
+// Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on bool, ...).
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
 
 // Bitwise reductions need transports that have them: NCCL has none, so CUDA tensors are refused

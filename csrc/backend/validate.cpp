@@ -47,7 +47,7 @@ std::string dtypeName(at::ScalarType dtype) {
   }
 }
 
-void checkTensor(const char* op, const char* argument, const at::Tensor& tensor) {
+void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Layout layout) {
   TORCH_CHECK_VALUE(tensor.defined(), op, ": ", argument, " is an undefined tensor");
   if (!tensor.device().is_cpu()) {
     TORCH_CHECK_VALUE(
@@ -61,17 +61,26 @@ void checkTensor(const char* op, const char* argument, const at::Tensor& tensor)
   }
   TORCH_CHECK_VALUE(
       tensor.layout() == at::kStrided, op, ": ", argument, " must be a dense tensor, got layout ", tensor.layout());
-  TORCH_CHECK_VALUE(
-      tensor.is_contiguous(), op, ": ", argument, " must be contiguous (call .contiguous() on it first)");
-}
-
-void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors) {
-  for (const auto& tensor : tensors) {
-    checkTensor(op, argument, tensor);
+  if (layout == Layout::Dense) {
+    TORCH_CHECK_VALUE(
+        tensor.is_non_overlapping_and_dense(),
+        op,
+        ": ",
+        argument,
+        " must be contiguous or dense and non-overlapping, as channels_last is (call .contiguous() on it first)");
+  } else {
+    TORCH_CHECK_VALUE(
+        tensor.is_contiguous(), op, ": ", argument, " must be contiguous (call .contiguous() on it first)");
   }
 }
 
-at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors) {
+void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors, Layout layout) {
+  for (const auto& tensor : tensors) {
+    checkTensor(op, argument, tensor, layout);
+  }
+}
+
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors, Layout layout) {
   TORCH_CHECK_VALUE(
       tensors.size() == 1,
       op,
@@ -79,7 +88,7 @@ at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>
       argument,
       " (one device per process), got ",
       tensors.size());
-  checkTensor(op, argument, tensors[0]);
+  checkTensor(op, argument, tensors[0], layout);
   return tensors[0];
 }
 
@@ -198,9 +207,10 @@ void checkWorldBlocks(
     const char* partName,
     const at::Tensor& part,
     int size,
-    int index) {
+    int index,
+    Layout partLayout) {
   checkTensor(op, wholeName, whole);
-  checkTensor(op, partName, part);
+  checkTensor(op, partName, part, partLayout);
   const std::string which = index < 0 ? "" : " " + std::to_string(index);
   TORCH_CHECK_VALUE(
       whole.scalar_type() == part.scalar_type(),

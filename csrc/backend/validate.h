@@ -18,13 +18,22 @@ namespace chainermn {
 // torch's spelling of a dtype, as users see it in Python ("torch.float16").
 std::string dtypeName(at::ScalarType dtype);
 
-// A tensor the transports can read and write: defined, dense, contiguous, on the CPU or (in a build
-// with CUDA) on a GPU. Which ops a device serves follows from its transports, not from a list here.
-void checkTensor(const char* op, const char* argument, const at::Tensor& tensor);
-void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors);
+// The memory layouts an argument may have. Contiguous: what an op that reads or writes memory in
+// logical order needs. Dense: any non-overlapping, dense layout (channels_last): enough where the
+// op's result does not depend on the order (elementwise reductions, broadcast) or where the op
+// makes a contiguous copy first (the inputs of gathers); every rank must then use the same layout,
+// which the cross-rank check compares (agreement.h).
+enum class Layout { Contiguous, Dense };
+
+// A tensor the transports can read and write: defined, strided, laid out as `layout` allows, on the
+// CPU or (in a build with CUDA) on a GPU. Which ops a device serves follows from its transports, not
+// from a list here.
+void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Layout layout = Layout::Contiguous);
+void checkTensors(
+    const char* op, const char* argument, const std::vector<at::Tensor>& tensors, Layout layout = Layout::Contiguous);
 
 // Exactly one tensor per call (one device per process), returned for convenience.
-at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors);
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors, Layout layout = Layout::Contiguous);
 
 // The funnel's checks of every op: all its tensors on one device, and a group serves one CUDA device
 // (one device per process): the first CUDA tensor it sees binds it (`bound` holds the device index,
@@ -61,7 +70,8 @@ void checkWorldBlocks(
     const char* partName,
     const at::Tensor& part,
     int size,
-    int index = -1);
+    int index = -1,
+    Layout partLayout = Layout::Contiguous);
 
 // Elements per rank of an all_to_all_single buffer: even rows when `splits` is empty.
 std::vector<int64_t> splitCounts(
