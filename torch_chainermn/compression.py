@@ -99,6 +99,10 @@ class GradientCompression:
         return {"type": self.type, "threshold": self.threshold, "compress_result": self.compress_result,
                 "result_dtype": self.result_dtype}
 
+    def _saved_settings(self) -> dict:
+        """settings() as a checkpoint holds them (the dtype by name: loadable without torch's pickler)."""
+        return {**self.settings(), "result_dtype": str(self.result_dtype)}
+
     # ---- the mean ---------------------------------------------------------------------------------
 
     def start(self, tensors, params, last: bool = True):
@@ -182,13 +186,13 @@ class GradientCompression:
         if owed.numel():
             dist.all_reduce(owed, group=self.process_group)
         residuals = {index: owed[where[index]:][:numel[index]].clone() for index in sorted(numel)}
-        return {"settings": {**self.settings(), "result_dtype": str(self.result_dtype)}, "residuals": residuals}
+        return {"settings": self._saved_settings(), "residuals": residuals}
 
     def load_state_dict(self, state: dict) -> None:
         """Take a state_dict(): the group's first rank owes everything it holds (the sum over the nodes
         is what matters), the other ranks nothing. Residuals held now are dropped. Every rank calls it."""
         settings = dict(state.get("settings", {}))
-        mine = {**self.settings(), "result_dtype": str(self.result_dtype)}
+        mine = self._saved_settings()
         if settings != mine:
             raise ValueError(f"GradientCompression.load_state_dict: the state was saved with {settings}, "
                              f"this compression has {mine}")

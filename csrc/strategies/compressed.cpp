@@ -119,23 +119,18 @@ void compressedMean(
   const int64_t room = nodes > 1 ? compressionChunk(count, nodes) * nodes : count;
   auto* sum = static_cast<float*>(scratch.get(Slot::Packed, room * sizeof(float)));
   Transport& intra = *transports.intra;
+  // A one-rank node's exchange works on its sum in scratch (room for every chunk): packed there too.
+  if (!inPlace || (nodes > 1 && intra.size() == 1)) {
+    scratch.pack(parts, sum, kFloat, 1.0);
+  }
+  float* mine = inPlace ? static_cast<float*>(parts[0].data) : sum;
   if (nodes == 1) {
-    float* values = inPlace ? static_cast<float*>(parts[0].data) : sum;
-    if (!inPlace) {
-      scratch.pack(parts, sum, kFloat, 1.0);
-    }
-    transports.world->allreduce(values, count, kFloat, ReduceKind::Sum);
-    scratch.unpack(values, kFloat, parts, mean);
+    transports.world->allreduce(mine, count, kFloat, ReduceKind::Sum);
+    scratch.unpack(mine, kFloat, parts, mean);
     return;
   }
   if (intra.size() > 1) {
-    const void* mine = inPlace ? parts[0].data : sum;
-    if (!inPlace) {
-      scratch.pack(parts, sum, kFloat, 1.0);
-    }
     intra.reduce(mine, sum, count, kFloat, ReduceKind::Sum, /*root=*/0);
-  } else {
-    scratch.pack(parts, sum, kFloat, 1.0);  // the exchange needs a node's sum with room for every chunk
   }
   // Every rank of a node knows the result's dtype and place from the spec alone.
   const bool narrow = !spec.compressResult && spec.resultWire != kFloat;
