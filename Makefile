@@ -12,8 +12,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
-# tqdm: the examples' progress bars.
-PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm
+# tqdm: the examples' progress bars. expecttest: torch.testing._internal (the upstream test cases) needs it.
+PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked

@@ -1,6 +1,7 @@
 #include "topology.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <unistd.h>
 
 #include <climits>

@@ -4,10 +4,12 @@
 // name, so that one machine can act as several nodes.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <string>
 #include <vector>
+
+namespace c10d {
+class Store;  // declared only: the strategies include this header, and need no torch beyond ScalarType
+}
 
 namespace chainermn {
 

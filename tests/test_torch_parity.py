@@ -1,13 +1,15 @@
 """What torch does on gloo, on chainermn too: sparse all_reduce (and DDP with sparse gradients), dense
 layouts other than the contiguous one (channels_last), integer AVG as NCCL computes it, the Python
-API through torch's debug wrapper, Communicator.split keeping every option, and the "chainermn" name
+API through torch's debug wrapper, Communicator.split and ProcessGroup.split_group keeping every option, and the "chainermn" name
 registered at `import torch` (the torch.backends entry point)."""
+import copy
 import os
 import subprocess
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_chainermn
@@ -49,6 +51,11 @@ def parity_cases():
     outcome["sparse"] = mine.is_sparse and torch.equal(mine.to_dense(), expected) and torch.equal(
         mine.to_dense(), theirs.to_dense())
     outcome["sparse ddp"] = all(torch.equal(a, b) for a, b in zip(ddp_embedding_step(None), ddp_embedding_step(gloo)))
+    # PyTorch's own sparse test (distributed_test.py's _test_sparse_all_reduce_sum): its cases, its check.
+    for inputs, outputs in simple_sparse_reduce_tests(rank, size, num_inputs=1):
+        dist.all_reduce(inputs[0], dist.ReduceOp.SUM)
+        torch.testing.assert_close(inputs[0], outputs[0])
+    outcome["upstream sparse"] = True
     outcome["sparse max"] = refused(lambda: dist.all_reduce(sparse_of(rank), op=dist.ReduceOp.MAX),
                                     "all_reduce", "SUM")
 
@@ -85,6 +92,23 @@ def parity_cases():
     child = parent.split(0, rank)
     outcome["split options"] = torch_chainermn.get_options(child.group) == options
     child.finalize()
+
+    # ProcessGroup.split_group (dist.split_group's and DeviceMesh's way, on a GPU machine): a chainermn
+    # child with the parent's options over the ranks asked for, None elsewhere; torch's deep copy of
+    # the options (what dist.split_group passes) carries them too.
+    backend = parent.group._get_backend(torch.device("cpu"))
+    both = parent.group.split_group([1, 0], timeout=None, opts=None, group_name="both", group_desc=None)
+    summed = torch.full((3,), rank + 1.0)
+    both.allreduce([summed]).wait()
+    copied = copy.deepcopy(backend.options)
+    alone = parent.group.split_group([0], timeout=None, opts=copied, group_name="alone", group_desc=None)
+    outcome["split_group"] = (
+        backend.supports_splitting and torch_chainermn.get_options(both) == options
+        and (both.rank(), both.size()) == (rank, size) and torch.equal(summed, torch.full((3,), 3.0))
+        and (alone is None if rank else torch_chainermn.get_options(alone) == options and alone.size() == 1))
+    outcome["split_group bad rank"] = refused(
+        lambda: parent.group.split_group([0, 5], timeout=None, opts=None, group_name="bad", group_desc=None),
+        "split_group", "5")
     return outcome
 
 

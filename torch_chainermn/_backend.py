@@ -1,4 +1,6 @@
 """The `chainermn` backend's creator, called by torch.distributed for every group that uses it."""
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -58,17 +60,30 @@ def create_backend(dist_options, pg_options=None):
         # Called by the backend for each level it needs (world, this node, this intra rank across nodes).
         setup.use_gloo(lambda key, level_rank, level_size: dist.ProcessGroupGloo(
             dist.PrefixStore(f"chainermn/gloo/{key}/", store), level_rank, level_size, timeout))
-    return _C.ProcessGroupChainerMN(setup, pg_options.to_cpp())
+    backend = _C.ProcessGroupChainerMN(setup, pg_options.to_cpp())
+    backend._set_splitter(_splitter(global_ranks))
+    return backend
+
+
+def _splitter(global_ranks: list[int]):
+    """What the backend calls for torch's split_group: a child group over some of this group's ranks,
+    created as torch creates any group (a new key space in `store`, the host library agreed on)."""
+    def split(store, rank, ranks, timeout, name, options):
+        child = types.SimpleNamespace(store=store, group_rank=rank, group_size=len(ranks),
+                                      global_ranks_in_group=[global_ranks[r] for r in ranks],
+                                      timeout=timeout, group_id=name)
+        return create_backend(child, Options.from_cpp(options))
+    return split
 
 
 def get_options(group=None) -> Options:
     """The Options a chainermn group was created with."""
-    return Options.from_cpp(backend_of(group, "get_options").options)
+    return Options.from_cpp(backend_of(group, "get_options").group_options)
 
 
 def wire_dtype_of(group=None, op: str = "chainermn"):
     """The group's allreduce_grad_dtype as a torch.dtype, or None (each gradient's own dtype)."""
-    return backend_of(group, op).options.allreduce_grad_dtype
+    return backend_of(group, op).group_options.allreduce_grad_dtype
 
 
 def register() -> None:

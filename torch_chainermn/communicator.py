@@ -105,16 +105,16 @@ class Communicator:
     @property
     def communicator_name(self) -> str:
         """The allreduce strategy of the group ("hierarchical", "flat", ...)."""
-        return backend_of(self.group, "communicator_name").options.communicator
+        return backend_of(self.group, "communicator_name").group_options.communicator
 
     @property
     def allreduce_grad_dtype(self) -> torch.dtype | None:
         """The dtype gradients travel in, or None for their own dtype."""
-        return backend_of(self.group, "allreduce_grad_dtype").options.allreduce_grad_dtype
+        return backend_of(self.group, "allreduce_grad_dtype").group_options.allreduce_grad_dtype
 
     def _options(self) -> Options:
         """Every field of the group's Options, as the group holds them (split's children get them all)."""
-        return Options.from_cpp(backend_of(self.group, "split").options)
+        return Options.from_cpp(backend_of(self.group, "split").group_options)
 
     # ---- arrays, point to point
     def send(self, data, dest: int, tag: int = 0) -> None:

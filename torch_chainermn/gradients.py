@@ -22,7 +22,7 @@ def mean_coalesced(tensors, group=None, dtype=_GROUP_DEFAULT, async_op: bool = F
     """
     backend = backend_of(group, "mean_coalesced")
     if dtype is _GROUP_DEFAULT:
-        dtype = backend.options.allreduce_grad_dtype
+        dtype = backend.group_options.allreduce_grad_dtype
     wire = _wire_dtype(dtype)
     tensors = list(tensors)
     if not all(isinstance(t, torch.Tensor) for t in tensors):

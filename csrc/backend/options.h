@@ -8,6 +8,7 @@
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
@@ -43,6 +44,15 @@ struct GroupOptions {
   bool sharedMemory = true;                          // intra-node CPU collectives through shared memory
   std::string cudaTransport = "nccl";                // how CUDA buffers travel: nccl, nccl_intra, staged
   CheckLevel checks = CheckLevel::Info;             // cross-rank checks before every collective
+};
+
+// A group's options as torch sees them (Backend.options, getBackendOptions): torch's fields (timeout,
+// name) and the group's own. torch.distributed's split_group deep-copies them and hands the copy back
+// to split(), so a child made from them has exactly its parent's options.
+struct BackendOptions : c10d::Backend::Options {
+  BackendOptions(GroupOptions group, std::chrono::milliseconds timeout)
+      : c10d::Backend::Options("chainermn", timeout), group(std::move(group)) {}
+  GroupOptions group;
 };
 
 struct GroupSetup {

@@ -71,7 +71,31 @@ ProcessGroupChainerMN::~ProcessGroupChainerMN() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupChainerMN::getBackendOptions() {
-  return c10::make_intrusive<c10d::Backend::Options>("chainermn", std::chrono::milliseconds(timeoutMs_.load()));
+  return c10::make_intrusive<BackendOptions>(options_, std::chrono::milliseconds(timeoutMs_.load()));
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::split(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::vector<int>& ranks,
+    const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  TORCH_CHECK(splitter_, "split_group: this chainermn group was not made by torch_chainermn's creator (rank ",
+              rank_, ")");
+  std::vector<int> sorted(ranks);
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    TORCH_CHECK_VALUE(sorted[i] >= 0 && sorted[i] < size_, "split_group: ranks holds ", sorted[i],
+                      ", not a rank of the group (size ", size_, "), on rank ", rank_);
+    TORCH_CHECK_VALUE(i == 0 || sorted[i] != sorted[i - 1], "split_group: ranks holds ", sorted[i],
+                      " twice, on rank ", rank_);
+  }
+  const auto mine = std::lower_bound(sorted.begin(), sorted.end(), rank_);
+  if (mine == sorted.end() || *mine != rank_) {
+    return nullptr;
+  }
+  const auto* chainermnOptions = dynamic_cast<const BackendOptions*>(opts.get());
+  const auto timeout = opts ? opts->timeout : std::chrono::milliseconds(timeoutMs_.load());
+  return splitter_(store, static_cast<int>(mine - sorted.begin()), sorted, timeout, opts ? opts->group_name : "",
+                   chainermnOptions ? chainermnOptions->group : options_);
 }
 
 void ProcessGroupChainerMN::setTimeout(std::chrono::milliseconds timeout) {

@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -153,6 +154,29 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // rank's arrival and names the ranks that did not come within the timeout (all of them with
   // waitAllRanks); every rank raises then.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
+
+  // torch's split_group (ProcessGroup::splitGroup calls it on each of a group's backends): a new
+  // chainermn group of this group's `ranks`, with the options in `opts` when they are a chainermn
+  // group's (BackendOptions), else this group's; made by the splitter this group was created with
+  // (Python's creator: it agrees on the host library and builds the transports as for any group).
+  // Null on a rank not in `ranks`. Collective over `ranks`.
+  using Splitter = std::function<c10::intrusive_ptr<c10d::Backend>(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      int rank,                       // in the child
+      const std::vector<int>& ranks,  // this group's ranks that form the child, ascending
+      std::chrono::milliseconds timeout,
+      const std::string& name,
+      const GroupOptions& options)>;
+  void setSplitter(Splitter splitter) {
+    splitter_ = std::move(splitter);
+  }
+  bool supportsSplitting() const override {
+    return static_cast<bool>(splitter_);
+  }
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
 
   // torch's sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker that
   // reads them): the number of collectives this rank has issued to the group.
@@ -297,6 +321,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // The last op posted while a batch was open: what a window with no transfers returns, so that
   // waiting for it orders the caller after the window's collectives (torch's _coalescing_manager).
   c10::intrusive_ptr<WorkChainerMN> lastInWindow_;
+  Splitter splitter_;  // see split()
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 

@@ -1,7 +1,10 @@
 #include "kernels/scratch.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace chainermn {
@@ -41,6 +44,18 @@ Scratch::Scratch(at::Device device, std::unique_ptr<Mover> mover) : device_(devi
 }
 
 Scratch::~Scratch() = default;
+
+void Scratch::grow(at::Tensor& buffer, size_t bytes) {
+  // Geometrically, so that a slowly rising size does not reallocate every call.
+  const size_t current = buffer.defined() ? static_cast<size_t>(buffer.numel()) : 0;
+  const size_t capacity = std::max<size_t>({bytes, current + current / 2, 4096});
+  buffer = at::empty({static_cast<int64_t>(capacity)}, at::TensorOptions().dtype(at::kByte).device(device_));
+}
+
+at::Tensor Scratch::tensor(Slot slot, int64_t count, at::ScalarType dtype) {
+  void* data = get(slot, static_cast<size_t>(count) * c10::elementSize(dtype));
+  return at::from_blob(data, {count}, at::TensorOptions().dtype(dtype).device(device_));
+}
 
 size_t Scratch::bytesHeld() const {
   size_t total = mover_->bytesHeld();

@@ -11,7 +11,8 @@
 #include "kernels/pack.h"
 #include "kernels/quantize.h"
 
-#include <ATen/ATen.h>
+// The tensor class only, not all of ATen: every strategy includes this header.
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <memory>
@@ -80,19 +81,13 @@ class Scratch {
   void* get(Slot slot, size_t bytes) {
     at::Tensor& buffer = buffers_[static_cast<int>(slot)];
     if (!buffer.defined() || static_cast<size_t>(buffer.numel()) < bytes) {
-      // Grow geometrically so a slowly rising size does not reallocate every call.
-      const size_t current = buffer.defined() ? static_cast<size_t>(buffer.numel()) : 0;
-      const size_t capacity = std::max<size_t>({bytes, current + current / 2, 4096});
-      buffer = at::empty({static_cast<int64_t>(capacity)}, at::TensorOptions().dtype(at::kByte).device(device_));
+      grow(buffer, bytes);
     }
     return buffer.data_ptr();
   }
 
   // `count` elements of `dtype` in `slot`, as a tensor view of the scratch memory.
-  at::Tensor tensor(Slot slot, int64_t count, at::ScalarType dtype) {
-    void* data = get(slot, static_cast<size_t>(count) * c10::elementSize(dtype));
-    return at::from_blob(data, {count}, at::TensorOptions().dtype(dtype).device(device_));
-  }
+  at::Tensor tensor(Slot slot, int64_t count, at::ScalarType dtype);
 
   // Bytes of device memory on this Scratch's device (non-overlapping, or equal pointers: a no-op).
   void copy(void* dst, const void* src, size_t bytes) {
@@ -123,6 +118,8 @@ class Scratch {
   size_t bytesHeld() const;
 
  private:
+  void grow(at::Tensor& buffer, size_t bytes);
+
   at::Device device_;
   std::array<at::Tensor, kSlots> buffers_;
   std::unique_ptr<Mover> mover_;

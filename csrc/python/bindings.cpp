@@ -26,14 +26,18 @@ using chainermn::GroupOptions;
 using chainermn::GroupSetup;
 using chainermn::Level;
 
-// The host library's transport for one level, made by a Python callable (key, rank, size) -> a
-// c10d Backend (Gloo's ProcessGroup is made in Python: no Gloo headers here). The callable is held
-// so that copying or dropping it, on whatever thread, takes the GIL first.
-chainermn::TransportFactory glooFactory(py::function make) {
-  std::shared_ptr<py::function> held(new py::function(std::move(make)), [](py::function* f) {
+// A Python callable C++ keeps: dropping the last copy, on whatever thread, takes the GIL first.
+std::shared_ptr<py::function> heldWithGil(py::function function) {
+  return std::shared_ptr<py::function>(new py::function(std::move(function)), [](py::function* f) {
     py::gil_scoped_acquire gil;
     delete f;
   });
+}
+
+// The host library's transport for one level, made by a Python callable (key, rank, size) -> a
+// c10d Backend (Gloo's ProcessGroup is made in Python: no Gloo headers here).
+chainermn::TransportFactory glooFactory(py::function make) {
+  auto held = heldWithGil(std::move(make));
   return [held](const Level& level) {
     c10::intrusive_ptr<c10d::Backend> backend;
     {
@@ -140,7 +144,9 @@ PYBIND11_MODULE(_C, m) {
           py::call_guard<py::gil_scoped_release>())
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
       .def_property_readonly("transport", &ProcessGroupChainerMN::transport)
-      .def_property_readonly("options", &ProcessGroupChainerMN::options, py::return_value_policy::copy)
+      // What torch's split_group deep-copies and passes back (as ProcessGroupNCCL's options).
+      .def_property_readonly("options", &ProcessGroupChainerMN::getBackendOptions)
+      .def_property_readonly("group_options", &ProcessGroupChainerMN::options, py::return_value_policy::copy)
       .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
       .def_property_readonly("shared_memory", &ProcessGroupChainerMN::sharedMemory)
       .def_property_readonly("cuda_transport", &ProcessGroupChainerMN::cudaTransport)
@@ -182,7 +188,29 @@ PYBIND11_MODULE(_C, m) {
           py::arg("compress_result"),
           py::arg("result_dtype"),
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
-      .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes);
+      .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes)
+      .def(
+          "_set_splitter",
+          [](ProcessGroupChainerMN& pg, py::function split) {
+            auto held = heldWithGil(std::move(split));
+            pg.setSplitter([held](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::vector<int>& ranks,
+                                  std::chrono::milliseconds timeout, const std::string& name,
+                                  const GroupOptions& options) {
+              py::gil_scoped_acquire gil;
+              return (*held)(store, rank, ranks, timeout, name, options).cast<c10::intrusive_ptr<c10d::Backend>>();
+            });
+          },
+          py::arg("split"),
+          "split(store, rank, ranks, timeout, name, options) -> the child group's backend: what split_group calls");
+
+  // What the group's Backend.options returns: torch's split_group deep-copies it and hands it back.
+  py::class_<chainermn::BackendOptions, c10d::Backend::Options, c10::intrusive_ptr<chainermn::BackendOptions>>(
+      m, "BackendOptions")
+      .def_readonly("group_options", &chainermn::BackendOptions::group)
+      .def("__copy__", [](const chainermn::BackendOptions& o) { return c10::make_intrusive<chainermn::BackendOptions>(o); })
+      .def("__deepcopy__", [](const chainermn::BackendOptions& o, py::dict) {
+        return c10::make_intrusive<chainermn::BackendOptions>(o);
+      });
 
   auto testing = m.def_submodule("testing", "in-process harnesses for the C++ layers (tests only)");
   chainermn::bindTesting(testing);
