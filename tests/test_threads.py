@@ -360,3 +360,11 @@ def test_a_dropped_request_never_touches_its_buffer():
 
     with pytest.raises(dist.DistBackendError, match="receive from 0 .* not matched"):
         testing.run(["a", "a"], per_rank, timeout=0.3)
+
+
+def test_waiter_pool_gives_every_job_a_thread_and_reuses_them():
+    # Each round's 6 jobs wait for one another (a pool that made a job wait for a thread would fail
+    # the round); later rounds start no thread (Gloo's transfers once started one per message, and
+    # every such thread left torch's per-thread state behind: the receiver's memory grew).
+    assert testing.waiter_pool(6, 4) == 6
+    assert testing.waiter_pool(1, 50) == 1

@@ -1,27 +1,28 @@
 #include "comm/gloo.h"
 
+#include "comm/waiter_pool.h"
+
 #include <c10/util/Exception.h>
 
 #include <atomic>
 #include <functional>
 #include <mutex>
 #include <cstring>
-#include <thread>
 
 namespace chainermn::gloo {
 namespace {
 
 // Gloo's send and receive Works only learn that they finished inside wait(), which blocks. Each
-// transfer therefore gets a thread that waits for it (one thread for all would deliver completions
-// in issue order, and a receive that must wait for the user's next send could then hold back the
-// completion of a send that already finished: a deadlock). The transfer itself progresses in Gloo's
-// own threads either way.
+// transfer therefore gets a thread of the transport's WaiterPool that waits for it (one thread for all
+// would deliver completions in issue order, and a receive that must wait for the user's next send
+// could then hold back the completion of a send that already finished: a deadlock). The transfer
+// itself progresses in Gloo's own threads either way.
 class GlooRequest : public Request {
  public:
-  GlooRequest(c10::intrusive_ptr<c10d::Work> work, bool isReceive)
+  GlooRequest(WaiterPool& waiters, c10::intrusive_ptr<c10d::Work> work, bool isReceive)
       : state_(std::make_shared<State>()), isReceive_(isReceive) {
     state_->work = std::move(work);
-    waiter_ = std::thread([state = state_] {
+    waiters.run([state = state_] {
       try {
         state->work->wait();
       } catch (...) {
@@ -50,15 +51,8 @@ class GlooRequest : public Request {
     wake();  // already done
   }
 
-  ~GlooRequest() override {
-    // Gloo bounds the wait by the group timeout; a request dropped earlier leaves its thread to end
-    // on its own (the thread holds everything it touches).
-    if (state_->done.load(std::memory_order_acquire)) {
-      waiter_.join();
-    } else {
-      waiter_.detach();
-    }
-  }
+  // A request dropped before its transfer is done leaves its waiter to finish (Gloo bounds the wait
+  // by the group's timeout): the waiter holds everything it touches.
 
   bool test() override {
     if (!state_->done.load(std::memory_order_acquire)) {
@@ -85,7 +79,6 @@ class GlooRequest : public Request {
   };
   std::shared_ptr<State> state_;
   const bool isReceive_;
-  std::thread waiter_;
 };
 
 c10d::ReduceOp toGloo(ReduceKind op) {
@@ -230,15 +223,15 @@ class GlooTransport : public Transport {
 
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
     std::vector<at::Tensor> tensors{bytes(buf, count, dtype)};
-    return std::make_unique<GlooRequest>(backend_->send(tensors, peer, tag), false);
+    return std::make_unique<GlooRequest>(waiters_, backend_->send(tensors, peer, tag), false);
   }
 
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
     std::vector<at::Tensor> tensors{bytes(buf, count, dtype)};
     if (peer == kAnySource) {
-      return std::make_unique<GlooRequest>(backend_->recvAnysource(tensors, tag), true);
+      return std::make_unique<GlooRequest>(waiters_, backend_->recvAnysource(tensors, tag), true);
     }
-    return std::make_unique<GlooRequest>(backend_->recv(tensors, peer, tag), true);
+    return std::make_unique<GlooRequest>(waiters_, backend_->recv(tensors, peer, tag), true);
   }
 
   void barrier() override {
@@ -247,6 +240,7 @@ class GlooTransport : public Transport {
 
  private:
   c10::intrusive_ptr<c10d::Backend> backend_;
+  WaiterPool waiters_;  // see GlooRequest
 };
 
 } // namespace

@@ -4,6 +4,7 @@
 #include "python/testing.h"
 
 #include "backend/device_context.h"
+#include "comm/waiter_pool.h"
 #include "kernels/scratch.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
@@ -12,7 +13,10 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -203,6 +207,44 @@ void bindTransport(py::module_& testing) {
       .def_property_readonly("inter", [](const RankGroup& g) { return g.transports.inter; });
 }
 
+// WaiterPool (comm/waiter_pool.h): every round's jobs meet (each needs a thread of its own), and the
+// threads of one round serve the next once they are idle again.
+int waiterPoolRounds(int inFlight, int rounds, double timeout) {
+  WaiterPool pool;
+  const auto limit = std::chrono::duration<double>(timeout);
+  for (int round = 0; round < rounds; ++round) {
+    struct Meeting {
+      std::mutex mutex;
+      std::condition_variable changed;
+      int arrived = 0, finished = 0;
+      bool allMet = true;
+    };
+    auto meeting = std::make_shared<Meeting>();
+    for (int i = 0; i < inFlight; ++i) {
+      pool.run([meeting, inFlight, limit] {
+        std::unique_lock<std::mutex> lock(meeting->mutex);
+        ++meeting->arrived;
+        meeting->changed.notify_all();
+        if (!meeting->changed.wait_for(lock, limit, [&] { return meeting->arrived >= inFlight; })) {
+          meeting->allMet = false;
+        }
+        ++meeting->finished;
+        meeting->changed.notify_all();
+      });
+    }
+    std::unique_lock<std::mutex> lock(meeting->mutex);
+    TORCH_CHECK(meeting->changed.wait_for(lock, limit * 2, [&] { return meeting->finished == inFlight; }) &&
+                    meeting->allMet,
+                "waiter_pool: the ", inFlight, " jobs of round ", round, " did not all run at once");
+    lock.unlock();
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (pool.threadsIdle() < pool.threadsStarted() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return pool.threadsStarted();
+}
+
 } // namespace
 
 void bindTesting(py::module_& testing) {
@@ -270,6 +312,11 @@ void bindTesting(py::module_& testing) {
       "out (+)= the values a block of codes carries (kernels/quantize.h)",
       py::arg("kind"), py::arg("block"), py::arg("out"), py::arg("count"), py::arg("threshold") = 0.5,
       py::arg("accumulate") = false);
+  testing.def(
+      "waiter_pool", &waiterPoolRounds,
+      "`rounds` rounds of `in_flight` WaiterPool jobs that each wait until all of the round run at once; "
+      "returns the threads started (raises if a round's jobs did not all run at once)",
+      py::arg("in_flight"), py::arg("rounds"), py::arg("timeout") = 10.0, py::call_guard<py::gil_scoped_release>());
   bindTransport(testing);
   bindWorkerTesting(testing);
   testing.def(
