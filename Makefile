@@ -13,7 +13,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 # tqdm: the examples' progress bars. expecttest: torch.testing._internal (the upstream test cases) needs it.
-PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest
+# lightning, accelerate: the tested recipes (examples/recipes/).
+PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked
