@@ -6,10 +6,11 @@ import torch
 from ._backend import backend_of
 from .options import _wire_dtype
 
-_GROUP_DEFAULT = object()
+# `dtype`'s default: the group's Options.allreduce_grad_dtype (None there is a meaning of its own).
+GROUP_DEFAULT = object()
 
 
-def mean_coalesced(tensors, group=None, dtype=_GROUP_DEFAULT, async_op: bool = False):
+def mean_coalesced(tensors, group=None, dtype=GROUP_DEFAULT, async_op: bool = False):
     """Replace every tensor by its mean over `group`, in one packed allreduce.
 
     The tensors (any floating dtypes, mixed) are packed into one reused buffer of `dtype`, the wire
@@ -21,7 +22,7 @@ def mean_coalesced(tensors, group=None, dtype=_GROUP_DEFAULT, async_op: bool = F
     Returns the Work when async_op is True, else None once the tensors hold the mean.
     """
     backend = backend_of(group, "mean_coalesced")
-    if dtype is _GROUP_DEFAULT:
+    if dtype is GROUP_DEFAULT:
         dtype = backend.group_options.allreduce_grad_dtype
     wire = _wire_dtype(dtype)
     tensors = list(tensors)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ._backend import group_of, wire_dtype_of
 from ._double_buffering import BackgroundMean, start_mean
 from .compression import GradientCompression
-from .gradients import mean_coalesced
+from .gradients import GROUP_DEFAULT, mean_coalesced
 
 __all__ = [
     "allreduce_hook",
@@ -38,9 +38,6 @@ __all__ = [
     "gradient_compression_hook",
 ]
 
-_GROUP_DEFAULT = object()
-
-
 def _bucket_params(bucket: dist.GradBucket) -> tuple:
     """(id(param), offset, numel) of each of the bucket's parameters in its flat buffer."""
     grads = bucket.buffer()
@@ -51,10 +48,7 @@ def _bucket_params(bucket: dist.GradBucket) -> tuple:
 
 def _mean_bucket(process_group, bucket: dist.GradBucket, dtype) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's buffer in place over the group, travelling as `dtype`."""
-    if dtype is _GROUP_DEFAULT:
-        work = mean_coalesced([bucket.buffer()], group=process_group, async_op=True)
-    else:
-        work = mean_coalesced([bucket.buffer()], group=process_group, dtype=dtype, async_op=True)
+    work = mean_coalesced([bucket.buffer()], group=process_group, dtype=dtype, async_op=True)
     # The Work's future holds [buffer]; DDP wants the tensor itself.
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -64,7 +58,7 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
 
     With the default Options this gives the same gradients as DDP without a hook.
     """
-    return _mean_bucket(process_group, bucket, _GROUP_DEFAULT)
+    return _mean_bucket(process_group, bucket, GROUP_DEFAULT)
 
 
 def fp16_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
