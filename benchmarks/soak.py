@@ -94,8 +94,8 @@ class WrongResult(RuntimeError):
 
 
 def expect(op: str, got: torch.Tensor, want, dtype) -> None:
-    """`got` (a few elements of a result) equals `want` (numbers or a tensor), exactly for integers,
-    within the dtype's rounding of small integers otherwise (every value sent is a small integer)."""
+    """`got` (a few elements of a result) equals `want` exactly: every value sent is a small integer, so
+    every result is exact in every dtype (a floating AVG's `want` is already rounded to the dtype)."""
     want = torch.as_tensor(want, dtype=torch.float64).reshape(-1)
     got = got.reshape(-1).to(torch.float64)
     if got.shape != want.shape or not torch.equal(got, want):
