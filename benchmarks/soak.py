@@ -108,6 +108,11 @@ def ends(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat[0], flat[-1]])
 
 
+def to_global(group, rank: int) -> int:
+    """`group`'s rank `rank` as the rank torch.distributed's src/dst arguments take (None: the world)."""
+    return dist.get_global_rank(group, rank) if group else rank
+
+
 def one_op(rng: random.Random, group, args, rank: int, size: int) -> str:
     """Run one random operation on `group`; every rank draws the same choices. Returns its name."""
     dtype = rng.choice(DTYPES)
@@ -138,10 +143,10 @@ def one_op(rng: random.Random, group, args, rank: int, size: int) -> str:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
         expect(op, ends(mine), [size, size], dtype)
     elif op == "broadcast":
-        dist.broadcast(mine, src=dist.get_global_rank(group, root) if group else root, group=group)
+        dist.broadcast(mine, src=to_global(group, root), group=group)
         expect(op, ends(mine), [root + 1] * 2, dtype)
     elif op == "reduce":
-        dist.reduce(mine, dst=dist.get_global_rank(group, root) if group else root, group=group)
+        dist.reduce(mine, dst=to_global(group, root), group=group)
         if rank == root:
             expect(op, ends(mine), [total, total], dtype)
     elif op == "all_gather":
@@ -162,19 +167,19 @@ def one_op(rng: random.Random, group, args, rank: int, size: int) -> str:
         expect(op, ends(out), [1, size], dtype)
     elif op == "gather":
         out = [torch.empty(n // size, dtype=dtype) for _ in range(size)] if rank == root else None
-        dist.gather(mine[: n // size], out, dst=dist.get_global_rank(group, root) if group else root, group=group)
+        dist.gather(mine[: n // size], out, dst=to_global(group, root), group=group)
         if rank == root:
             expect(op, torch.stack([o[0] for o in out]), list(range(1, size + 1)), dtype)
     elif op == "scatter":
         parts = [torch.full((n // size,), r + 1, dtype=dtype) for r in range(size)] if rank == root else None
         out = torch.empty(n // size, dtype=dtype)
-        dist.scatter(out, parts, src=dist.get_global_rank(group, root) if group else root, group=group)
+        dist.scatter(out, parts, src=to_global(group, root), group=group)
         expect(op, ends(out), [rank + 1] * 2, dtype)
     elif op == "send_recv":
         # Pairs (0,1), (2,3), ...: the even rank sends, the odd one receives; an odd rank out waits.
         peer = rank ^ 1
         if peer < size:
-            to = dist.get_global_rank(group, peer) if group else peer
+            to = to_global(group, peer)
             if rank % 2 == 0:
                 dist.send(mine, dst=to, group=group)
             else:
@@ -198,7 +203,7 @@ def one_op(rng: random.Random, group, args, rank: int, size: int) -> str:
             expect(op, torch.stack([grads[0][-1], grads[1][0]]), [total / size] * 2, torch.float32)
     elif op == "object":
         objects = [{"rank": rank, "payload": list(range(rng.randrange(100)))}]
-        dist.broadcast_object_list(objects, src=dist.get_global_rank(group, root) if group else root, group=group)
+        dist.broadcast_object_list(objects, src=to_global(group, root), group=group)
         if objects[0]["rank"] != root:
             raise WrongResult(f"broadcast_object_list on rank {rank}: got rank {objects[0]['rank']}'s object")
     return op

@@ -42,6 +42,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(nproc: int) -> list:
+    """torchrun on this machine with `nproc` ranks and a store on a free port: append the script."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port())]
+
+
 def _reference(fn) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, free_port, launcher_free_environment
+from tests.harness import MPIEXEC, REPO, launcher_free_environment, torchrun
 
 SCRIPT = REPO / "examples" / "mnist" / "train_mnist.py"
 
@@ -23,10 +23,6 @@ def launch(command, tmp_path: Path, *flags, env_extra=None) -> dict:
     return json.loads(out.read_text())
 
 
-def torchrun():
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port())]
-
-
 # 15 steps per epoch on the digits set: with the default 4, a one-step-stale update is a large part
 # of an epoch and double buffering lands 1.7 points lower (0.964 against 0.981) after 20 epochs.
 SMALL_BATCHES = ("--batchsize", "25")
@@ -34,7 +30,7 @@ SMALL_BATCHES = ("--batchsize", "25")
 
 @pytest.fixture(scope="module")
 def plain_torchrun_run(tmp_path_factory):
-    return launch(torchrun(), tmp_path_factory.mktemp("plain"), *SMALL_BATCHES)
+    return launch(torchrun(4), tmp_path_factory.mktemp("plain"), *SMALL_BATCHES)
 
 
 def test_mnist_under_torchrun(plain_torchrun_run):
@@ -44,7 +40,7 @@ def test_mnist_under_torchrun(plain_torchrun_run):
 
 
 def test_mnist_fp16_double_buffering_within_a_point_of_plain(plain_torchrun_run, tmp_path):
-    summary = launch(torchrun(), tmp_path, *SMALL_BATCHES, "--compress", "fp16", "--double-buffering")
+    summary = launch(torchrun(4), tmp_path, *SMALL_BATCHES, "--compress", "fp16", "--double-buffering")
     assert summary["compress"] == "fp16" and summary["double_buffering"]
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
         summary["final_accuracy"], plain_torchrun_run["final_accuracy"])
@@ -53,7 +49,7 @@ def test_mnist_fp16_double_buffering_within_a_point_of_plain(plain_torchrun_run,
 def test_mnist_2bit_compression_between_two_nodes_within_a_point_of_plain(plain_torchrun_run, tmp_path):
     # 4 processes as 2 simulated nodes: the 2-bit codes cross between them. Adam's gradients here are
     # ~1e-2 and smaller, hence the threshold (0.002 lands at 0.82: +-t almost every step is noise).
-    summary = launch(torchrun(), tmp_path, *SMALL_BATCHES, "--compression", "2bit", "--threshold", "0.01",
+    summary = launch(torchrun(4), tmp_path, *SMALL_BATCHES, "--compression", "2bit", "--threshold", "0.01",
                      env_extra={"CHAINERMN_RANKS_PER_NODE": "2"})
     assert summary["compression"] == "2bit"
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (

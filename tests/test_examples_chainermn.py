@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, free_port, launcher_free_environment
+from tests.harness import MPIEXEC, REPO, launcher_free_environment, torchrun
 
 MNIST = REPO / "examples" / "mnist" / "train_mnist_chainermn.py"
 IMAGENET = REPO / "examples" / "imagenet" / "train_imagenet.py"
@@ -34,11 +34,6 @@ def output_of(result: subprocess.CompletedProcess) -> str:
 def succeeded(result: subprocess.CompletedProcess, summary: Path) -> dict:
     assert result.returncode == 0, output_of(result)
     return json.loads(summary.read_text())
-
-
-def torchrun(nproc: int) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port())]
 
 
 def epoch_lines(stdout: str) -> list:

@@ -2,16 +2,14 @@
 with process_group_backend="chainermn" (its sync_dist logging included), and Hugging Face Accelerate
 on a group created with chainermn first."""
 import re
-import sys
 
 import pytest
 
-from tests.harness import REPO, free_port, job_environment, run_job
+from tests.harness import REPO, job_environment, run_job, torchrun
 
 
 def run_recipe(name: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-               str(REPO / "examples" / "recipes" / name)]
+    command = torchrun(2) + [str(REPO / "examples" / "recipes" / name)]
     code, output = run_job(command, job_environment(), timeout=240, what=name)
     assert code == 0, output[-4000:]
     return output

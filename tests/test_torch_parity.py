@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_chainermn
 from tests.collective_cases import expect_value_error
-from tests.harness import REPO, free_port, job_environment, run_job, run_spawn
+from tests.harness import REPO, job_environment, run_job, run_spawn, torchrun
 
 
 def refused(fn, *words) -> bool:
@@ -165,9 +165,8 @@ def test_import_torch_registers_the_backend_without_loading_it():
 def test_memory_soak_gives_every_result_right(tmp_path):
     # benchmarks/soak.py, briefly: every op at random sizes and dtypes, groups made and destroyed; it
     # checks each result and exits 1 on a wrong one (its RSS figures are for the README, not asserted).
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-               str(REPO / "benchmarks" / "soak.py"),
-               "--ops", "1500", "--group-every", "250", "--out", str(tmp_path / "soak.md")]
+    command = torchrun(2) + [str(REPO / "benchmarks" / "soak.py"), "--ops", "1500", "--group-every", "250",
+                             "--out", str(tmp_path / "soak.md")]
     code, output = run_job(command, job_environment(), timeout=180, what="the soak")
     assert code == 0, output[-3000:]
     assert "| 1 |" in (tmp_path / "soak.md").read_text()

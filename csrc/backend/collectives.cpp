@@ -50,6 +50,17 @@ void scaleResult(Scratch& scratch, const at::Tensor& result, const Reduction& pl
   divideIntegerAverage(plan, result);
 }
 
+// A gather's inputs in logical order: each tensor itself when contiguous, else a contiguous copy of
+// its dense layout (channels_last).
+std::vector<at::Tensor> contiguousInputs(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(tensors.size());
+  for (const auto& tensor : tensors) {
+    inputs.push_back(tensor.contiguous());
+  }
+  return inputs;
+}
+
 // all-to-all: the ranks' counts legitimately differ, so the fingerprint compares the dtype only;
 // the bodies check that every sender's count is what its receiver expects (checkSplits).
 Agreement splitsChecked(const at::Tensor& tensor, std::vector<int64_t> sendCounts, std::vector<int64_t> recvCounts) {
@@ -151,10 +162,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
         outputs.push_back(list[i]);
       }
     }
-    std::vector<at::Tensor> inputs;
-    for (const auto& input : inputTensors) {
-      inputs.push_back(input.contiguous());
-    }
+    const std::vector<at::Tensor> inputs = contiguousInputs(inputTensors);
     const int size = size_;
     return post(
         {c10d::OpType::ALLGATHER_COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs)}, [inputs, outputs, size](DeviceContext& on) {
@@ -182,11 +190,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_into_tensor_coal
   const char* op = "all_gather_into_tensor_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(), op, ": needs as many outputs as inputs");
-    std::vector<at::Tensor> contiguous;
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkWorldBlocks(op, "output", outputs[i], "input", inputs[i], size_, static_cast<int>(i), Layout::Dense);
-      contiguous.push_back(inputs[i].contiguous());
     }
+    const std::vector<at::Tensor> contiguous = contiguousInputs(inputs);
     return post({c10d::OpType::COALESCED, op, outputs, contiguous, opts.timeout, agreeOn(contiguous)}, [outputs, inputs = contiguous](DeviceContext& on) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         if (inputs[i].numel() > 0) {
