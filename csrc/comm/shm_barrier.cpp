@@ -141,7 +141,7 @@ void Barrier::checkPeer(
   if (now - start > timeout_) {
     C10_THROW_ERROR(
         DistBackendError,
-        "shared memory: local rank " + std::to_string(r) + " of this node did not arrive within " +
+        "shared memory: timed out: local rank " + std::to_string(r) + " of this node did not arrive within " +
             std::to_string(timeout_.count()) + " ms");
   }
 }
