@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <string>
 
 namespace chainermn {
 
@@ -14,6 +15,9 @@ namespace chainermn {
 enum class ReduceKind : uint8_t { Sum, Product, Min, Max, BitAnd, BitOr, BitXor };
 
 const char* reduceKindName(ReduceKind kind);
+
+// torch's spelling of a dtype, as users see it in Python ("torch.float16").
+std::string dtypeName(c10::ScalarType dtype);
 
 // `count` elements of `dtype` at `data`: a tensor's memory, or a whole packed buffer.
 struct FlatBuffer {

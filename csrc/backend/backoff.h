@@ -18,6 +18,10 @@ class Backoff {
     delay_ = std::min(delay_ * 2, std::chrono::microseconds(1000));
     return delay_;
   }
+  // No wait since the last reset.
+  bool fresh() const {
+    return round_ == 0;
+  }
   void reset() {
     round_ = 0;
     delay_ = std::chrono::microseconds(10);

@@ -116,25 +116,25 @@ class CheckedReceive : public Request {
   const int tag_;
   const int self_;
   Header received_;
+  std::vector<char> drain_;  // only when the sizes differ; declared before the requests, which outlive it not
   RequestPtr header_, data_;
   bool headerArrived_ = false;
   int source_ = -1;
   std::string mismatch_;
-  std::vector<char> drain_;  // only when the sizes differ
   std::function<void()> wake_;
 };
 
 } // namespace
 
 RequestPtr sendChecked(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag) {
-  if (tensor.is_cuda()) {
+  if (tensor.is_cuda() || transport.checksMessages()) {
     return transport.send(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), peer, tag);
   }
   return std::make_unique<CheckedSend>(transport, order, tensor, peer, tag);
 }
 
 RequestPtr recvChecked(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag) {
-  if (tensor.is_cuda()) {
+  if (tensor.is_cuda() || transport.checksMessages()) {
     return transport.recv(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), peer, tag);
   }
   return std::make_unique<CheckedReceive>(transport, order, tensor, peer, tag, transport.rank());

@@ -8,7 +8,8 @@
 // those of every earlier message from that peer on that tag: a receive whose header arrived first
 // cannot take an earlier message's data (several receives on one tag are in flight at once when a
 // message is sent in chunks). CUDA tensors go as they are (NCCL does not abort on a mismatch, and a
-// header would cost a host round trip per message).
+// header would cost a host round trip per message), and so do messages over a transport that carries
+// each message's count and dtype itself (Transport::checksMessages: the shared-memory rings).
 #pragma once
 
 #include "comm/transport.h"

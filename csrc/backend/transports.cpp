@@ -10,8 +10,10 @@ TransportSet buildHostTransports(const GroupSetup& setup, bool sharedMemory) {
   TransportSet set = makeTransportSet(setup.topology, setup.makeHost);
   if (sharedMemory && setup.topology.intraSize > 1) {
     const Level node = intraLevel(setup.topology);
-    auto shared = shm::createTransport(*setup.store, "chainermn/shm/" + node.key, set.intra, setup.timeout);
-    if (set.world == set.intra) {
+    // Point to point is the world transport's: through the segment when this node is the group.
+    const bool wholeGroup = set.world == set.intra;
+    auto shared = shm::createTransport(*setup.store, "chainermn/shm/" + node.key, set.intra, setup.timeout, wholeGroup);
+    if (wholeGroup) {
       set.world = shared;
     }
     set.intra = shared;

@@ -10,43 +10,6 @@
 
 namespace chainermn {
 
-std::string dtypeName(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf:
-      return "torch.float16";
-    case at::kBFloat16:
-      return "torch.bfloat16";
-    case at::kFloat:
-      return "torch.float32";
-    case at::kDouble:
-      return "torch.float64";
-    case at::kChar:
-      return "torch.int8";
-    case at::kByte:
-      return "torch.uint8";
-    case at::kShort:
-      return "torch.int16";
-    case at::kInt:
-      return "torch.int32";
-    case at::kLong:
-      return "torch.int64";
-    case at::kBool:
-      return "torch.bool";
-    case at::kComplexHalf:
-      return "torch.complex32";
-    case at::kComplexFloat:
-      return "torch.complex64";
-    case at::kComplexDouble:
-      return "torch.complex128";
-    default: {
-      // c10 spells the rest as torch does, but capitalised ("UInt32", "Float8_e4m3fn").
-      std::string name = c10::toString(dtype);
-      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
-      return "torch." + name;
-    }
-  }
-}
-
 void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Layout layout) {
   TORCH_CHECK_VALUE(tensor.defined(), op, ": ", argument, " is an undefined tensor");
   if (!tensor.device().is_cpu()) {

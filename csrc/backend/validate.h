@@ -4,6 +4,7 @@
 #pragma once
 
 #include "strategies/strategy.h"
+#include "types.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -15,8 +16,6 @@
 
 namespace chainermn {
 
-// torch's spelling of a dtype, as users see it in Python ("torch.float16").
-std::string dtypeName(at::ScalarType dtype);
 
 // The memory layouts an argument may have. Contiguous: what an op that reads or writes memory in
 // logical order needs. Dense: any non-overlapping, dense layout (channels_last): enough where the

@@ -168,17 +168,28 @@ void Worker::State::workerLoop() {
     std::optional<QueuedOp> op;
     {
       std::unique_lock<std::mutex> lock(mutex);
-      if (queue.empty() && !stopping && inFlight.empty()) {
+      bool moved = false;
+      if (queue.empty() && !stopping && backoff.fresh()) {
         // Linger before sleeping: the next op of a training step usually follows within
-        // microseconds, and a wake-up through the condition variable costs as much again.
+        // microseconds, and so does the message a transfer waits for; a wake-up through the
+        // condition variable (or a transport's thread) costs as much again. Transfers in flight are
+        // tested meanwhile.
+        const bool transfers = !inFlight.empty();
         lock.unlock();
         const auto lingerUntil = Clock::now() + kLinger;
         while (!hasQueued.load(std::memory_order_acquire) && Clock::now() < lingerUntil) {
+          if (transfers && progressInFlight()) {
+            moved = true;
+            break;
+          }
           std::this_thread::yield();
         }
         lock.lock();
+        if (moved) {
+          backoff.reset();  // the next wait lingers again
+        }
       }
-      if (queue.empty() && !stopping) {
+      if (queue.empty() && !stopping && !moved) {
         if (inFlight.empty()) {
           wakeWorker.wait(lock, [this] { return stopping || !queue.empty(); });
         } else {

@@ -1,6 +1,7 @@
 #include "comm/shm.h"
 
 #include "comm/shm_barrier.h"
+#include "comm/shm_mailbox.h"
 #include "comm/shm_segment.h"
 #include "kernels/reduce.h"
 
@@ -23,10 +24,10 @@ size_t exchangeBytes(int size) {
   return roundUp(2 * size * kExchangeBytes, 4096);
 }
 
-// The segment holds the barrier's flags, the exchange area, then a slot per rank, then two result
-// buffers.
-size_t segmentBytes(int size, size_t chunk) {
-  return Barrier::bytes(size) + exchangeBytes(size) + (size + 2) * chunk;
+// The segment holds the barrier's flags, the exchange area, a slot per rank, two result buffers,
+// then the point-to-point rings when the transport carries point to point.
+size_t segmentBytes(int size, size_t chunk, bool pointToPoint) {
+  return Barrier::bytes(size) + exchangeBytes(size) + (size + 2) * chunk + (pointToPoint ? Mailboxes::bytes(size) : 0);
 }
 
 class ShmTransport : public Transport {
@@ -35,7 +36,8 @@ class ShmTransport : public Transport {
       TransportPtr fallback,
       std::unique_ptr<Segment> segment,
       size_t chunk,
-      std::chrono::milliseconds timeout)
+      std::chrono::milliseconds timeout,
+      bool pointToPoint)
       : fallback_(std::move(fallback)),
         segment_(std::move(segment)),
         rank_(fallback_->rank()),
@@ -50,6 +52,9 @@ class ShmTransport : public Transport {
     results_[0] = data + size_ * chunk_;
     results_[1] = results_[0] + chunk_;
     sources_.resize(size_);
+    if (pointToPoint) {
+      mailboxes_ = std::make_unique<Mailboxes>(results_[1] + chunk_, rank_, size_);
+    }
   }
 
   int rank() const override {
@@ -142,10 +147,19 @@ class ShmTransport : public Transport {
       c10::ScalarType dtype) override {
     fallback_->alltoallv(send, sendCounts, recv, recvCounts, dtype);
   }
+  bool checksMessages() const override {
+    return mailboxes_ != nullptr;
+  }
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    if (mailboxes_) {
+      return mailboxes_->send(buf, count, dtype, peer, tag);
+    }
     return fallback_->send(buf, count, dtype, peer, tag);
   }
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    if (mailboxes_) {
+      return mailboxes_->recv(buf, count, dtype, peer, tag);
+    }
     return fallback_->recv(buf, count, dtype, peer, tag);
   }
   void barrier() override {
@@ -212,6 +226,7 @@ class ShmTransport : public Transport {
   int exchangeParity_ = 0;
   std::vector<const void*> sources_;  // reused: no allocation per chunk
   int parity_ = 0;
+  std::unique_ptr<Mailboxes> mailboxes_;  // point to point, when carried; gone before the segment
 };
 
 } // namespace
@@ -229,11 +244,13 @@ TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
     TransportPtr fallback,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout,
+    bool pointToPoint) {
   const size_t chunk = chunkBytes();
-  auto segment = std::make_unique<Segment>(store, key, fallback->rank(), segmentBytes(fallback->size(), chunk));
+  auto segment =
+      std::make_unique<Segment>(store, key, fallback->rank(), segmentBytes(fallback->size(), chunk, pointToPoint));
   Segment& mapped = *segment;
-  auto comm = std::make_shared<ShmTransport>(std::move(fallback), std::move(segment), chunk, timeout);
+  auto comm = std::make_shared<ShmTransport>(std::move(fallback), std::move(segment), chunk, timeout, pointToPoint);
   comm->barrier();  // every rank has mapped the segment and published its pid
   comm->startWatchingPeers();
   mapped.unlinkName();

@@ -20,12 +20,15 @@
 namespace chainermn::shm {
 
 // Collective over fallback's ranks, which must all run on this host. `key` names the segment in
-// the store (unique per group and node). `timeout` bounds every wait for a peer.
+// the store (unique per group and node). `timeout` bounds every wait for a peer. `pointToPoint`:
+// sends and receives go through the segment (the transport is a whole group's: its point to point
+// is the group's); else through `fallback`, so the rings take no memory.
 TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
     TransportPtr fallback,
-    std::chrono::milliseconds timeout);
+    std::chrono::milliseconds timeout,
+    bool pointToPoint);
 
 // Bytes of one rank's slot: a collective moves data through the segment this much at a time.
 size_t chunkBytes();

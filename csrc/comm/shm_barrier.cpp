@@ -1,12 +1,11 @@
 #include "comm/shm_barrier.h"
 
+#include "comm/futex.h"
 #include "process.h"
 
 #include <c10/util/Exception.h>
-#include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,37 +23,13 @@ struct alignas(64) Flag {
   std::atomic<uint32_t> sleepers;  // ranks inside futexWait on `sequence`: the publisher must wake them
   std::atomic<int64_t> pid;        // lets a waiting rank tell a slow peer from a dead one
 };
-static_assert(std::atomic<uint32_t>::is_always_lock_free, "flags must be lock-free to live in shared memory");
-static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
-
 
 namespace {
-
-// A hint to the core that this is a spin-wait (lets the sibling hyperthread run).
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 // Whether a sequence number has reached `target`, across wrap-around (ranks are never more than a
 // couple of barriers apart).
 inline bool reached(uint32_t sequence, uint32_t target) {
   return static_cast<int32_t>(sequence - target) >= 0;
-}
-
-// The futex is shared between processes (no FUTEX_PRIVATE_FLAG). Spurious and early returns are
-// fine: the caller re-checks the word.
-void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {
-  const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(timeout);
-  timespec relative{static_cast<time_t>(seconds.count()), static_cast<long>((timeout - seconds).count() * 1000)};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &relative, nullptr, 0);
-}
-
-void futexWakeAll(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 // How a rank waits for a peer at a barrier. Peers usually arrive within microseconds (they run the

@@ -90,6 +90,12 @@ class Transport {
       void* recv,
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) = 0;
+  // Whether a message carries its count and dtype, so that a receive expecting others fails naming
+  // both (its buffer untouched) and the pair stays usable. Transports that do not need the header
+  // messages of backend/messages.h in front of every message.
+  virtual bool checksMessages() const {
+    return false;
+  }
   virtual RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
   // peer may be kAnySource; the Request's source() then tells which rank sent.
   virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;

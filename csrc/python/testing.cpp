@@ -53,8 +53,8 @@ void* data(const std::optional<at::Tensor>& tensor) {
 
 // A Request that keeps its tensor alive, and can be waited for (bounded: test() throws at the timeout).
 struct PyRequest {
+  at::Tensor tensor;  // outlives the request, which may still touch it when dropped
   RequestPtr request;
-  at::Tensor tensor;
   bool done = false;
 
   bool test() {
@@ -193,10 +193,10 @@ void bindTransport(py::module_& testing) {
                            const std::vector<int64_t>& recvCounts) {
         t.alltoallv(data(send), sendCounts, data(recv), recvCounts, send.scalar_type()); }, noGil)
       .def("send", [](T& t, Tensor& x, int peer, int tag) {
-        return PyRequest{t.send(data(x), x.numel(), x.scalar_type(), peer, tag), x}; },
+        return PyRequest{x, t.send(data(x), x.numel(), x.scalar_type(), peer, tag)}; },
         py::arg("tensor"), py::arg("peer"), py::arg("tag") = 0, noGil)
       .def("recv", [](T& t, Tensor& x, int peer, int tag) {
-        return PyRequest{t.recv(data(x), x.numel(), x.scalar_type(), peer, tag), x}; },
+        return PyRequest{x, t.recv(data(x), x.numel(), x.scalar_type(), peer, tag)}; },
         py::arg("tensor"), py::arg("peer") = kAnySource, py::arg("tag") = 0, noGil)
       .def("barrier", &T::barrier, noGil);
   py::class_<RankGroup>(testing, "Rank")

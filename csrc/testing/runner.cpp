@@ -31,9 +31,10 @@ void runRanks(
       });
       const Topology& t = group.topology;
       if (options.sharedMemory && t.intraSize > 1) {
+        const bool wholeGroup = t.interSize == 1;  // as backend/transports.cpp
         auto shared = shm::createTransport(
-            *store, "chainermn/shm/" + std::to_string(t.interRank), group.transports.intra, options.timeout);
-        group.transports.world = t.interSize == 1 ? shared : group.transports.world;
+            *store, "chainermn/shm/" + std::to_string(t.interRank), group.transports.intra, options.timeout, wholeGroup);
+        group.transports.world = wholeGroup ? shared : group.transports.world;
         group.transports.intra = shared;
       }
       perRank(group);
