@@ -215,9 +215,12 @@ def torch_topology(names, rank):
     return _C.topology_from_names(names, rank)
 
 
-def test_send_and_recv_match_by_peer_and_tag_in_order():
+@pytest.mark.parametrize("names, shared_memory", [(TOPOLOGIES["1+2+2"], False), (TOPOLOGIES["1x4"], True)],
+                         ids=["threads", "shm"])
+def test_send_and_recv_match_by_peer_and_tag_in_order(names, shared_memory):
     def per_rank(r):
         t, me, size = r.world, r.world.rank, r.world.size
+        assert t.library == ("shm" if shared_memory else "threads"), t.library
         # A ring: every rank sends before it receives, so sends must not wait for each other.
         right, left = torch.full((3,), me), torch.zeros(3, dtype=torch.int64)
         sent = t.send(right, (me + 1) % size, tag=7)
@@ -250,7 +253,101 @@ def test_send_and_recv_match_by_peer_and_tag_in_order():
         t.barrier()
         return True
 
-    assert testing.run(TOPOLOGIES["1+2+2"], per_rank) == [True] * 5
+    assert testing.run(names, per_rank, shared_memory=shared_memory) == [True] * len(names)
+
+
+# ---- point to point through shared memory (comm/shm_mailbox.h) ----------------------------------------
+
+BIG = 3_000_000  # float32 elements: 12 MB, many times a ring (1 MiB for 2 ranks), so messages stream
+
+
+def test_shared_memory_messages_stream_past_their_ring_while_the_peer_is_busy():
+    def per_rank(r):
+        t, me = r.world, r.world.rank
+        assert t.library == "shm"
+        big = [torch.arange(BIG, dtype=torch.float32) + k for k in range(2)]
+        if me == 0:
+            # Both sends are posted before the receiver takes either; the receiver takes them in the
+            # other order (a message nobody waits for yet moves aside), and rank 0 sits in a barrier
+            # meanwhile: the transfers move without it.
+            sent = [t.send(big[0], 1, tag=11), t.send(big[1], 1, tag=12)]
+            t.barrier()
+            for request in sent:
+                request.wait()
+            # A blocking receive on one side while the sender is inside a collective.
+            late = t.send(big[1], 1, tag=5)
+            t.barrier()
+            late.wait()
+        else:
+            t.barrier()
+            a, b = torch.zeros(BIG), torch.zeros(BIG)
+            t.recv(b, 0, tag=12).wait()
+            t.recv(a, 0, tag=11).wait()
+            assert torch.equal(a, big[0]) and torch.equal(b, big[1])
+            c = torch.zeros(BIG)
+            t.recv(c, 0, tag=5).wait()
+            assert torch.equal(c, big[1])
+            t.barrier()
+        # Empty messages, and messages to oneself.
+        empty = t.send(torch.zeros(0), me, tag=9)
+        t.recv(torch.zeros(0), me, tag=9).wait()
+        empty.wait()
+        y = torch.zeros(5)
+        to_self = t.send(torch.full((5,), float(me)), me, tag=8)
+        t.recv(y, me, tag=8).wait()
+        to_self.wait()
+        assert torch.equal(y, torch.full((5,), float(me)))
+        return True
+
+    assert testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30) == [True, True]
+
+
+def test_shared_memory_receive_that_does_not_match_fails_and_the_pair_stays_usable():
+    def per_rank(r):
+        t = r.world
+        if r.rank == 0:
+            for x in (torch.ones(10), torch.ones(4, dtype=torch.float64), torch.arange(3.0)):
+                t.send(x, 1).wait()
+            return ""
+        errors = []
+        for x in (torch.zeros(5), torch.zeros(4)):
+            try:
+                t.recv(x, 0).wait()
+            except ValueError as error:
+                errors.append(str(error))
+            assert torch.equal(x, torch.zeros_like(x)), x  # not written
+        good = torch.zeros(3)
+        t.recv(good, 0).wait()
+        assert torch.equal(good, torch.arange(3.0)), good
+        return errors
+
+    errors = testing.run(["a", "a"], per_rank, shared_memory=True)[1]
+    assert "recv on rank 1 expected 5 torch.float32 elements from rank 0 (tag 0), which sent 10 torch.float32" \
+        in errors[0], errors
+    assert "expected 4 torch.float32 elements" in errors[1] and "sent 4 torch.float64" in errors[1], errors
+
+
+def test_shared_memory_dropped_requests_never_touch_their_buffers():
+    def per_rank(r):
+        t = r.world
+        if r.rank == 0:
+            x = torch.arange(BIG, dtype=torch.float32)
+            t.send(x, 1, tag=1)  # dropped half-way through its ring: the rest is kept aside
+            x.fill_(-1.0)        # so what the receiver gets is the message as it was sent
+            t.barrier()
+            t.send(torch.full((4,), 7.0), 1, tag=2).wait()
+            return True
+        dropped = torch.zeros(4)
+        t.recv(dropped, 0, tag=2)  # dropped at once: the message goes to the next receive instead
+        t.barrier()
+        whole = torch.zeros(BIG)
+        t.recv(whole, 0, tag=1).wait()
+        later = torch.zeros(4)
+        t.recv(later, 0, tag=2).wait()
+        return (torch.equal(whole, torch.arange(BIG, dtype=torch.float32)), torch.equal(dropped, torch.zeros(4)),
+                torch.equal(later, torch.full((4,), 7.0)))
+
+    assert testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30) == [True, (True, True, True)]
 
 
 def test_send_and_recv_of_different_sizes_fail_both():
