@@ -18,7 +18,7 @@ Contenders:
 
 Run it (2 ranks)
 ------
-    .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/p2p.py
+    .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/p2p.py [--bind]
     mpiexec --allow-run-as-root -n 2 .venv/bin/python benchmarks/p2p.py --plot benchmarks/results/p2p.png
 
 Rank 0 prints a markdown table and writes it to --out (default benchmarks/results/p2p-<launcher>.md).
@@ -53,6 +53,8 @@ def parse_args():
     p.add_argument("--seconds", type=float, default=0.15, help="about this long per round")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="PNG of one-way time per size (needs matplotlib)")
+    p.add_argument("--bind", action="store_true",
+                   help="bind each rank to core LOCAL_RANK first, as mpiexec does (torchrun does not)")
     return p.parse_args()
 
 
@@ -93,6 +95,8 @@ def timed(round_trip, x, rank, iters) -> float:
 
 def main():
     args = parse_args()
+    if args.bind:
+        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()})
     dist.init_process_group("chainermn")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
@@ -128,7 +132,8 @@ def main():
 
 def report(args, rows):
     launcher = launcher_name()
-    lines = [f"Point to point, 2 ranks of one node, launched by {launcher}; {platform.node()}, {os.cpu_count()} cores, "
+    bound = "ranks bound to cores" if args.bind or launcher == "mpiexec" else "ranks not bound"
+    lines = [f"Point to point, 2 ranks of one node, launched by {launcher} ({bound}); {platform.node()}, {os.cpu_count()} cores, "
              f"torch {torch.__version__}, {datetime.date.today()}; median of {args.rounds} rounds."
              + ("" if MPI is not None else f" MPI row skipped: {MPI_SKIPPED}."),
              "", "| size | contender | one-way (us) | GB/s | vs gloo |", "|---:|---|---:|---:|---:|"]

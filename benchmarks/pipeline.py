@@ -74,6 +74,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline.md",
                         help="rank 0 writes the table here (and the rows as .json beside it)")
     parser.add_argument("--plot", type=Path, help="write a bar chart of the throughputs here (needs matplotlib)")
+    parser.add_argument("--bind", action="store_true",
+                        help="bind each rank to core LOCAL_RANK first, as mpiexec does (torchrun does not)")
     return parser.parse_args(argv)
 
 
@@ -188,6 +190,8 @@ def torch_contenders(args, stage, x, target):
 
 def main():
     args = parse_args()
+    if args.bind:
+        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()})
     torch.set_num_threads(1)  # two ranks on (maybe) two cores: one thread each
     dist.init_process_group("chainermn", timeout=datetime.timedelta(minutes=10))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -243,7 +247,8 @@ def main():
 def markdown(rows, args, ideal) -> str:
     transport = torch_chainermn.transport()
     lines = [f"2 stages x {args.depth} Linear({args.width}, {args.width}) + tanh, batch {args.batch}, "
-             f"{args.micro_batches} micro-batches, chainermn over {transport}; {platform.node()}, "
+             f"{args.micro_batches} micro-batches, chainermn over {transport} (point to point within the node "
+             f"through shared memory), ranks {'bound to cores' if args.bind or 'OMPI_COMM_WORLD_RANK' in os.environ else 'not bound'}; {platform.node()}, "
              f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}. "
              f"Ideal speedup 2M/(M+1) = {ideal:.2f}. Two ranks computing at once ran at "
              f"{args.concurrency:.0%} of one rank's speed alone (100%: two free cores).", "",
