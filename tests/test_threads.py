@@ -256,6 +256,21 @@ def test_send_and_recv_match_by_peer_and_tag_in_order(names, shared_memory):
     assert testing.run(names, per_rank, shared_memory=shared_memory) == [True] * len(names)
 
 
+# ---- helper threads spin only while it pays (linger.h) ---------------------------------------------------
+
+def test_helper_threads_stop_spinning_through_long_gaps_and_spin_again_when_traffic_is_dense():
+    ping_pong, pipeline = [20.0] * 10, [5000.0] * 10
+    assert all(testing.linger_decisions(ping_pong))  # a latency-bound loop: spin after every op
+    spun = testing.linger_decisions(ping_pong + pipeline + ping_pong)
+    assert not any(spun[14:20]), spun  # milliseconds of compute between messages: sleep at once
+    assert all(spun[-4:]), spun        # dense traffic again: spinning is back
+    # A header and its payload back to back, then a long compute: half the gaps short is not enough.
+    assert not any(testing.linger_decisions([20.0, 5000.0] * 20)[10:])
+    # Once asleep, a ping-pong answers later (here 150 us a gap, three lingers): still short enough to
+    # bring spinning back, or a loop that crossed the linger would stay slow for good.
+    assert all(testing.linger_decisions(pipeline + [150.0] * 30)[-10:])
+
+
 # ---- point to point through shared memory (comm/shm_mailbox.h) ----------------------------------------
 
 BIG = 3_000_000  # float32 elements: 12 MB, many times a ring (1 MiB for 2 ranks), so messages stream

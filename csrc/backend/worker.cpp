@@ -2,11 +2,14 @@
 
 #include "backend/backoff.h"
 #include "backend/worker_state.h"
+#include "linger.h"
+#include "thread_name.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <future>
+#include <optional>
 
 namespace chainermn {
 
@@ -164,29 +167,46 @@ bool Worker::State::progress() {
 void Worker::State::workerLoop() {
   setThreadProgressor(this);
   Backoff backoff;
+  LingerPolicy linger(kLinger);
+  std::optional<Clock::time_point> idleSince;  // when the worker last ran out of work
+  const auto workCame = [&] {
+    if (idleSince) {
+      linger.ended(Clock::now() - *idleSince);
+      idleSince.reset();
+    }
+  };
   while (true) {
     std::optional<QueuedOp> op;
     {
       std::unique_lock<std::mutex> lock(mutex);
       bool moved = false;
       if (queue.empty() && !stopping && backoff.fresh()) {
-        // Linger before sleeping: the next op of a training step usually follows within
+        if (!idleSince) {
+          idleSince = Clock::now();
+        }
+        // Linger before sleeping: the next op of a training step often follows within
         // microseconds, and so does the message a transfer waits for; a wake-up through the
         // condition variable (or a transport's thread) costs as much again. Transfers in flight are
-        // tested meanwhile.
-        const bool transfers = !inFlight.empty();
-        lock.unlock();
-        const auto lingerUntil = Clock::now() + kLinger;
-        while (!hasQueued.load(std::memory_order_acquire) && Clock::now() < lingerUntil) {
-          if (transfers && progressInFlight()) {
-            moved = true;
-            break;
+        // tested meanwhile. Not when recent gaps were longer than the linger (see linger.h).
+        const auto spin = linger.linger();
+        if (spin.count() == 0) {
+          backoff.skipSpins();
+        } else {
+          const bool transfers = !inFlight.empty();
+          lock.unlock();
+          const auto lingerUntil = *idleSince + spin;
+          while (!hasQueued.load(std::memory_order_acquire) && Clock::now() < lingerUntil) {
+            if (transfers && progressInFlight()) {
+              moved = true;
+              break;
+            }
+            std::this_thread::yield();
           }
-          std::this_thread::yield();
-        }
-        lock.lock();
-        if (moved) {
-          backoff.reset();  // the next wait lingers again
+          lock.lock();
+          if (moved) {
+            workCame();
+            backoff.reset();  // the next wait lingers again
+          }
         }
       }
       if (queue.empty() && !stopping && !moved) {
@@ -207,11 +227,13 @@ void Worker::State::workerLoop() {
       }
     }
     if (op) {
+      workCame();
       run(*op);
       backoff.reset();
     }
     requestReady.store(false, std::memory_order_release);  // before testing: a later wake stays seen
     if (progressInFlight()) {
+      workCame();
       backoff.reset();
     }
   }
@@ -223,12 +245,16 @@ Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::sha
   // detached without leaving it pointing at freed memory.
   std::promise<void> started;
   worker_ = std::thread([state = state_, &started] {
+    nameThisThread("cmn-worker");
     state->workerThread = std::this_thread::get_id();
     started.set_value();
     state->workerLoop();
   });
   started.get_future().wait();
-  watchdog_ = std::thread([state = state_] { state->watchdogLoop(); });
+  watchdog_ = std::thread([state = state_] {
+    nameThisThread("cmn-watchdog");
+    state->watchdogLoop();
+  });
   std::lock_guard<std::mutex> lock(gLiveMutex);
   liveWorkers().push_back(this);
 }

@@ -1,6 +1,8 @@
 #include "comm/shm_mailbox.h"
 
 #include "comm/shm_mailbox_state.h"
+#include "linger.h"
+#include "thread_name.h"
 #include "types.h"
 
 #include <c10/util/Exception.h>
@@ -292,16 +294,19 @@ void Mailboxes::State::failEverything(const std::string& reason) {
 }
 
 void Mailboxes::State::progressLoop() {
+  LingerPolicy linger(kLinger);  // spins only while peers ring soon after it runs out of work
   while (!stopping.load(std::memory_order_acquire)) {
     const uint32_t seen = rings.doorbellCount();
     progress(/*onlyIfFree=*/false);
-    const auto lingerUntil = std::chrono::steady_clock::now() + kLinger;
+    const auto idleSince = std::chrono::steady_clock::now();
+    const auto lingerUntil = idleSince + linger.linger();
     while (rings.doorbellCount() == seen && std::chrono::steady_clock::now() < lingerUntil) {
       std::this_thread::yield();
     }
     if (rings.doorbellCount() == seen && !stopping.load(std::memory_order_acquire)) {
       rings.sleepUntilRung(seen, kSleepSlice);
     }
+    linger.ended(std::chrono::steady_clock::now() - idleSince);
   }
 }
 
@@ -372,7 +377,10 @@ Mailboxes::~Mailboxes() {
 }
 
 void Mailboxes::startProgress() {
-  std::call_once(progressStarted_, [this] { progress_ = std::thread([state = state_] { state->progressLoop(); }); });
+  std::call_once(progressStarted_, [this] { progress_ = std::thread([state = state_] {
+      nameThisThread("cmn-shm-p2p");
+      state->progressLoop();
+    }); });
 }
 
 RequestPtr Mailboxes::send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) {

@@ -1,5 +1,7 @@
 #include "comm/waiter_pool.h"
 
+#include "thread_name.h"
+
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -57,7 +59,10 @@ void WaiterPool::run(std::function<void()> job) {
   }
   ++shared_->started;
   // Detached: it holds the shared state, and ends on its own once the pool is stopping.
-  std::thread([shared = shared_] { serve(shared); }).detach();
+  std::thread([shared = shared_] {
+    nameThisThread("cmn-gloo-wait");
+    serve(shared);
+  }).detach();
 }
 
 int WaiterPool::threadsStarted() const {

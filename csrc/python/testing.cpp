@@ -6,6 +6,7 @@
 #include "backend/device_context.h"
 #include "comm/waiter_pool.h"
 #include "kernels/scratch.h"
+#include "linger.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
 #include "testing/runner.h"
@@ -317,6 +318,20 @@ void bindTesting(py::module_& testing) {
       "`rounds` rounds of `in_flight` WaiterPool jobs that each wait until all of the round run at once; "
       "returns the threads started (raises if a round's jobs did not all run at once)",
       py::arg("in_flight"), py::arg("rounds"), py::arg("timeout") = 10.0, py::call_guard<py::gil_scoped_release>());
+  testing.def(
+      "linger_decisions",
+      [](const std::vector<double>& gapsUs, int64_t lingerUs) {
+        LingerPolicy policy{std::chrono::microseconds(lingerUs)};
+        std::vector<bool> spun;
+        for (double gap : gapsUs) {
+          spun.push_back(policy.linger().count() > 0);
+          policy.ended(std::chrono::duration_cast<LingerPolicy::Clock::duration>(
+              std::chrono::duration<double, std::micro>(gap)));
+        }
+        return spun;
+      },
+      "Whether a thread under LingerPolicy (linger.h) spins before each of these idle gaps (microseconds)",
+      py::arg("gaps_us"), py::arg("linger_us") = 50);
   bindTransport(testing);
   bindWorkerTesting(testing);
   testing.def(
