@@ -39,6 +39,7 @@ Topology topologyFromNames(const std::vector<std::string>& names, int rank) {
     auto [it, added] = nodeIndex.emplace(names[r], static_cast<int>(topo.ranksOfNode.size()));
     if (added) {
       topo.ranksOfNode.emplace_back();
+      topo.nodeNames.push_back(names[r]);
     }
     topo.nodeOfRank[r] = it->second;
     topo.ranksOfNode[it->second].push_back(r);

@@ -22,6 +22,7 @@ struct Topology {
   int interSize = 1;  // number of nodes
   std::vector<int> nodeOfRank;                // node index of every rank
   std::vector<std::vector<int>> ranksOfNode;  // ranks of every node, ascending
+  std::vector<std::string> nodeNames;         // name of every node (CHAINERMN_HOSTNAME, or the host's)
 };
 
 // The ranks one transport connects: the whole group, this rank's node, or the ranks with this

@@ -83,6 +83,26 @@ def test_dead_peer_gives_an_error(shm):
         assert "local rank 1" in outcomes[0], outcomes[0]
 
 
+def leaving_peer():
+    dist.barrier()
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()  # on purpose, then the process ends normally
+        return "left"
+    try:
+        dist.all_reduce(torch.ones(4))
+        return "completed"
+    except dist.DistBackendError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_a_peer_that_left_on_purpose_is_named_as_exited_not_dead(shm):
+    outcomes = run_spawn(leaving_peer, 2, timeout=50, op_timeout=20, env={"CHAINERMN_SHM": shm})
+    assert outcomes[1] == "left"
+    assert "rank 1 (host" in outcomes[0] and "exited" in outcomes[0], outcomes[0]
+    assert "died" not in outcomes[0], outcomes[0]
+
+
 def slow_peer():
     """Rank 1 arrives 0.2 s late at each all_reduce (3 chunks of shared memory each): rank 0 spins,
     yields, then sleeps on rank 1's futex until rank 1's flags wake it, at every barrier."""

@@ -271,6 +271,18 @@ def test_helper_threads_stop_spinning_through_long_gaps_and_spin_again_when_traf
     assert all(testing.linger_decisions(pipeline + [150.0] * 30)[-10:])
 
 
+# ---- store calls on failure paths never hang (backend/store_courier.h) ----------------------------------
+
+def test_a_store_call_that_hangs_costs_its_caller_the_patience_once():
+    (quick, q_ms), (hung, h_ms), (behind, b_ms), (after, _), (threw, _), (turn, t_ms) = testing.store_courier(200)
+    assert quick and q_ms < 200
+    assert not hung and h_ms >= 200  # waited its patience, then gave up: the call keeps its thread
+    assert not behind and b_ms < 100  # while that one hangs, the next fails at once instead of queueing
+    assert after  # the hung call returned: the courier serves again
+    assert not threw  # a store error is a failure to answer, never an exception on the failure path
+    assert turn and t_ms < 200  # another thread's slow call was out: this one waited its turn, not failed
+
+
 # ---- point to point through shared memory (comm/shm_mailbox.h) ----------------------------------------
 
 BIG = 3_000_000  # float32 elements: 12 MB, many times a ring (1 MiB for 2 ranks), so messages stream

@@ -16,6 +16,7 @@ ranks of one real host; only traffic between nodes crosses the shaped links.
     netns.py rate --rate 500mbit           # change the shaping of every node in place (none: remove)
     netns.py status                        # namespaces, addresses and qdiscs
     netns.py bw                            # one TCP stream node1 -> node0, to check the shaping
+    netns.py link --node 1 --state down    # cut node 1 off the bridge (up: reconnect it)
     netns.py down                          # remove everything this script made; safe to repeat
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`). The same functions are used by run.py.
@@ -117,6 +118,15 @@ def set_rate(rate: str | None) -> None:
     for i in range(k):
         _shape(node_ns(i), IFNAME, bits)
         _shape(BRIDGE_NS, f"v{i}", bits)
+
+
+def set_link(node: int, up: bool) -> None:
+    """Take node `node`'s port on the bridge down (or back up): its link stays configured but nothing
+    passes, as when a switch drops a node or a cable is pulled; connections resume when it is up
+    again unless one side gave up meanwhile."""
+    if not 0 <= node < nodes():
+        raise ValueError(f"no node {node}: the cluster has {nodes()} nodes")
+    _ns(BRIDGE_NS, "ip", "link", "set", f"v{node}", "up" if up else "down")
 
 
 def down() -> None:
@@ -263,6 +273,9 @@ def main(argv=None) -> int:
     p_rate.add_argument("--rate", required=True)
     sub.add_parser("down", help="remove the namespaces")
     sub.add_parser("status", help="show the namespaces, addresses and qdiscs")
+    p_link = sub.add_parser("link", help="take a node's link down or bring it back up")
+    p_link.add_argument("--node", type=int, required=True)
+    p_link.add_argument("--state", choices=["up", "down"], required=True)
     p_bw = sub.add_parser("bw", help="measure one TCP stream from node 1 to node 0 (a check of the shaping)")
     p_bw.add_argument("--seconds", type=float, default=2.0)
     args = parser.parse_args(argv)
@@ -273,6 +286,9 @@ def main(argv=None) -> int:
     elif args.cmd == "rate":
         set_rate(args.rate)
         print(f"rate: {rate_label(args.rate)} on {nodes()} nodes")
+    elif args.cmd == "link":
+        set_link(args.node, args.state == "up")
+        print(f"node {args.node}: link {args.state}")
     elif args.cmd == "bw":
         print(f"node1 -> node0: {measure_bandwidth(1, 0, args.seconds) / 1e9:.3f} Gbit/s (one TCP stream)")
     elif args.cmd == "down":

@@ -4,17 +4,24 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 
 namespace chainermn {
 
 namespace {
 
+// How long a failure path waits for the store before it says what it knows without it.
+constexpr auto kStorePatience = std::chrono::seconds(2);
 const std::string kPrefix = "chainermn/health/";
 const std::string kAbort = kPrefix + "abort";
 
 std::string whoKey(int rank) {
   return kPrefix + "who/" + std::to_string(rank);
+}
+std::string goneKey(int rank) {
+  return kPrefix + "gone/" + std::to_string(rank);
 }
 std::string waitingKey(int rank) {
   return kPrefix + "waiting/" + std::to_string(rank);
@@ -26,78 +33,159 @@ std::vector<uint8_t> bytes(const std::string& text) {
 
 } // namespace
 
-GroupHealth::GroupHealth(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
-    : store_(std::move(store)), rank_(rank), size_(size), host_(hostName()) {
+GroupHealth::GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology)
+    : store_(std::move(store)),
+      rank_(topology.rank),
+      size_(topology.size),
+      host_(hostName()),
+      courier_(kStorePatience) {
+  for (int r = 0; r < size_; ++r) {
+    nodeOfRank_.push_back(topology.nodeNames[topology.nodeOfRank[r]]);
+  }
   store_->set(whoKey(rank_), bytes(host_ + " " + std::to_string(getpid())));
 }
 
-std::string GroupHealth::read(const std::string& key) {
-  try {
-    if (!store_->check({key})) {
-      return "";
+std::optional<std::vector<std::string>> GroupHealth::read(std::vector<std::string> keys) {
+  // Owned by the call: after an overrun it may still write here once this has returned.
+  auto values = std::make_shared<std::vector<std::string>>(keys.size());
+  const bool answered = courier_.run([store = store_, keys = std::move(keys), values] {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (store->check({keys[i]})) {
+        const auto value = store->get(keys[i]);
+        (*values)[i].assign(value.begin(), value.end());
+      }
     }
-    const auto value = store_->get(key);
-    return {value.begin(), value.end()};
-  } catch (const std::exception&) {
-    return "";  // the store's host may be the rank that died: say what is known without it
+  });
+  if (!answered) {
+    return std::nullopt;  // the store's host may be the rank that died, or cut off: say what is known without it
   }
+  return *values;
 }
 
-std::string GroupHealth::who(int rank) {
-  std::istringstream entry(read(whoKey(rank)));
-  std::string host, pid;
-  entry >> host >> pid;
-  return "rank " + std::to_string(rank) + (host.empty() ? "" : " (host " + host + ", pid " + pid + ")");
+std::vector<std::string> GroupHealth::whoKeys() const {
+  std::vector<std::string> keys;
+  for (int r = 0; r < size_; ++r) {
+    keys.push_back(whoKey(r));
+  }
+  return keys;
+}
+
+std::vector<std::string> GroupHealth::whoAndGoneKeys() const {
+  std::vector<std::string> keys = whoKeys();
+  for (int r = 0; r < size_; ++r) {
+    keys.push_back(goneKey(r));
+  }
+  return keys;
+}
+
+std::string GroupHealth::who(int rank, const std::string& entry) const {
+  std::istringstream fields(entry);
+  std::string machine, pid;
+  fields >> machine >> pid;
+  return "rank " + std::to_string(rank) + " (host " + nodeOfRank_[rank] + (pid.empty() ? "" : ", pid " + pid) + ")";
+}
+
+std::string GroupHealth::byNode(const std::vector<int>& ranks) const {
+  std::vector<std::string> nodes;  // in order of first appearance
+  std::vector<std::string> lists;
+  for (int r : ranks) {
+    const auto at = std::find(nodes.begin(), nodes.end(), nodeOfRank_[r]) - nodes.begin();
+    if (at == static_cast<std::ptrdiff_t>(nodes.size())) {
+      nodes.push_back(nodeOfRank_[r]);
+      lists.emplace_back();
+    }
+    lists[at] += (lists[at].empty() ? "" : ",") + std::to_string(r);
+  }
+  std::string text;
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    text += (text.empty() ? "" : "; ") + std::string(lists[i].find(',') == std::string::npos ? "rank " : "ranks ") +
+        lists[i] + " (host " + nodes[i] + ")";
+  }
+  return text;
 }
 
 std::string GroupHealth::peerAbort() {
-  return read(kAbort);
+  const auto values = read({kAbort});
+  return values ? (*values)[0] : "";
 }
 
 void GroupHealth::abort(const std::string& reason) {
-  try {
-    store_->compareSet(kAbort, {}, bytes(reason));  // the first reason stays
-  } catch (const std::exception&) {
-  }
+  courier_.run([store = store_, reason] { store->compareSet(kAbort, {}, bytes(reason)); });  // the first reason stays
 }
 
 void GroupHealth::waiting(const WorkChainerMN& work) {
-  try {
-    store_->set(waitingKey(rank_), bytes(work.opName() + " seq " + std::to_string(work.getSequencenumber())));
-  } catch (const std::exception&) {
-  }
+  courier_.run([store = store_, key = waitingKey(rank_),
+                value = work.opName() + " seq " + std::to_string(work.getSequencenumber())] {
+    store->set(key, bytes(value));
+  });
 }
 
-std::string GroupHealth::deadRanks() {
-  std::string dead;
+void GroupHealth::leaving() {
+  courier_.run([store = store_, key = goneKey(rank_)] { store->set(key, bytes("exited")); });
+}
+
+std::string GroupHealth::deadAmong(const std::vector<std::string>& whoAndGone) const {
+  std::string exited, dead;
   for (int r = 0; r < size_; ++r) {
+    const std::string& entry = whoAndGone[r];
+    std::istringstream fields(entry);
+    std::string machine;
+    int64_t pid = 0;
     if (r == rank_) {
       continue;
     }
-    std::istringstream entry(read(whoKey(r)));
-    std::string host;
-    int64_t pid = 0;
-    // Only this host's processes can be checked; a rank elsewhere is named by its node's ranks.
-    if (entry >> host >> pid && host == host_ && !processAlive(pid)) {
-      dead += (dead.empty() ? "" : ", ") + who(r);
+    if (!whoAndGone[size_ + r].empty()) {
+      exited += (exited.empty() ? "" : ", ") + who(r, entry);
+    } else if (fields >> machine >> pid && machine == host_ && !processAlive(pid)) {
+      // Only this host's processes can be checked; a rank elsewhere is named by its node's ranks.
+      dead += (dead.empty() ? "" : ", ") + who(r, entry);
     }
   }
-  return dead.empty() ? "" : dead + " died";
+  std::string text = exited.empty() ? "" : exited + " exited";
+  if (!dead.empty()) {
+    text += (text.empty() ? "" : "; ") + dead + " died";
+  }
+  return text;
+}
+
+std::string GroupHealth::deadRanks() {
+  const auto values = read(whoAndGoneKeys());
+  return values ? deadAmong(*values) : "";
 }
 
 std::string GroupHealth::whoIsWhere(const WorkChainerMN& work) {
   const std::string here = work.opName() + " seq " + std::to_string(work.getSequencenumber());
+  std::vector<std::string> keys = whoAndGoneKeys();
+  for (int r = 0; r < size_; ++r) {
+    keys.push_back(waitingKey(r));
+  }
+  const auto values = read(std::move(keys));
+  if (!values) {
+    // Cut off from the store's host: most likely from the other nodes too. Their ranks are the ones
+    // this rank cannot have heard from; its own node's are reached without the network.
+    std::vector<int> away;
+    for (int r = 0; r < size_; ++r) {
+      if (nodeOfRank_[r] != nodeOfRank_[rank_]) {
+        away.push_back(r);
+      }
+    }
+    return "the group's store did not answer rank " + std::to_string(rank_) + " (host " + nodeOfRank_[rank_] +
+        ") within " + std::to_string(kStorePatience.count()) + " s, so the network may be down between the nodes" +
+        (away.empty() ? "" : ": " + byNode(away) + " unreachable or did not take part");
+  }
+  const std::vector<std::string> whoAndGone(values->begin(), values->begin() + 2 * size_);
   std::string waited, elsewhere;
   for (int r = 0; r < size_; ++r) {
-    const std::string at = r == rank_ ? here : read(waitingKey(r));
+    const std::string at = r == rank_ ? here : (*values)[2 * size_ + r];
     if (at == here) {
       waited += (waited.empty() ? "" : ",") + std::to_string(r);
     } else {
-      elsewhere += "; " + who(r) + (at.empty() ? " never waited in an op for a second" : " last waited in " + at);
+      elsewhere += "; " + who(r, whoAndGone[r]) +
+          (at.empty() ? " never waited in an op for a second (or could not reach the store)" : " last waited in " + at);
     }
   }
   std::string report = "ranks " + waited + " waited in " + here + elsewhere;
-  const std::string dead = deadRanks();
+  const std::string dead = deadAmong(whoAndGone);
   return dead.empty() ? report : report + "; " + dead;
 }
 

@@ -7,34 +7,54 @@
 //   (twice a second) and fails with it, and the group becomes unusable everywhere at once.
 // - A rank whose op has waited over a second says so, so that a rank that times out can tell which
 //   ranks waited in the op and which never reached it.
-// Store operations happen only on these slow paths, never per op.
+// Store operations happen only on these slow paths, never per op, and never wait more than a couple
+// of seconds (backend/store_courier.h): a rank cut off from the store's host says so and names the
+// ranks of the other nodes instead of waiting for TCP to give up.
 #pragma once
 
+#include "backend/store_courier.h"
 #include "backend/worker.h"
+#include "topology.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace chainermn {
 
 class GroupHealth : public Monitor {
  public:
   // Publishes this rank's host and pid.
-  GroupHealth(c10::intrusive_ptr<c10d::Store> store, int rank, int size);
+  GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology);
 
   std::string peerAbort() override;
   void abort(const std::string& reason) override;
   void waiting(const WorkChainerMN& work) override;
   std::string whoIsWhere(const WorkChainerMN& work) override;
   std::string deadRanks() override;
+  void leaving() override;
 
  private:
-  std::string read(const std::string& key);  // "" when absent or the store is unreachable
-  std::string who(int rank);                 // "rank 2 (host a, pid 7)"
+  // The values of `keys` ("" where absent), or nothing when the store did not answer in time.
+  std::optional<std::vector<std::string>> read(std::vector<std::string> keys);
+  std::vector<std::string> whoKeys() const;
+  std::vector<std::string> whoAndGoneKeys() const;  // every rank's who key, then every rank's gone key
+  // "rank 2 (host a, pid 7)" from the entry rank 2 published ("" if unknown: no pid then).
+  std::string who(int rank, const std::string& entry) const;
+  // From the values of whoAndGoneKeys(): the ranks that said they were leaving, and those that lived
+  // on this host and are gone without saying so.
+  std::string deadAmong(const std::vector<std::string>& whoAndGone) const;
+  // "ranks 2,3 (host b)": ranks grouped by node.
+  std::string byNode(const std::vector<int>& ranks) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   const int rank_;
   const int size_;
-  const std::string host_;
+  const std::string host_;                // this machine's host name: processes are checked here only
+  std::vector<std::string> nodeOfRank_;   // the node names ranks are known by (topology.h)
+  StoreCourier courier_;
 };
 
 } // namespace chainermn

@@ -58,7 +58,7 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   launchOnCaller_ = cudaTransportsAllNccl(options_.cudaTransport, topology_);
   std::shared_ptr<Monitor> health;
   if (size_ > 1) {
-    health = std::make_shared<GroupHealth>(setup.store, rank_, size_);
+    health = std::make_shared<GroupHealth>(setup.store, topology_);
   }
   worker_ = std::make_unique<Worker>(setup.name, std::move(health), deviceComms_);
 }
@@ -107,6 +107,7 @@ void ProcessGroupChainerMN::setTimeout(std::chrono::milliseconds timeout) {
 // destroyed, so that work still queued is flushed, not dropped; a broken group's were aborted already.
 void ProcessGroupChainerMN::shutdown() {
   worker_->drain();
+  worker_->announceLeaving();
   if (worker_->brokenReason().empty()) {
     deviceComms_->close();
   } else {

@@ -31,16 +31,29 @@ std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e) {
   return backendError("chainermn " + work.description() + " failed: " + describeError(e));
 }
 
+std::string Worker::State::timeoutMessage(const WorkChainerMN& work) {
+  const std::string where = monitor ? monitor->whoIsWhere(work) : "";
+  return "chainermn " + work.description() + " timed out: a peer did not take part before the group timeout" +
+      (where.empty() ? " (a rank may have died, or the ranks issued different collectives)" : ": " + where);
+}
+
 std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::exception& e) {
   if (dynamic_cast<const c10::ValueError*>(&e) != nullptr || !monitor) {
     return failure(work, e);
   }
   // The transport failed: a peer may be gone. Name it if this host can tell, tell every rank, and
-  // issue nothing more on transports that may be half-way through a call.
-  std::string message = "chainermn " + work.description() + " failed: " + describeError(e);
-  const std::string dead = monitor->deadRanks();
-  if (!dead.empty()) {
-    message += " (" + dead + ")";
+  // issue nothing more on transports that may be half-way through a call. A transport that gave up
+  // at the group timeout raced the watchdog to the same deadline: the message is the watchdog's,
+  // whichever won, with the transport's words after it.
+  std::string message;
+  if (Clock::now() >= work.deadline()) {
+    message = timeoutMessage(work) + " (" + describeError(e) + ")";
+  } else {
+    message = "chainermn " + work.description() + " failed: " + describeError(e);
+    const std::string dead = monitor->deadRanks();
+    if (!dead.empty()) {
+      message += " (" + dead + ")";
+    }
   }
   monitor->abort(message);
   {
@@ -240,10 +253,7 @@ void Worker::State::watchdogLoop() {
     if (overdue) {
       // Who waited where, asked of the store without the lock; then every pending op fails.
       lock.unlock();
-      std::string where = monitor ? monitor->whoIsWhere(*overdue) : "";
-      const std::string message = "chainermn " + overdue->description() +
-          " timed out: a peer did not take part before the group timeout" +
-          (where.empty() ? " (a rank may have died, or the ranks issued different collectives)" : ": " + where);
+      const std::string message = timeoutMessage(*overdue);
       lock.lock();
       failAndBreak(lock, *overdue, message, "timed out");
       continue;

@@ -364,9 +364,16 @@ void Worker::drain() {
   });
 }
 
+void Worker::announceLeaving() {
+  if (state_->monitor) {
+    state_->monitor->leaving();
+  }
+}
+
 void stopWorkersAtExit() {
   std::lock_guard<std::mutex> lock(gLiveMutex);
   for (Worker* worker : liveWorkers()) {
+    worker->announceLeaving();  // an uncaught exception ends here too: the peers are told it exited
     worker->drain();
     worker->stop();
   }

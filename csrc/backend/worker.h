@@ -39,8 +39,11 @@ class Monitor {
   virtual void waiting(const WorkChainerMN& work) = 0;
   // At `work`'s timeout: which ranks waited in it, where the others were, which died.
   virtual std::string whoIsWhere(const WorkChainerMN& work) = 0;
-  // After a transport failure: the ranks found dead ("rank 1 (host a, pid 7) died"), or "".
+  // After a transport failure: the ranks that left ("rank 1 (host a, pid 7) exited") or are found
+  // dead ("... died"), or "".
   virtual std::string deadRanks() = 0;
+  // This rank leaves the group on purpose (it says so before its transports close).
+  virtual void leaving() = 0;
 };
 
 // The transports of a group whose calls return before their data has moved (NCCL's), for the
@@ -101,6 +104,10 @@ class Worker {
 
   // Non-empty once a timeout has made the group unusable.
   std::string brokenReason() const;
+
+  // Tells the group's other ranks that this one is leaving on purpose (destroy_process_group, the
+  // interpreter's exit), so that their failures say it exited rather than died.
+  void announceLeaving();
 
   struct State;
 

@@ -76,6 +76,8 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   // <what>"). Lock held on entry and exit.
   void failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message, const std::string& what);
   std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
+  // "chainermn <op> timed out: ..., who waited where" (asks the store: without the lock).
+  std::string timeoutMessage(const WorkChainerMN& work);
   // Runs an op's body: completes its Work, or leaves its transfer in flight or its device work watched.
   void run(QueuedOp& op);
   bool progress() override;  // a wait() inside a callback on the worker thread

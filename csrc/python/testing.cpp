@@ -4,6 +4,7 @@
 #include "python/testing.h"
 
 #include "backend/device_context.h"
+#include "backend/store_courier.h"
 #include "comm/waiter_pool.h"
 #include "kernels/scratch.h"
 #include "linger.h"
@@ -16,6 +17,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -332,6 +334,39 @@ void bindTesting(py::module_& testing) {
       },
       "Whether a thread under LingerPolicy (linger.h) spins before each of these idle gaps (microseconds)",
       py::arg("gaps_us"), py::arg("linger_us") = 50);
+  testing.def(
+      "store_courier",
+      [](int64_t patienceMs) {
+        // A quick call; one that hangs (a store cut off) until released; one while it hangs; one
+        // after; one that throws; one while another thread's slow call is out. Each outcome with the
+        // milliseconds the caller waited.
+        StoreCourier courier{std::chrono::milliseconds(patienceMs)};
+        auto gate = std::make_shared<std::promise<void>>();
+        std::shared_future<void> open = gate->get_future().share();
+        std::vector<std::pair<bool, double>> seen;
+        auto timed = [&](std::function<void()> call) {
+          const auto start = std::chrono::steady_clock::now();
+          const bool ok = courier.run(std::move(call));
+          seen.emplace_back(ok, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+        };
+        timed([] {});
+        timed([open] { open.wait(); });
+        timed([] {});
+        gate->set_value();
+        while (courier.stuck()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        timed([] {});
+        timed([] { throw std::runtime_error("the store refused"); });
+        // Two threads at once (the watchdog's and the worker's failure paths): the second waits its turn.
+        std::thread other([&courier] { courier.run([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }); });
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        timed([] {});
+        other.join();
+        return seen;
+      },
+      "StoreCourier (backend/store_courier.h) through a hanging call: [(returned ok, ms waited)]",
+      py::arg("patience_ms"), py::call_guard<py::gil_scoped_release>());
   bindTransport(testing);
   bindWorkerTesting(testing);
   testing.def(
