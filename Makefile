@@ -5,8 +5,9 @@
 #
 # `make install` is idempotent and quick when nothing changed: it creates .venv with the pinned CPU
 # torch (found through PIP_FIND_LINKS, which must stay in the environment), installs Open MPI from
-# Debian when mpicc is missing and Slurm (for tests/test_slurm.py's one-node cluster) when srun is,
-# and builds the extension in place.
+# Debian when mpicc is missing, Slurm (for tests/test_slurm.py's one-node cluster) when srun is and
+# iproute2 (for the network namespaces of tests/test_network_faults.py) when ip is, and builds the
+# extension in place.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -19,6 +20,7 @@ SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -nam
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked
 SLURM_STAMP := $(VENV)/.slurm-checked
+IPROUTE_STAMP := $(VENV)/.iproute-checked
 DEPS_STAMP := $(VENV)/.deps-installed
 NPROC ?= 4
 
@@ -26,7 +28,7 @@ BENCH_STAMP := $(VENV)/.bench-deps-installed
 
 .PHONY: install demo test bench clean
 
-install: $(EXTENSION_STAMP) $(SLURM_STAMP)
+install: $(EXTENSION_STAMP) $(SLURM_STAMP) $(IPROUTE_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +64,19 @@ $(SLURM_STAMP): $(MPI_STAMP)
 	  fi; \
 	fi
 	@command -v srun > $@ || true
+
+# iproute2 (ip netns, tc): the simulated cluster of benchmarks/cluster/ and tests/test_network_faults.py.
+$(IPROUTE_STAMP): $(SLURM_STAMP)
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing iproute2 from Debian"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null 2>&1 || \
+	      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null; }; \
+	  else \
+	    echo "warning: ip not found and not root: tests/test_network_faults.py will fail"; \
+	  fi; \
+	fi
+	@command -v ip > $@ || true
 
 $(EXTENSION_STAMP): $(DEPS_STAMP) $(MPI_STAMP) $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation -e .
