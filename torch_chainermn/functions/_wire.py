@@ -224,9 +224,6 @@ def send_failure(group, peer: int, tag: int, error: BaseException, what: str) ->
 
 
 _ahead: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
-# Set while a pipeline schedule runs forward and backward itself: every send that needs a gradient
-# then posts the receive of the gradient's header at once (the schedule will surely run its backward).
-gradients_ahead = False
 
 
 class _Ahead:

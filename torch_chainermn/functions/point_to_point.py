@@ -84,6 +84,13 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
     (torch_chainermn.functions.drain waits). If any of the tensors requires grad, the delegate does,
     and its backward receives the gradient from `rank` (sent by the backward of `rank`'s recv).
     """
+    return send_activation(x, communicator, rank, tag)
+
+
+def send_activation(x, communicator, rank: int, tag: int = 0, gradients_ahead: bool = False) -> torch.Tensor:
+    """send, for MultiNodeChainList. `gradients_ahead`: the caller will surely run this send's
+    backward (a pipeline schedule runs every backward itself), so the receive of the gradient's
+    header is posted at once and the gradient lands while this rank computes."""
     op = "send"
     comm = as_communicator(op, communicator, SEND_USAGE)
     is_tuple = isinstance(x, (tuple, list))
@@ -110,7 +117,7 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
     spec = _wire.Spec.of(xs, is_tuple)
     _wire.send_tensors(comm.group, peer, tag, _wire.KIND_ACTIVATION, seq, xs, is_tuple, what)
     if grad_needed(*xs):
-        if _wire.gradients_ahead:
+        if gradients_ahead:
             _wire.receive_ahead(comm.group, peer, tag, 1)
         return _Send.apply(link, spec, *xs)
     return torch.zeros((), device=xs[0].device)

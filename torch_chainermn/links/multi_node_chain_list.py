@@ -36,7 +36,7 @@ import torch
 
 from ..functions import _wire
 from ..functions._arguments import as_communicator, differentiable
-from ..functions.point_to_point import recv, send
+from ..functions.point_to_point import recv, send_activation
 from ..functions.pseudo_connect import pseudo_connect
 from . import pipeline
 
@@ -126,8 +126,10 @@ class MultiNodeChainList(torch.nn.Module):
         return any(rank_out is None for _, rank_out in self._rank_inouts)
 
     # ---- one pass over the components (ChainerMN's __call__) ----
-    def run_components(self, *inputs):
-        """Run every component once: (what forward returns, whether it is a model output)."""
+    def run_components(self, *inputs, gradients_ahead: bool = False):
+        """Run every component once: (what forward returns, whether it is a model output).
+        `gradients_ahead`: the caller will surely run this pass's backward (a pipeline schedule), so
+        each send posts the receive of its gradient's header at once."""
         comm = self._comm
         handed = queue.Queue()  # values a component sends to this very rank
         y, delegate, y_is_last = None, None, False
@@ -163,7 +165,7 @@ class MultiNodeChainList(torch.nn.Module):
                     handed.put(x)
                     delegate = as_delegate(x)
                 else:
-                    delegate = send(x, comm, target)
+                    delegate = send_activation(x, comm, target, gradients_ahead=gradients_ahead)
         if not handed.empty():
             raise ValueError("MultiNodeChainList: a value sent to this rank itself was never received "
                              f"(rank {comm.rank}): make sure every rank_in and rank_out correspond")

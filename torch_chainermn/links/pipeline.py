@@ -145,23 +145,19 @@ def run_schedule(chain, inputs, target, loss_fn, losses):
     else:
         stage, stages = 0, 1
     receive_ahead(chain, m)
-    _wire.gradients_ahead = True  # this schedule runs every backward itself
     pending, loss_sum = {}, None
-    try:
-        for kind, k in _order(chain.schedule, m, stage, stages):
-            if kind == "F":
-                value, is_output = chain.run_components(*batches[k])
-                if is_output:
-                    loss = loss_fn(value, targets[k][0]) if targets is not None else loss_fn(value)
-                    if losses is not None:
-                        losses.append(loss.detach())
-                    value = loss * (sizes[k] / total if total else 1.0 / m)  # its share of the batch
-                    loss_sum = value.detach() if loss_sum is None else loss_sum + value.detach()
-                pending[k] = value
-            else:
-                value = pending.pop(k)
-                if value is not None and value.requires_grad:
-                    torch.autograd.backward(value)
-    finally:
-        _wire.gradients_ahead = False
+    for kind, k in _order(chain.schedule, m, stage, stages):
+        if kind == "F":
+            value, is_output = chain.run_components(*batches[k], gradients_ahead=True)  # it runs every backward
+            if is_output:
+                loss = loss_fn(value, targets[k][0]) if targets is not None else loss_fn(value)
+                if losses is not None:
+                    losses.append(loss.detach())
+                value = loss * (sizes[k] / total if total else 1.0 / m)  # its share of the batch
+                loss_sum = value.detach() if loss_sum is None else loss_sum + value.detach()
+            pending[k] = value
+        else:
+            value = pending.pop(k)
+            if value is not None and value.requires_grad:
+                torch.autograd.backward(value)
     return loss_sum if has_output else None
