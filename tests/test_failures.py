@@ -61,11 +61,15 @@ def test_missing_peer_times_out_over_mpi():
     check_missing_peer(outcomes[0])
 
 
-def dying_peer():
-    rank = dist.get_rank()
+def peer_goes(how: str):
+    """Rank 1 goes after a barrier: `dies` (os._exit, as a crash: nothing runs) or `leaves` (destroys
+    the group, then its process ends normally); rank 0's all_reduce says what it saw."""
     dist.barrier()
-    if rank == 1:
-        os._exit(0)
+    if dist.get_rank() == 1:
+        if how == "dies":
+            os._exit(0)
+        dist.destroy_process_group()
+        return "left"
     try:
         dist.all_reduce(torch.ones(4))
         return "completed"
@@ -76,28 +80,16 @@ def dying_peer():
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_dead_peer_gives_an_error(shm):
     # Well before the 60 s group timeout: the transport notices the death, and says which rank.
-    outcomes = run_spawn(dying_peer, 2, timeout=50, op_timeout=60, may_exit=(1,), env={"CHAINERMN_SHM": shm})
+    outcomes = run_spawn(peer_goes, 2, "dies", timeout=50, op_timeout=60, may_exit=(1,), env={"CHAINERMN_SHM": shm})
     assert "all_reduce" in outcomes[0], outcomes[0]
     assert "rank 1 (host" in outcomes[0] and "died" in outcomes[0], outcomes[0]  # named over Gloo too
     if shm == "1":
         assert "local rank 1" in outcomes[0], outcomes[0]
 
 
-def leaving_peer():
-    dist.barrier()
-    if dist.get_rank() == 1:
-        dist.destroy_process_group()  # on purpose, then the process ends normally
-        return "left"
-    try:
-        dist.all_reduce(torch.ones(4))
-        return "completed"
-    except dist.DistBackendError as error:
-        return str(error)
-
-
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_a_peer_that_left_on_purpose_is_named_as_exited_not_dead(shm):
-    outcomes = run_spawn(leaving_peer, 2, timeout=50, op_timeout=20, env={"CHAINERMN_SHM": shm})
+    outcomes = run_spawn(peer_goes, 2, "leaves", timeout=50, op_timeout=20, env={"CHAINERMN_SHM": shm})
     assert outcomes[1] == "left"
     assert "rank 1 (host" in outcomes[0] and "exited" in outcomes[0], outcomes[0]
     assert "died" not in outcomes[0], outcomes[0]
