@@ -62,16 +62,11 @@ std::optional<std::vector<std::string>> GroupHealth::read(std::vector<std::strin
   return *values;
 }
 
-std::vector<std::string> GroupHealth::whoKeys() const {
+std::vector<std::string> GroupHealth::whoAndGoneKeys() const {
   std::vector<std::string> keys;
   for (int r = 0; r < size_; ++r) {
     keys.push_back(whoKey(r));
   }
-  return keys;
-}
-
-std::vector<std::string> GroupHealth::whoAndGoneKeys() const {
-  std::vector<std::string> keys = whoKeys();
   for (int r = 0; r < size_; ++r) {
     keys.push_back(goneKey(r));
   }

@@ -39,7 +39,6 @@ class GroupHealth : public Monitor {
  private:
   // The values of `keys` ("" where absent), or nothing when the store did not answer in time.
   std::optional<std::vector<std::string>> read(std::vector<std::string> keys);
-  std::vector<std::string> whoKeys() const;
   std::vector<std::string> whoAndGoneKeys() const;  // every rank's who key, then every rank's gone key
   // "rank 2 (host a, pid 7)" from the entry rank 2 published ("" if unknown: no pid then).
   std::string who(int rank, const std::string& entry) const;
