@@ -381,10 +381,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
     }
     const at::ScalarType wire = wireDtype.value_or(widest.value_or(at::kFloat));
     TORCH_CHECK_VALUE(at::isFloatingType(wire), op, ": the wire dtype must be floating point, got ", wire);
-    // ChainerMN's mean: 16-bit sums could overflow before the division, so they are scaled first.
-    const bool prescale = wire == at::kHalf || wire == at::kBFloat16;
-    const double scale = 1.0 / size_;
-    const Scaling scaling{prescale ? scale : 1.0, prescale ? 1.0 : scale};
+    const Scaling scaling = meanScaling(wire, size_);
     Agreement agreement = agreeOn(tensors);
     agreement.dtype = wire;  // the tensors may mix dtypes: the ranks must agree on the wire's
     return post(

@@ -78,6 +78,14 @@ void divideIntegerAverage(const Reduction& plan, const at::Tensor& result) {
   }
 }
 
+Scaling meanScaling(at::ScalarType wire, int size) {
+  const double scale = 1.0 / size;
+  if (wire == at::kHalf || wire == at::kBFloat16) {
+    return Scaling{scale, 1.0};
+  }
+  return Scaling{1.0, scale};
+}
+
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size) {
   const auto which = reduceOp.op_;
   TORCH_CHECK_VALUE(
@@ -87,7 +95,6 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
       dtypeName(dtype),
       " (supported: float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)");
   const bool floating = at::isFloatingType(dtype);
-  const bool sixteenBit = dtype == at::kHalf || dtype == at::kBFloat16;
 
   Reduction plan{ReduceKind::Sum, dtype, Scaling{}};
   switch (which) {
@@ -119,12 +126,7 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
         plan.integerDivisor = size;  // as NCCL's ncclAvg: integer division of the sum
         break;
       }
-      // 16-bit sums can overflow before the division: scale first, as ChainerMN's mean does.
-      if (sixteenBit) {
-        plan.scaling.before = 1.0 / size;
-      } else {
-        plan.scaling.after = 1.0 / size;
-      }
+      plan.scaling = meanScaling(dtype, size);
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_VALUE(floating, op, ": ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtypeName(dtype));

@@ -33,6 +33,11 @@ void premultiply(const Reduction& plan, void* data, int64_t count, at::Device de
 // Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on bool, ...).
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
 
+// ChainerMN's mean over `size` ranks of values reduced as `wire`: float16/bfloat16 are scaled by 1/size
+// before the sum (their sum could overflow where the mean fits), wider dtypes after it. The one
+// place that rule lives: AVG and mean_coalesced both take it from here.
+Scaling meanScaling(at::ScalarType wire, int size);
+
 // Bitwise reductions need transports that have them: NCCL has none, so CUDA tensors are refused
 // them unless the group's CUDA transport stages through the host (bool's SUM/MAX and PRODUCT/MIN are
 // carried as MAX/MIN and pass).
