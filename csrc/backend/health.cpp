@@ -122,13 +122,13 @@ void GroupHealth::leaving() {
 std::string GroupHealth::deadAmong(const std::vector<std::string>& whoAndGone) const {
   std::string exited, dead;
   for (int r = 0; r < size_; ++r) {
+    if (r == rank_) {
+      continue;
+    }
     const std::string& entry = whoAndGone[r];
     std::istringstream fields(entry);
     std::string machine;
     int64_t pid = 0;
-    if (r == rank_) {
-      continue;
-    }
     if (!whoAndGone[size_ + r].empty()) {
       exited += (exited.empty() ? "" : ", ") + who(r, entry);
     } else if (fields >> machine >> pid && machine == host_ && !processAlive(pid)) {

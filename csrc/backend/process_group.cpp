@@ -106,8 +106,8 @@ void ProcessGroupChainerMN::setTimeout(std::chrono::milliseconds timeout) {
 // deadlines), then ends the device transports: a healthy group's NCCL communicators are finalized and
 // destroyed, so that work still queued is flushed, not dropped; a broken group's were aborted already.
 void ProcessGroupChainerMN::shutdown() {
+  worker_->announceLeaving();  // first, as at the interpreter's exit: a peer failing meanwhile is told
   worker_->drain();
-  worker_->announceLeaving();
   if (worker_->brokenReason().empty()) {
     deviceComms_->close();
   } else {
