@@ -10,6 +10,7 @@ tensors.
 """
 from __future__ import annotations
 
+import time
 import traceback
 
 import torch
@@ -117,7 +118,8 @@ def reference_reduce(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    actual = actual.cpu()  # a CUDA result is compared with the reference computed on the CPU
+    # A CUDA result is compared on the CPU, with the CPU reference or with a copy of a CUDA input.
+    actual, expected = actual.cpu(), expected.cpu()
     if actual.dtype in (torch.float16, torch.bfloat16):
         # AVG scales each input by 1/size in 16 bits before the sum (so the sum cannot overflow).
         torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}: {m}")
@@ -165,6 +167,13 @@ def all_reduce_async_case(device="cpu"):
         futures = [w.get_future() for w in works]
         for i, (work, future) in enumerate(zip(works, futures)):
             assert work.wait()
+            if tensors[i].is_cuda:
+                # As with torch's nccl: wait() orders the caller's stream after the op; the Work is
+                # complete once the device ran it (the watchdog looks every 100 ms).
+                torch.cuda.synchronize()
+                until = time.monotonic() + 30
+                while not work.is_completed() and time.monotonic() < until:
+                    time.sleep(0.01)
             assert work.is_completed() and work.is_success()
             expected = reference_reduce([small_values(r, (7,), torch.float32) for r in range(size)], "SUM") * (i + 1)
             assert_same(tensors[i], expected, "async all_reduce")
@@ -518,6 +527,10 @@ def receive_first_batch_isend_irecv_case(dtype_name: str, device="cpu"):
         recv = torch.zeros(5, dtype=dtype, device=device)
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, left), dist.P2POp(dist.isend, send, right)])
         assert len(works) == 1, f"a coalesced batch is one Work, got {len(works)}"
+        # The batch's Work stands for all its tensors: on a GPU, wait() orders the caller's stream
+        # only after the devices of the Work's tensors (with none, the receive below read zeros).
+        result = works[0].result()
+        assert [t.data_ptr() for t in result] == [recv.data_ptr(), send.data_ptr()], "the batch's result"
         works[0].wait()
         assert_same(recv, tagged_values(left, 5, dtype, salt=rank), "batch_isend_irecv")
     return case

@@ -91,8 +91,26 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
 
 
 def _spawn_target(reference, args_path, out_dir, init, timeout_s, env):
+    import faulthandler
+
+    # A rank that dies of a signal says where: Python's stacks of every thread, and with
+    # CHAINERMN_TEST_CPP_STACKS=1 torch's C++ stacks too (the first GPU runs: a crash leaves no result).
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
+    if os.environ.get("CHAINERMN_TEST_CPP_STACKS") == "1":
+        import torch
+
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
     rank_main(reference, args_path, out_dir, init, timeout_s)
+
+
+def _exit_description(code) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _collect(out_dir: Path, world_size: int, how: str, may_exit=()) -> list:
@@ -206,7 +224,10 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
             if p.is_alive():
                 p.kill()
                 p.join()
-        how = f"ranks {hung} still running after {timeout:.0f} s and were killed" if hung else "process died"
+        if hung:
+            how = f"ranks {hung} still running after {timeout:.0f} s and were killed"
+        else:
+            how = "process died: " + ", ".join(f"rank {rank} {_exit_description(p.exitcode)}" for rank, p in enumerate(procs))
         return _collect(tmp, world_size, how, may_exit)
 
 

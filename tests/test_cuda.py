@@ -481,14 +481,14 @@ QUANTIZE_SIZES = [0, 1, 17, 1000, 100003, (1 << 20) + 5]
 
 def quantize_on(device, kind, residual, add, chunk, threshold):
     """(block, residual after) of the kernel on `device`, both copied back to the CPU."""
-    residual = residual.to(device)
+    residual = residual.to(device, copy=True)  # the kernel updates it in place: each device its own copy
     add = None if add is None else add.to(device)
     block = torch_chainermn._C.testing.quantize(kind, add, residual, chunk, threshold)
     return block.cpu(), residual.cpu()
 
 
 def dequantize_on(device, kind, block, out, count, threshold, accumulate):
-    out = out.to(device)
+    out = out.to(device, copy=True)  # accumulated into in place: each device its own copy
     torch_chainermn._C.testing.dequantize(kind, block.to(device), out, count, threshold, accumulate)
     return out.cpu()
 

@@ -4,6 +4,10 @@
 #   tools/gpu_check.sh list           the steps in order, their time limits, their results so far
 #   tools/gpu_check.sh all            every step not passed yet, in order, while they fit in BUDGET_S
 #   tools/gpu_check.sh STEP [STEP..]  the named steps, even if they passed before
+#   tools/gpu_check.sh together       the whole check in one call (~7 min, what a 15-minute device
+#                                     budget allows): the build, then the GPU pytest steps side by
+#                                     side (each its own ranks; one GPU has room), then the benchmark
+#                                     with what is left of BUDGET_S (test_device_watch: CPU, in CI)
 #
 # On the GPU machine (one H100, 16 cores, Python 3.12, torch 2.11+cu130, nvcc, no internet), through
 # the device tool's `run` with timeout_s 600 and carry [".gpu-check"], each call:
@@ -25,7 +29,8 @@
 # BUDGET_S (seconds for one call, default 540: a step starts only if its limit fits), JOBS (build,
 # default 16), FORCE=1 (`all` reruns passed steps), SKIP_FAILED=1 (`all` passes over steps that failed
 # or timed out, the build excepted: every step runs once before any is retried), PYTEST_ARGS and
-# BENCH_ARGS (more arguments as shell words: -x, -k "hooks or parallel"; --sections pack,ddp).
+# BENCH_ARGS (more arguments as shell words: -x, -k "hooks or parallel"; --sections pack,ddp), LIMIT_S
+# (caps every step's time limit).
 set -uo pipefail  # no -e: a failing step is recorded, and the summary still written
 
 # One line per step: name, time limit in seconds (at most 540), how it runs. 1500 s (25 min) in all.
@@ -77,6 +82,12 @@ build_current() {  # the extension is there, newer than csrc/ or built from thes
   [ -z "$(find csrc -type f -newer "$so" -print -quit)" ] || [ "$(state_get build sources)" = "$(sources_hash)" ]
 }
 step_passed() { [ "$(state_get "$1" result)" = passed ] && { [ "$1" != build ] || build_current; }; }
+step_limit() {  # name: its limit in seconds, capped by LIMIT_S (a call that must end sooner, or steps side by side)
+  local limit
+  limit=$(step_spec "$1" | awk '{print $1}')
+  if [ -n "${LIMIT_S:-}" ] && [ "$LIMIT_S" -lt "$limit" ]; then limit=$LIMIT_S; fi
+  echo "$limit"
+}
 step_status() {  # the result shown for a step
   local result
   result=$(state_get "$1" result)
@@ -161,6 +172,7 @@ run_bench() {  # dir limit
 run_step() {  # name: runs it, records its state, packs its archive, rewrites the summary
   local name=$1 spec dir=$STATE/$1 start=$SECONDS seconds
   read -r -a spec <<<"$(step_spec "$name")"
+  spec[0]=$(step_limit "$name")
   rm -rf "$dir" && mkdir -p "$dir" || return 1
   echo "== $name (limit ${spec[0]} s): ${spec[*]:1}"
   RESULT="failed" PYTEST=""
@@ -236,10 +248,32 @@ skip_in_all() {  # name: whether `all` passes over it
   esac
 }
 
+together() {  # see the header; returns like main
+  local name failed=0 left pids=()
+  mkdir -p "$OUT" "$STATE" || return 2
+  run_step build >/dev/null || { tail -40 "$STATE/build/build.log"; write_summary; return 1; }
+  for name in $(step_names); do
+    case $(step_spec "$name") in *"pytest -m cuda"*) ;; *) continue ;; esac
+    LIMIT_S=${LIMIT_S:-290} "$0" "$name" >"$STATE/$name.out" 2>&1 &
+    pids+=($!)
+  done
+  for name in "${pids[@]}"; do wait "$name" || failed=1; done
+  left=$((BUDGET_S - SECONDS - 15))
+  if [ "$left" -ge 60 ]; then
+    LIMIT_S=$left run_step bench >/dev/null || failed=1
+  else
+    echo "== bench: not run, ${left} s left of BUDGET_S=$BUDGET_S"
+  fi
+  write_summary
+  cat "$OUT/summary.md"
+  return "$failed"
+}
+
 main() {
   local mode=all name limit failed=0 todo=()
   case ${1:-} in
     list) list_steps; return 0 ;;
+    together) together; return $? ;;
     all) mapfile -t todo < <(step_names) ;;
     ""|-h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; return 2 ;;
     *) mode=named todo=("$@")
@@ -248,7 +282,7 @@ main() {
   mkdir -p "$OUT" "$STATE" || return 2
   for name in "${todo[@]}"; do
     if [ "$mode" = all ] && skip_in_all "$name"; then continue; fi
-    limit=$(step_spec "$name" | awk '{print $1}')
+    limit=$(step_limit "$name")
     if [ $((SECONDS + limit)) -gt "$BUDGET_S" ] || [ "$ARCHIVES" -ge "$MAX_ARCHIVES" ]; then
       echo "== stopped before $name (limit $limit s; $((BUDGET_S - SECONDS)) s left of BUDGET_S=$BUDGET_S," \
         "$ARCHIVES archives written): run the same command again"

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <sstream>
+#include <cstdlib>
 
 namespace chainermn {
 
@@ -73,10 +73,19 @@ std::vector<std::string> GroupHealth::whoAndGoneKeys() const {
   return keys;
 }
 
+// A rank's "who" entry, "<host> <pid>", split at its space. Plain string work: the first GPU run
+// crashed inside libstdc++'s stream extraction here (an extension built by a newer g++ than the
+// libstdc++ the process loads), and nothing else in the backend uses iostreams.
+GroupHealth::Who GroupHealth::parseWho(const std::string& entry) {
+  const auto space = entry.find(' ');
+  if (space == std::string::npos) {
+    return {entry, ""};
+  }
+  return {entry.substr(0, space), entry.substr(space + 1)};
+}
+
 std::string GroupHealth::who(int rank, const std::string& entry) const {
-  std::istringstream fields(entry);
-  std::string machine, pid;
-  fields >> machine >> pid;
+  const std::string pid = parseWho(entry).pid;
   return "rank " + std::to_string(rank) + " (host " + nodeOfRank_[rank] + (pid.empty() ? "" : ", pid " + pid) + ")";
 }
 
@@ -126,12 +135,13 @@ std::string GroupHealth::deadAmong(const std::vector<std::string>& whoAndGone) c
       continue;
     }
     const std::string& entry = whoAndGone[r];
-    std::istringstream fields(entry);
-    std::string machine;
-    int64_t pid = 0;
+    const Who where = parseWho(entry);
+    char* end = nullptr;
+    const int64_t pid = std::strtoll(where.pid.c_str(), &end, 10);
+    const bool known = !where.pid.empty() && *end == '\0' && pid > 0;
     if (!whoAndGone[size_ + r].empty()) {
       exited += (exited.empty() ? "" : ", ") + who(r, entry);
-    } else if (fields >> machine >> pid && machine == host_ && !processAlive(pid)) {
+    } else if (known && where.host == host_ && !processAlive(pid)) {
       // Only this host's processes can be checked; a rank elsewhere is named by its node's ranks.
       dead += (dead.empty() ? "" : ", ") + who(r, entry);
     }

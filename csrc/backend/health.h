@@ -41,6 +41,11 @@ class GroupHealth : public Monitor {
   std::optional<std::vector<std::string>> read(std::vector<std::string> keys);
   std::vector<std::string> whoAndGoneKeys() const;  // every rank's who key, then every rank's gone key
   // "rank 2 (host a, pid 7)" from the entry rank 2 published ("" if unknown: no pid then).
+  struct Who {
+    std::string host;
+    std::string pid;
+  };
+  static Who parseWho(const std::string& entry);
   std::string who(int rank, const std::string& entry) const;
   // From the values of whoAndGoneKeys(): the ranks that said they were leaving, and those that lived
   // on this host and are gone without saying so.

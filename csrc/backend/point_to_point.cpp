@@ -49,7 +49,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
       checkSameDevice(op, {batch_->tensors.front(), tensor});  // one device per op, and a batch is one op
     }
     if (!batch_->work) {
-      OpSpec spec{c10d::OpType::COALESCED, "batch_isend_irecv", {}, {tensor}, c10d::kUnsetTimeout, kPointToPoint};
+      OpSpec spec{c10d::OpType::COALESCED, "batch_isend_irecv", {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint};
       batch_->work = makeWork(spec, tensor.device());
     }
     batch_->tensors.push_back(tensor);
@@ -87,6 +87,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
     return post(spec, [](DeviceContext&) { return RequestPtr(); });
   }
   lastInWindow_.reset();
+  batch.work->setOutputs(batch.tensors);  // the batch's result, and over NCCL what wait() orders the caller after
   return post(
       spec,
       [batch, order = &context_->messages](DeviceContext& on) {

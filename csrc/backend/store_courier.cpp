@@ -14,9 +14,9 @@ struct StoreCourier::Shared {
   std::mutex mutex;
   std::condition_variable changed;
   std::function<void()> call;  // the call waiting for the thread, if any
+  std::shared_ptr<bool> ok;    // where it says how it returned (its caller's, which may wake late)
   uint64_t posted = 0;         // calls handed over
   uint64_t finished = 0;       // calls returned
-  bool lastOk = false;         // how the last one returned
   bool overran = false;        // the call out now made its caller give up
   bool stopping = false;
   bool started = false;
@@ -56,14 +56,17 @@ bool StoreCourier::run(std::function<void()> call) {
       serve(shared);
     }).detach();
   }
+  auto ok = std::make_shared<bool>(false);
   shared_->call = std::move(call);
+  shared_->ok = ok;
   const uint64_t mine = ++shared_->posted;
   shared_->changed.notify_all();
-  if (!shared_->changed.wait_until(lock, deadline, [&] { return shared_->finished == mine; })) {
+  // >=, not ==: another caller may post and finish its call before this one wakes.
+  if (!shared_->changed.wait_until(lock, deadline, [&] { return shared_->finished >= mine; })) {
     shared_->overran = true;
     return false;
   }
-  return shared_->lastOk;
+  return *ok;
 }
 
 void StoreCourier::serve(const std::shared_ptr<Shared>& shared) {
@@ -74,6 +77,7 @@ void StoreCourier::serve(const std::shared_ptr<Shared>& shared) {
       return;  // stopping, nothing left
     }
     auto call = std::move(shared->call);
+    auto callOk = std::move(shared->ok);
     shared->call = nullptr;
     lock.unlock();
     bool ok = true;
@@ -84,7 +88,7 @@ void StoreCourier::serve(const std::shared_ptr<Shared>& shared) {
     }
     call = nullptr;  // what it owns goes before the next call is taken
     lock.lock();
-    shared->lastOk = ok;
+    *callOk = ok;
     shared->overran = false;
     ++shared->finished;
     shared->changed.notify_all();

@@ -138,8 +138,11 @@ bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
   }
   if (hostSync_) {
     hostSync_();
-    // A peer that never came: the watchdog aborted the kernels at the timeout and failed the Work.
-    std::lock_guard<std::mutex> relock(mutex_);
+    // The device ran it: the watchdog completes the Work at its next look at the device (within
+    // 100 ms), or failed it already (a peer never came: it aborted the kernels at the timeout).
+    // A barrier's wait() returns with the Work complete, as ProcessGroupNCCL's does.
+    std::unique_lock<std::mutex> relock(mutex_);
+    cv_.wait_until(relock, limit, [this] { return completed_; });
     if (exception_) {
       std::rethrow_exception(exception_);
     }

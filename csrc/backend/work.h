@@ -57,6 +57,13 @@ class WorkChainerMN : public c10d::Work {
   void setHostSync(std::function<void()> sync) {
     hostSync_ = std::move(sync);
   }
+  // The tensors the Work stands for: fut.value(), result(), and on a GPU the devices whose current
+  // streams the future's events are recorded on (none without a CUDA output: wait() would order
+  // nothing). Set before the Work is posted; a batch's Work exists from its first transfer and takes
+  // all of the batch's tensors at endCoalescing.
+  void setOutputs(std::vector<at::Tensor> outputs) {
+    outputs_ = std::move(outputs);
+  }
   void setSourceRank(int rank);
 
   // "all_reduce (seq 7, rank 0 of 4, gloo, timeout 30000 ms)", for messages.
