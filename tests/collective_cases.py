@@ -10,6 +10,7 @@ tensors.
 """
 from __future__ import annotations
 
+import datetime
 import time
 import traceback
 
@@ -216,6 +217,42 @@ def callback_waits_for_point_to_point_case(rank, size):
 
     done = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(exchange)
     assert_same(done.wait(), torch.full((5,), float((rank - 1) % size)), "received in a callback")
+
+
+def waited_work_with_waiting_callback_case(rank, size):
+    """A Work waited for with wait() whose then() callback issues a collective and waits for it:
+    wherever the callback runs (the worker, nested), the second collective must run."""
+    second = torch.ones(3)
+
+    def chain(future):
+        dist.all_reduce(second)  # waits: the worker, or this thread, must be free to run it
+        return second.clone()
+
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    chained = work.get_future().then(chain)
+    work.wait()
+    assert_same(chained.wait(), torch.full((3,), float(size)), "all_reduce waited for in a callback")
+
+
+def wait_with_timeout_case(rank, size):
+    """wait(timeout) returns at its timeout while a peer is late (whoever runs the op), and the op
+    completes once the peer comes."""
+    tensor = torch.ones(3)
+    store = dist.distributed_c10d._get_default_store()  # out of band: the group's order stays the same
+    if rank == 0:
+        work = dist.all_reduce(tensor, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=200))
+            outcome = "returned"
+        except RuntimeError as error:  # DistBackendError
+            outcome = str(error)
+        store.set("wait_with_timeout/go", "1")  # the peers join only now
+        assert "timed out after 200 ms" in outcome, outcome
+        work.wait()
+    else:
+        store.get("wait_with_timeout/go")
+        dist.all_reduce(tensor)
+    assert_same(tensor, torch.full((3,), float(size)), "all_reduce after a wait that timed out")
 
 
 def all_reduce_coalesced_case(dtype_name: str, device="cpu"):
@@ -693,6 +730,8 @@ def _build_cases() -> dict:
             cases[f"{label}[{dtype_name}]"] = factory(dtype_name)
     cases["all_reduce_async"] = all_reduce_async_case()
     cases["callback_issues_collective"] = callback_issues_collective_case
+    cases["waited_work_with_waiting_callback"] = waited_work_with_waiting_callback_case
+    cases["wait_with_timeout"] = wait_with_timeout_case
     cases["callback_waits_for_point_to_point"] = callback_waits_for_point_to_point_case
     cases["tags"] = tags_case
     cases["recv_any_source"] = recv_any_source_case
