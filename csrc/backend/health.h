@@ -40,12 +40,13 @@ class GroupHealth : public Monitor {
   // The values of `keys` ("" where absent), or nothing when the store did not answer in time.
   std::optional<std::vector<std::string>> read(std::vector<std::string> keys);
   std::vector<std::string> whoAndGoneKeys() const;  // every rank's who key, then every rank's gone key
-  // "rank 2 (host a, pid 7)" from the entry rank 2 published ("" if unknown: no pid then).
+  // The entry a rank published, "<host> <pid>", split (parts it lacks are "").
   struct Who {
     std::string host;
     std::string pid;
   };
   static Who parseWho(const std::string& entry);
+  // "rank 2 (host a, pid 7)" from the entry rank 2 published ("" if unknown: no pid then).
   std::string who(int rank, const std::string& entry) const;
   // From the values of whoAndGoneKeys(): the ranks that said they were leaving, and those that lived
   // on this host and are gone without saying so.
