@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import _C
+from .settings import group_variables
 
 COMMUNICATORS: tuple[str, ...] = tuple(_C.communicator_names)
 TRANSPORTS: tuple[str, ...] = ("auto", "mpi", "gloo")
@@ -28,17 +29,8 @@ WIRE_DTYPES = {
     "float64": torch.float64, "double": torch.float64,
 }
 
-# field -> (environment variable, default when it is unset)
-ENVIRONMENT = {
-    "communicator": ("CHAINERMN_COMMUNICATOR", "hierarchical"),  # ChainerMN's default
-    "allreduce_grad_dtype": ("CHAINERMN_ALLREDUCE_GRAD_DTYPE", None),
-    "transport": ("CHAINERMN_TRANSPORT", "auto"),
-    "shared_memory": ("CHAINERMN_SHM", "1"),
-    "cuda_transport": ("CHAINERMN_CUDA_TRANSPORT", "nccl"),
-    # The convention users know: unset (like INFO) checks every collective's fingerprint, DETAIL also
-    # every tensor's shape, and OFF (set explicitly) turns the checks off.
-    "checks": ("TORCH_DISTRIBUTED_DEBUG", "info"),
-}
+# field -> (environment variable, default when it is unset): from the one table of variables.
+ENVIRONMENT = group_variables()
 
 
 def environment_defaults() -> dict:

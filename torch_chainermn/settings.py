@@ -1,0 +1,59 @@
+"""Every environment variable torch-chainermn reads, in one table (the README's table is checked
+against it by tests/test_settings.py, and so is every CHAINERMN_* name in the sources).
+
+scope: "group" variables are the defaults of a group's `Options` field (read by
+`options.environment_defaults()`); "process" variables hold for the whole process; "build" ones are
+read by setup.py. Where a variable is read is its `read_by`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Variable(NamedTuple):
+    name: str
+    scope: str          # "group" (an Options field's default), "process" or "build"
+    field: str | None   # the Options field, for scope "group"
+    default: str | None
+    what: str
+    read_by: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("CHAINERMN_COMMUNICATOR", "group", "communicator", "hierarchical",
+             "the allreduce strategy", "options.py"),
+    Variable("CHAINERMN_ALLREDUCE_GRAD_DTYPE", "group", "allreduce_grad_dtype", None,
+             "gradients' wire dtype (float16, bfloat16, ...); unset: their own", "options.py"),
+    Variable("CHAINERMN_TRANSPORT", "group", "transport", "auto",
+             "the library between ranks: mpi, gloo, or auto (MPI when every rank can)", "options.py"),
+    Variable("CHAINERMN_SHM", "group", "shared_memory", "1",
+             "intra-node CPU collectives and point to point through shared memory (0/1)", "options.py"),
+    Variable("CHAINERMN_CUDA_TRANSPORT", "group", "cuda_transport", "nccl",
+             "how CUDA tensors travel: nccl, nccl_intra, staged", "options.py"),
+    # torch's own convention: unset is INFO (every collective's fingerprint is checked), DETAIL adds
+    # every tensor's shape, OFF (set explicitly) turns the checks off.
+    Variable("TORCH_DISTRIBUTED_DEBUG", "group", "checks", "info",
+             "cross-rank checks before every collective: OFF, INFO, DETAIL", "options.py"),
+    Variable("CHAINERMN_RANKS_PER_NODE", "process", None, None,
+             "act as nodes of k ranks on one machine (node = global rank // k)", "csrc/topology.cpp"),
+    Variable("CHAINERMN_HOSTNAME", "process", None, None,
+             "this process's node name, in place of the host's", "csrc/topology.cpp"),
+    Variable("CHAINERMN_SHM_CHUNK_BYTES", "process", None, "1048576",
+             "the shared-memory collectives' chunk (at least 4096)", "csrc/comm/shm.cpp"),
+    Variable("CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "process", None, None,
+             "install the global except hook at import (ChainerMN's name; ...EXCEPTIONS too)",
+             "global_except_hook.py"),
+    Variable("CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS", "process", None, None,
+             "the same as CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "global_except_hook.py"),
+    Variable("CHAINERMN_NO_CUDA", "build", None, None,
+             "build a CUDA torch's extension without the CUDA path", "setup.py"),
+    Variable("CHAINERMN_NO_MPI", "build", None, None,
+             "build without MPI even where mpicc is found", "setup.py"),
+)
+
+BY_NAME = {variable.name: variable for variable in VARIABLES}
+
+
+def group_variables() -> dict:
+    """Options field -> (variable, default when unset), for options.environment_defaults()."""
+    return {v.field: (v.name, v.default) for v in VARIABLES if v.scope == "group"}
