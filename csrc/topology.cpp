@@ -1,32 +1,12 @@
 #include "topology.h"
 
-#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <unistd.h>
 
-#include <climits>
-#include <cstdlib>
 #include <algorithm>
 #include <map>
 #include <numeric>
 
 namespace chainermn {
-
-std::string localNodeName(int globalRank) {
-  if (const char* name = std::getenv("CHAINERMN_HOSTNAME"); name != nullptr && *name != '\0') {
-    return name;
-  }
-  if (const char* perNode = std::getenv("CHAINERMN_RANKS_PER_NODE"); perNode != nullptr && *perNode != '\0') {
-    char* end = nullptr;
-    const long k = std::strtol(perNode, &end, 10);
-    TORCH_CHECK_VALUE(
-        *end == '\0' && k > 0, "CHAINERMN_RANKS_PER_NODE must be a positive integer, got '", perNode, "'");
-    return "simulated-node-" + std::to_string(globalRank / k);
-  }
-  char host[HOST_NAME_MAX + 1] = {0};
-  TORCH_CHECK(gethostname(host, sizeof(host) - 1) == 0, "chainermn: gethostname failed");
-  return host;
-}
 
 Topology topologyFromNames(const std::vector<std::string>& names, int rank) {
   Topology topo;
@@ -83,10 +63,9 @@ Level interLevel(const Topology& t) {
   return levelOf("inter/" + std::to_string(t.intraRank), std::move(peers), t.rank, t.interSize == 1);
 }
 
-Topology discoverTopology(c10d::Store& store, int rank, int size, int globalRank) {
+Topology discoverTopology(c10d::Store& store, int rank, int size, const std::string& nodeName) {
   const std::string prefix = "chainermn/topology/";
-  const std::string name = localNodeName(globalRank);
-  store.set(prefix + std::to_string(rank), std::vector<uint8_t>(name.begin(), name.end()));
+  store.set(prefix + std::to_string(rank), std::vector<uint8_t>(nodeName.begin(), nodeName.end()));
   std::vector<std::string> names(size);
   for (int r = 0; r < size; ++r) {
     const auto value = store.get(prefix + std::to_string(r));

@@ -1,7 +1,7 @@
 // Who shares a node with whom. Ranks exchange host names through the group's store; ranks with the
 // same name share a node. Nodes are ordered by their lowest rank, ranks within a node by rank.
-// CHAINERMN_HOSTNAME (per process) or CHAINERMN_RANKS_PER_NODE=k (global rank // k) override the
-// name, so that one machine can act as several nodes.
+// Each rank reports the node name it is given: torch_chainermn/settings.py's node_name(), where
+// CHAINERMN_HOSTNAME or CHAINERMN_RANKS_PER_NODE let one machine act as several nodes.
 #pragma once
 
 #include <string>
@@ -39,11 +39,8 @@ Level worldLevel(const Topology& topology);
 Level intraLevel(const Topology& topology);
 Level interLevel(const Topology& topology);
 
-// The node name this process reports: the overrides above, else gethostname().
-std::string localNodeName(int globalRank);
-
-// Collective over the group: every rank must call it with the same store.
-Topology discoverTopology(c10d::Store& store, int rank, int size, int globalRank);
+// Collective over the group: every rank must call it with the same store, and its node's name.
+Topology discoverTopology(c10d::Store& store, int rank, int size, const std::string& nodeName);
 
 // Builds the topology from every rank's node name (exposed for tests of the ordering rules).
 Topology topologyFromNames(const std::vector<std::string>& names, int rank);

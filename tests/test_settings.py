@@ -3,6 +3,8 @@ README: a variable read anywhere is in the table, and the README's table says ex
 import re
 from pathlib import Path
 
+import pytest
+
 from torch_chainermn import options, settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,3 +46,27 @@ def test_the_readme_table_is_the_table():
 
 def test_options_take_their_defaults_from_the_table():
     assert options.ENVIRONMENT == {v.field: (v.name, v.default) for v in settings.VARIABLES if v.scope == "group"}
+
+
+def test_the_cpp_backend_reads_none_of_them():
+    """C++ is handed the values (GroupSetup, discover_topology's node name): it reads no variable of the table."""
+    readers = [str(path.relative_to(REPO)) for path in REPO.glob("csrc/**/*.[ch]*")
+               if re.search(r'getenv\("(CHAINERMN|TORCH)_', path.read_text(errors="replace"))]
+    assert readers == []
+
+
+def test_the_node_name_and_the_chunk(monkeypatch):
+    monkeypatch.delenv("CHAINERMN_HOSTNAME", raising=False)
+    monkeypatch.setenv("CHAINERMN_RANKS_PER_NODE", "2")
+    assert [settings.node_name(r) for r in range(4)] == ["simulated-node-0"] * 2 + ["simulated-node-1"] * 2
+    monkeypatch.setenv("CHAINERMN_HOSTNAME", "node7")
+    assert settings.node_name(3) == "node7"
+    monkeypatch.delenv("CHAINERMN_HOSTNAME")
+    monkeypatch.setenv("CHAINERMN_RANKS_PER_NODE", "0")
+    with pytest.raises(ValueError, match="CHAINERMN_RANKS_PER_NODE must be a positive integer"):
+        settings.node_name(0)
+    monkeypatch.delenv("CHAINERMN_SHM_CHUNK_BYTES", raising=False)
+    assert settings.shm_chunk_bytes() == 1 << 20
+    monkeypatch.setenv("CHAINERMN_SHM_CHUNK_BYTES", "100")
+    with pytest.raises(ValueError, match="at least 4096"):
+        settings.shm_chunk_bytes()

@@ -82,10 +82,11 @@ def cases(size: int, dtype: torch.dtype, sizes=SIZES):
     return out
 
 
-def check_strategies(names, table, shared_memory=False):
+def check_strategies(names, table, shared_memory=False, shm_chunk_bytes=1 << 20):
     """Every strategy of these nodes on every case of `table`, one run (one set of threads) per strategy."""
     for strategy in strategies_for(names):
-        results = testing.allreduce_cases(strategy, names, [(op, given) for _, op, given, _ in table], shared_memory)
+        results = testing.allreduce_cases(strategy, names, [(op, given) for _, op, given, _ in table], shared_memory,
+                                          shm_chunk_bytes=shm_chunk_bytes)
         for (what, _, _, expected), result in zip(table, results):
             assert_reduced(result, expected, f"{strategy} on {names}: {what}")
 
@@ -109,12 +110,11 @@ def test_every_strategy_size_and_reduction(topology, dtype):
 
 
 @pytest.mark.parametrize("topology", [t for t, names in TOPOLOGIES.items() if len(names) > len(set(names))])
-def test_strategies_over_shared_memory(topology, monkeypatch):
+def test_strategies_over_shared_memory(topology):
     # Small chunks, so that a few thousand elements take several rounds through the segment.
-    monkeypatch.setenv("CHAINERMN_SHM_CHUNK_BYTES", "4096")
     names = TOPOLOGIES[topology]
     check_strategies(names, [case for dtype in DTYPES for case in cases(len(names), dtype, sizes=(0, 7, 5001))],
-                     shared_memory=True)
+                     shared_memory=True, shm_chunk_bytes=4096)
 
 
 def test_inputs_are_not_modified():

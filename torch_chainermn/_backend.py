@@ -4,7 +4,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, settings
 from ._instance import instance_store
 from ._launch import mpi_launched
 from .options import Options
@@ -51,9 +51,10 @@ def create_backend(dist_options, pg_options=None):
     if requested == "mpi" and not usable:
         raise RuntimeError(f"CHAINERMN_TRANSPORT=mpi, but MPI cannot be used: {why_not}")
     transport = _agree_on_transport(store, rank, size, "mpi" if usable else "gloo")
-    topology = _C.discover_topology(store, rank, size, global_rank)
+    topology = _C.discover_topology(store, rank, size, settings.node_name(global_rank))
 
     setup = _C.GroupSetup(store, rank, size, timeout, dist_options.group_id, topology)
+    setup.shm_chunk_bytes = settings.shm_chunk_bytes()
     if transport == "mpi":
         setup.use_mpi(global_ranks)
     else:

@@ -3,10 +3,12 @@ against it by tests/test_settings.py, and so is every CHAINERMN_* name in the so
 
 scope: "group" variables are the defaults of a group's `Options` field (read by
 `options.environment_defaults()`); "process" variables hold for the whole process; "build" ones are
-read by setup.py. Where a variable is read is its `read_by`.
+read by setup.py. Where a variable is read is its `read_by`; the C++ backend reads none: it is handed the values.
 """
 from __future__ import annotations
 
+import os
+import socket
 from typing import NamedTuple
 
 
@@ -35,11 +37,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("TORCH_DISTRIBUTED_DEBUG", "group", "checks", "info",
              "cross-rank checks before every collective: OFF, INFO, DETAIL", "options.py"),
     Variable("CHAINERMN_RANKS_PER_NODE", "process", None, None,
-             "act as nodes of k ranks on one machine (node = global rank // k)", "csrc/topology.cpp"),
+             "act as nodes of k ranks on one machine (node = global rank // k)", "settings.py"),
     Variable("CHAINERMN_HOSTNAME", "process", None, None,
-             "this process's node name, in place of the host's", "csrc/topology.cpp"),
+             "this process's node name, in place of the host's", "settings.py"),
     Variable("CHAINERMN_SHM_CHUNK_BYTES", "process", None, "1048576",
-             "the shared-memory collectives' chunk (at least 4096)", "csrc/comm/shm.cpp"),
+             "the shared-memory collectives' chunk (at least 4096)", "settings.py"),
     Variable("CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "process", None, None,
              "install the global except hook at import (ChainerMN's name; ...EXCEPTIONS too)",
              "global_except_hook.py"),
@@ -57,3 +59,32 @@ BY_NAME = {variable.name: variable for variable in VARIABLES}
 def group_variables() -> dict:
     """Options field -> (variable, default when unset), for options.environment_defaults()."""
     return {v.field: (v.name, v.default) for v in VARIABLES if v.scope == "group"}
+
+
+def _set(name: str) -> str | None:
+    value = os.environ.get(name, "")
+    return value if value != "" else None
+
+
+def node_name(global_rank: int) -> str:
+    """The node this process reports to its group: CHAINERMN_HOSTNAME, else a simulated node of
+    CHAINERMN_RANKS_PER_NODE ranks (global rank // k), else the host's name."""
+    name = _set("CHAINERMN_HOSTNAME")
+    if name is not None:
+        return name
+    per_node = _set("CHAINERMN_RANKS_PER_NODE")
+    if per_node is not None:
+        if not per_node.isdigit() or int(per_node) <= 0:
+            raise ValueError(f"CHAINERMN_RANKS_PER_NODE must be a positive integer, got {per_node!r}")
+        return f"simulated-node-{global_rank // int(per_node)}"
+    return socket.gethostname()
+
+
+def shm_chunk_bytes() -> int:
+    """The shared-memory collectives' chunk in bytes (CHAINERMN_SHM_CHUNK_BYTES, default 1 MiB)."""
+    text = _set("CHAINERMN_SHM_CHUNK_BYTES")
+    if text is None:
+        return int(BY_NAME["CHAINERMN_SHM_CHUNK_BYTES"].default)
+    if not text.isdigit() or int(text) < 4096:
+        raise ValueError(f"CHAINERMN_SHM_CHUNK_BYTES must be an integer of at least 4096, got {text!r}")
+    return int(text)

@@ -3,6 +3,7 @@
 // is what torch hands a backend's creator plus what the ranks agreed on before creating it.
 #pragma once
 
+#include "comm/shm.h"
 #include "comm/transport.h"
 #include "topology.h"
 
@@ -63,6 +64,7 @@ struct GroupSetup {
   std::string name;
   Topology topology;
   TransportFactory makeHost;  // the host library every rank agreed on (MPI or Gloo), one level at a time
+  size_t shmChunkBytes = shm::kDefaultChunkBytes;  // the shared-memory collectives' chunk (CHAINERMN_SHM_CHUNK_BYTES)
 };
 
 } // namespace chainermn

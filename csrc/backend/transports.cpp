@@ -12,7 +12,8 @@ TransportSet buildHostTransports(const GroupSetup& setup, bool sharedMemory) {
     const Level node = intraLevel(setup.topology);
     // Point to point is the world transport's: through the segment when this node is the group.
     const bool wholeGroup = set.world == set.intra;
-    auto shared = shm::createTransport(*setup.store, "chainermn/shm/" + node.key, set.intra, setup.timeout, wholeGroup);
+    auto shared = shm::createTransport(*setup.store, "chainermn/shm/" + node.key, set.intra, setup.timeout, wholeGroup,
+                                       setup.shmChunkBytes);
     if (wholeGroup) {
       set.world = shared;
     }

@@ -231,22 +231,16 @@ class ShmTransport : public Transport {
 
 } // namespace
 
-size_t chunkBytes() {
-  if (const char* text = std::getenv("CHAINERMN_SHM_CHUNK_BYTES"); text != nullptr && *text != '\0') {
-    const long long bytes = std::atoll(text);
-    TORCH_CHECK_VALUE(bytes >= 4096, "CHAINERMN_SHM_CHUNK_BYTES must be at least 4096, got '", text, "'");
-    return roundUp(static_cast<size_t>(bytes), 64);
-  }
-  return size_t{1} << 20;
-}
-
 TransportPtr createTransport(
     c10d::Store& store,
     const std::string& key,
     TransportPtr fallback,
     std::chrono::milliseconds timeout,
-    bool pointToPoint) {
-  const size_t chunk = chunkBytes();
+    bool pointToPoint,
+    size_t chunkBytes) {
+  TORCH_CHECK_VALUE(chunkBytes >= kMinChunkBytes, "shared memory: the chunk must be at least ", kMinChunkBytes,
+                    " bytes, got ", chunkBytes);
+  const size_t chunk = roundUp(chunkBytes, 64);
   auto segment =
       std::make_unique<Segment>(store, key, fallback->rank(), segmentBytes(fallback->size(), chunk, pointToPoint));
   Segment& mapped = *segment;

@@ -15,9 +15,15 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cstddef>
 #include <string>
 
 namespace chainermn::shm {
+
+// Bytes of one rank's slot: a collective moves data through the segment this much at a time
+// (CHAINERMN_SHM_CHUNK_BYTES, read by torch_chainermn/settings.py; rounded up to 64).
+constexpr size_t kDefaultChunkBytes = size_t{1} << 20;
+constexpr size_t kMinChunkBytes = 4096;
 
 // Collective over fallback's ranks, which must all run on this host. `key` names the segment in
 // the store (unique per group and node). `timeout` bounds every wait for a peer. `pointToPoint`:
@@ -28,9 +34,7 @@ TransportPtr createTransport(
     const std::string& key,
     TransportPtr fallback,
     std::chrono::milliseconds timeout,
-    bool pointToPoint);
-
-// Bytes of one rank's slot: a collective moves data through the segment this much at a time.
-size_t chunkBytes();
+    bool pointToPoint,
+    size_t chunkBytes = kDefaultChunkBytes);
 
 } // namespace chainermn::shm

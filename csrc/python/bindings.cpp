@@ -72,17 +72,16 @@ PYBIND11_MODULE(_C, m) {
       });
 
   m.def("topology_from_names", &chainermn::topologyFromNames, py::arg("names"), py::arg("rank"));
-  m.def("local_node_name", &chainermn::localNodeName, py::arg("global_rank"));
   m.def("stop_workers_at_exit", &chainermn::stopWorkersAtExit, py::call_guard<py::gil_scoped_release>());
   m.def(
       "discover_topology",
-      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int globalRank) {
-        return chainermn::discoverTopology(*store, rank, size, globalRank);
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& nodeName) {
+        return chainermn::discoverTopology(*store, rank, size, nodeName);
       },
       py::arg("store"),
       py::arg("rank"),
       py::arg("size"),
-      py::arg("global_rank"),
+      py::arg("node_name"),
       py::call_guard<py::gil_scoped_release>());
   m.attr("communicator_names") = chainermn::strategyNames();
 
@@ -114,6 +113,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout"),
           py::arg("name"),
           py::arg("topology"))
+      .def_readwrite("shm_chunk_bytes", &GroupSetup::shmChunkBytes, "the shared-memory collectives' chunk in bytes")
       .def(
           "use_gloo",
           [](GroupSetup& setup, py::function make) { setup.makeHost = glooFactory(std::move(make)); },

@@ -41,8 +41,8 @@ ReduceKind reduceKind(const std::string& name) {
   return found->second;
 }
 
-RunOptions runOptions(bool sharedMemory, double timeoutSeconds) {
-  return RunOptions{sharedMemory, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000))};
+RunOptions runOptions(bool sharedMemory, double timeoutSeconds, size_t shmChunkBytes = shm::kDefaultChunkBytes) {
+  return RunOptions{sharedMemory, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)), shmChunkBytes};
 }
 
 // A tensor's memory as a transport sees it; an absent tensor (a non-root's recv) is no memory.
@@ -81,7 +81,8 @@ std::vector<std::vector<at::Tensor>> allreduceCases(
     const std::vector<std::string>& nodeNames,
     const std::vector<Case>& cases,
     bool sharedMemory,
-    double timeout) {
+    double timeout,
+    size_t shmChunkBytes) {
   std::vector<ReduceKind> kinds;
   std::vector<std::vector<at::Tensor>> outputs;
   for (const auto& [op, inputs] : cases) {
@@ -94,7 +95,7 @@ std::vector<std::vector<at::Tensor>> allreduceCases(
     }
   }
   py::gil_scoped_release release;
-  testing::runRanks(nodeNames, runOptions(sharedMemory, timeout), [&](RankGroup& group) {
+  testing::runRanks(nodeNames, runOptions(sharedMemory, timeout, shmChunkBytes), [&](RankGroup& group) {
     auto algorithm = makeStrategy(strategy, group.topology);
     Scratch scratch(at::kCPU);
     for (size_t c = 0; c < cases.size(); ++c) {
@@ -257,12 +258,12 @@ void bindTesting(py::module_& testing) {
       "Strategy allreduce of each case (op, [input of rank r]) in order on one set of ranks (threads); "
       "returns [case][rank] results",
       py::arg("strategy"), py::arg("node_names"), py::arg("cases"), py::arg("shared_memory") = false,
-      py::arg("timeout") = 30.0);
+      py::arg("timeout") = 30.0, py::arg("shm_chunk_bytes") = shm::kDefaultChunkBytes);
   testing.def(
       "allreduce",
       [](const std::string& strategy, const std::vector<std::string>& nodeNames, const std::vector<at::Tensor>& inputs,
          const std::string& op, bool sharedMemory, double timeout) {
-        return allreduceCases(strategy, nodeNames, {Case{op, inputs}}, sharedMemory, timeout).front();
+        return allreduceCases(strategy, nodeNames, {Case{op, inputs}}, sharedMemory, timeout, shm::kDefaultChunkBytes).front();
       },
       "Strategy allreduce of inputs[r] on rank r (ranks as threads); returns every rank's result",
       py::arg("strategy"), py::arg("node_names"), py::arg("inputs"), py::arg("op") = "sum",

@@ -33,7 +33,8 @@ void runRanks(
       if (options.sharedMemory && t.intraSize > 1) {
         const bool wholeGroup = t.interSize == 1;  // as backend/transports.cpp
         auto shared = shm::createTransport(
-            *store, "chainermn/shm/" + std::to_string(t.interRank), group.transports.intra, options.timeout, wholeGroup);
+            *store, "chainermn/shm/" + std::to_string(t.interRank), group.transports.intra, options.timeout, wholeGroup,
+            options.shmChunkBytes);
         group.transports.world = wholeGroup ? shared : group.transports.world;
         group.transports.intra = shared;
       }

@@ -2,6 +2,7 @@
 // transports it would have in a real process group: the in-process harness the fast unit tests use.
 #pragma once
 
+#include "comm/shm.h"
 #include "comm/transport.h"
 #include "topology.h"
 
@@ -19,6 +20,8 @@ struct RunOptions {
   bool sharedMemory = false;
   // Bounds every wait of every rank.
   std::chrono::milliseconds timeout{30000};
+  // The shared-memory transport's chunk (small ones make a few thousand elements take several rounds).
+  size_t shmChunkBytes = shm::kDefaultChunkBytes;
 };
 
 // What one rank's function gets.
