@@ -70,3 +70,12 @@ def test_the_node_name_and_the_chunk(monkeypatch):
     monkeypatch.setenv("CHAINERMN_SHM_CHUNK_BYTES", "100")
     with pytest.raises(ValueError, match="at least 4096"):
         settings.shm_chunk_bytes()
+
+
+def test_only_the_table_s_module_reads_them_in_python():
+    """Every CHAINERMN_* variable is read in torch_chainermn/settings.py (options.py reads the group ones
+    through its table): a module that reads one itself would escape the table."""
+    readers = [str(path.relative_to(REPO)) for path in REPO.glob("torch_chainermn/**/*.py")
+               if path.name != "settings.py" and re.search(
+                   r'(environ\.get\(|environ\[|getenv\()\s*"CHAINERMN_', path.read_text(errors="replace"))]
+    assert readers == []

@@ -26,9 +26,10 @@ import sys
 import threading
 import traceback
 
+from . import settings
+
 __all__ = ["add_hook", "remove_hook", "hook_installed"]
 
-ENVIRONMENT_VARIABLES = ("CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS")
 EXIT_CODE = 1
 
 # The hooks that were in place before add_hook(), restored by remove_hook().
@@ -177,16 +178,12 @@ def remove_hook() -> None:
         _previous_threading_excepthook = None
 
 
-def _enabled_by_environment() -> bool:
-    return any(os.environ.get(name, "") not in ("", "0") for name in ENVIRONMENT_VARIABLES)
-
-
 def _install_from_environment() -> bool:
     """Install the hook if CHAINERMN_FORCE_ABORT_ON_EXCEPTION is set to anything but "" or "0".
 
     Called when torch_chainermn is imported. Returns whether the hook was installed.
     """
-    if _enabled_by_environment():
+    if settings.abort_on_exception_requested():
         add_hook()
         return True
     return False

@@ -44,9 +44,9 @@ VARIABLES: tuple[Variable, ...] = (
              "the shared-memory collectives' chunk (at least 4096)", "settings.py"),
     Variable("CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "process", None, None,
              "install the global except hook at import (ChainerMN's name; ...EXCEPTIONS too)",
-             "global_except_hook.py"),
+             "settings.py"),
     Variable("CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS", "process", None, None,
-             "the same as CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "global_except_hook.py"),
+             "the same as CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "settings.py"),
     Variable("CHAINERMN_NO_CUDA", "build", None, None,
              "build a CUDA torch's extension without the CUDA path", "setup.py"),
     Variable("CHAINERMN_NO_MPI", "build", None, None,
@@ -88,3 +88,10 @@ def shm_chunk_bytes() -> int:
     if not text.isdigit() or int(text) < 4096:
         raise ValueError(f"CHAINERMN_SHM_CHUNK_BYTES must be an integer of at least 4096, got {text!r}")
     return int(text)
+
+
+def abort_on_exception_requested() -> bool:
+    """Whether CHAINERMN_FORCE_ABORT_ON_EXCEPTION[S] asks for the global except hook at import: set to
+    anything but "" or "0"."""
+    return any(os.environ.get(name, "") not in ("", "0")
+               for name in ("CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS"))
