@@ -178,19 +178,18 @@ std::string GroupHealth::whoIsWhere(const WorkChainerMN& work) {
         ") within " + std::to_string(kStorePatience.count()) + " s, so the network may be down between the nodes" +
         (away.empty() ? "" : ": " + byNode(away) + " unreachable or did not take part");
   }
-  const std::vector<std::string> whoAndGone(values->begin(), values->begin() + 2 * size_);
   std::string waited, elsewhere;
   for (int r = 0; r < size_; ++r) {
     const std::string at = r == rank_ ? here : (*values)[2 * size_ + r];
     if (at == here) {
       waited += (waited.empty() ? "" : ",") + std::to_string(r);
     } else {
-      elsewhere += "; " + who(r, whoAndGone[r]) +
+      elsewhere += "; " + who(r, (*values)[r]) +
           (at.empty() ? " never waited in an op for a second (or could not reach the store)" : " last waited in " + at);
     }
   }
   std::string report = "ranks " + waited + " waited in " + here + elsewhere;
-  const std::string dead = deadAmong(whoAndGone);
+  const std::string dead = deadAmong(*values);  // reads the who and gone values, the first 2 x size
   return dead.empty() ? report : report + "; " + dead;
 }
 

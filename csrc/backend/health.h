@@ -48,8 +48,8 @@ class GroupHealth : public Monitor {
   static Who parseWho(const std::string& entry);
   // "rank 2 (host a, pid 7)" from the entry rank 2 published ("" if unknown: no pid then).
   std::string who(int rank, const std::string& entry) const;
-  // From the values of whoAndGoneKeys(): the ranks that said they were leaving, and those that lived
-  // on this host and are gone without saying so.
+  // From the values of whoAndGoneKeys() (more may follow): the ranks that said they were leaving,
+  // and those that lived on this host and are gone without saying so.
   std::string deadAmong(const std::vector<std::string>& whoAndGone) const;
   // "ranks 2,3 (host b)": ranks grouped by node.
   std::string byNode(const std::vector<int>& ranks) const;
