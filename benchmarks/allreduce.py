@@ -162,7 +162,8 @@ def human_bytes(nbytes: int) -> str:
 
 def launched_by_mpiexec() -> bool:
     # Checked through the environment, before anything initializes MPI: importing mpi4py outside
-    # mpiexec would start an MPI singleton that nobody asked for.
+    # mpiexec would start an MPI singleton that nobody asked for. (After `import torch_chainermn`,
+    # torch_chainermn._launch.record() says it; mpi4py must be imported before that.)
     return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
@@ -323,11 +324,11 @@ def run_rank(args) -> None:
 
     # One compute thread: the ranks share few cores, and memcpy should be one thread's copy.
     torch.set_num_threads(1)
-    if not launched_by_mpiexec() and "RANK" not in os.environ:
+    if not torch_chainermn._launch.record().rendezvous:
         sys.exit("start this script with mpiexec or torchrun, or use --launch both (see --help)")
     finish = no_wait
     if args.device == "cuda":
-        use_local_gpu(torch)
+        use_local_gpu(torch, torch_chainermn._launch.record())
         finish = torch.cuda.synchronize
 
     dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=300))
@@ -395,13 +396,11 @@ def measure_memcpy(torch, src, nbytes: int, args, finish) -> tuple[float, int]:
     return measure(lambda: dst.copy_(src), no_wait, lambda x: x, nbytes, args, finish)
 
 
-def use_local_gpu(torch) -> None:
+def use_local_gpu(torch, launch) -> None:
     """Each rank takes GPU local_rank mod the GPUs there are (see share_gpu)."""
     if not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA GPU")
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
-    share_gpu(torch, local_rank, local_size)
+    share_gpu(torch, launch.local_rank or 0, launch.local_world_size or 1)
 
 
 def share_gpu(torch, local_rank: int, local_size: int) -> None:

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch_chainermn  # noqa: E402,F401  registers the backend
+import torch_chainermn  # noqa: E402  registers the backend
 
 
 def parse_args():
@@ -96,7 +96,7 @@ def timed(round_trip, x, rank, iters) -> float:
 def main():
     args = parse_args()
     if args.bind:
-        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()})
+        os.sched_setaffinity(0, {(torch_chainermn._launch.record().local_rank or 0) % os.cpu_count()})
     dist.init_process_group("chainermn")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:

@@ -191,7 +191,7 @@ def torch_contenders(args, stage, x, target):
 def main():
     args = parse_args()
     if args.bind:
-        os.sched_setaffinity(0, {int(os.environ.get("LOCAL_RANK", "0")) % os.cpu_count()})
+        os.sched_setaffinity(0, {(torch_chainermn._launch.record().local_rank or 0) % os.cpu_count()})
     torch.set_num_threads(1)  # two ranks on (maybe) two cores: one thread each
     dist.init_process_group("chainermn", timeout=datetime.timedelta(minutes=10))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -248,7 +248,7 @@ def markdown(rows, args, ideal) -> str:
     transport = torch_chainermn.transport()
     lines = [f"2 stages x {args.depth} Linear({args.width}, {args.width}) + tanh, batch {args.batch}, "
              f"{args.micro_batches} micro-batches, chainermn over {transport} (point to point within the node "
-             f"through shared memory), ranks {'bound to cores' if args.bind or 'OMPI_COMM_WORLD_RANK' in os.environ else 'not bound'}; {platform.node()}, "
+             f"through shared memory), ranks {'bound to cores' if args.bind or torch_chainermn._launch.record().launcher == 'mpiexec' else 'not bound'}; {platform.node()}, "
              f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}. "
              f"Ideal speedup 2M/(M+1) = {ideal:.2f}. Two ranks computing at once ran at "
              f"{args.concurrency:.0%} of one rank's speed alone (100%: two free cores).", "",

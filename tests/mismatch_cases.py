@@ -4,7 +4,7 @@ Every case is one call whose arguments differ on one rank (rank 1, "the odd rank
 one rank refuses. `run_battery` runs them one after the other on one group, each followed by a
 correct all_reduce, and reports per case: what this rank got (an error's type and text, or "silent"
 when the call returned), whether its output was left untouched, and whether the group was still in
-step afterwards. Used by tests/test_agreement.py (chainermn) and tools/bad_inputs.py (the README's
+step afterwards. Used by tests/test_agreement.py (chainermn) and tools/bad_inputs.py (docs/benchmarks.md's
 table, chainermn beside gloo).
 """
 from __future__ import annotations

@@ -77,7 +77,8 @@ def rank_report():
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID")
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t[0].item(),
-            "transport": torch_chainermn.transport(), "env": {n: os.environ.get(n) for n in names}}
+            "transport": torch_chainermn.transport(), "env": {n: os.environ.get(n) for n in names},
+            "launch": _launch.record()}
 
 
 def test_srun_starts_a_job_with_no_extra_environment(slurm_conf):
@@ -89,6 +90,7 @@ def test_srun_starts_a_job_with_no_extra_environment(slurm_conf):
         assert env["LOCAL_WORLD_SIZE"] == "2" and env["MASTER_ADDR"] == "127.0.0.1", env
         assert env["MASTER_PORT"] == str(_slurm.store_port(env)), env
         assert report["transport"] == "gloo"  # no MPI in a plain srun
+        assert report["launch"] == _launch.Launch("srun", True, rank, 2, rank, 2), report
 
 
 @pytest.mark.mpi
@@ -98,3 +100,4 @@ def test_sbatch_script_running_srun_with_pmix_meets_over_mpi(slurm_conf):
                        op_timeout=30)
     assert [(r["rank"], r["world"], r["sum"]) for r in reports] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert all(r["transport"] == "mpi" and r["env"]["LOCAL_WORLD_SIZE"] == "2" for r in reports), reports
+    assert [r["launch"].launcher for r in reports] == ["mpiexec", "mpiexec"], reports

@@ -164,7 +164,7 @@ def test_import_torch_registers_the_backend_without_loading_it():
 
 def test_memory_soak_gives_every_result_right(tmp_path):
     # benchmarks/soak.py, briefly: every op at random sizes and dtypes, groups made and destroyed; it
-    # checks each result and exits 1 on a wrong one (its RSS figures are for the README, not asserted).
+    # checks each result and exits 1 on a wrong one (its RSS figures are for docs/benchmarks.md, not asserted).
     command = torchrun(2) + [str(REPO / "benchmarks" / "soak.py"), "--ops", "1500", "--group-every", "250",
                              "--out", str(tmp_path / "soak.md")]
     code, output = run_job(command, job_environment(), timeout=180, what="the soak")

@@ -1,4 +1,4 @@
-"""The README's table of bad inputs: every case of tests/mismatch_cases.py on chainermn and on gloo.
+"""The table of bad inputs in docs/benchmarks.md: every case of tests/mismatch_cases.py on chainermn and on gloo.
 
     .venv/bin/python tools/bad_inputs.py [--ranks 2] [--out bad_inputs.md]
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import _launch
 from ._backend import backend_of
 from .compression import compression_from, layout_of
 from .gradients import mean_coalesced
@@ -451,11 +451,6 @@ def _grad_dtype_option(value):
     return value
 
 
-def _launched() -> bool:
-    """Whether a launcher (torchrun, or mpiexec through our import) told this process its rank."""
-    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
-
-
 def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_dtype=None,
                         gradient_compression=None) -> Communicator:
     """Create a ChainerMN communicator: a chainermn process group with these options.
@@ -480,7 +475,7 @@ def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_
     except ValueError as error:
         raise ValueError(f"{op}: {error}") from None
     if not dist.is_initialized():
-        if _launched():
+        if _launch.record().rendezvous:  # torchrun, mpiexec or srun told us our rank
             dist.init_process_group("chainermn", pg_options=options)
         else:
             dist.init_process_group("chainermn", store=dist.HashStore(), rank=0, world_size=1, pg_options=options)

@@ -46,11 +46,12 @@ def _rank_and_size() -> tuple[str, str]:
             return str(dist.get_rank()), str(dist.get_world_size())
     except Exception:  # noqa: BLE001  the hook must never fail to print and abort
         pass
-    for rank_name, size_name in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                                 ("PMI_RANK", "PMI_SIZE")):
-        if rank_name in os.environ:
-            return os.environ[rank_name], os.environ.get(size_name, "?")
-    return "?", "?"
+    try:
+        from . import _launch
+
+        return _launch.record().describe()
+    except Exception:  # noqa: BLE001
+        return "?", "?"
 
 
 def _output_stream(current):

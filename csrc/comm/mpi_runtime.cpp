@@ -44,15 +44,6 @@ bool quiescent() {
   return !finalized && !gAbandoned.load() && gCallsInProgress.load() == 0;
 }
 
-bool launchedByMpiexec() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"}) {
-    if (std::getenv(name) != nullptr) {
-      return true;
-    }
-  }
-  return false;
-}
-
 void initialize() {
   static std::once_flag once;
   std::call_once(once, [] {

@@ -1,4 +1,4 @@
-// The process-wide MPI runtime: whether mpiexec started us, MPI's initialisation and thread level,
+// The process-wide MPI runtime: MPI's initialisation and thread level,
 // the world's rank and size, the launch-time broadcast, and the end of the job (finalize, abort).
 // Compiled only when mpicc was found at build time (CHAINERMN_WITH_MPI). The Transport adapter over
 // MPI is comm/mpi.h.
@@ -7,9 +7,6 @@
 #include <string>
 
 namespace chainermn::mpi {
-
-// True when this process was started by mpiexec/mpirun (Open MPI, PMIx or PMI environment).
-bool launchedByMpiexec();
 
 // Initialise MPI once per process, asking for MPI_THREAD_MULTIPLE (each process group runs its
 // collectives on its own worker thread). Safe to call again, and after mpi4py initialised MPI.

@@ -221,7 +221,6 @@ PYBIND11_MODULE(_C, m) {
 
 #ifdef CHAINERMN_WITH_MPI
   m.attr("mpi_built") = true;
-  m.def("mpi_launched", &chainermn::mpi::launchedByMpiexec);
   m.def("mpi_initialize", &chainermn::mpi::initialize, py::call_guard<py::gil_scoped_release>());
   m.def("mpi_thread_multiple", &chainermn::mpi::threadMultiple);
   m.def("mpi_world_rank", &chainermn::mpi::worldRank);
