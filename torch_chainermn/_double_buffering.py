@@ -59,7 +59,8 @@ def start_mean(tensors, group, wire_dtype: torch.dtype | None = None,
     """Copy `tensors` (one step's gradients, at least one) into a flat buffer and start their mean.
 
     group: the chainermn process group to average over.
-    wire_dtype: the dtype the sum travels in; None: the buffer's, the widest of the tensors' dtypes.
+    wire_dtype: the dtype the sum travels in; None: the group's allreduce_grad_dtype, else the
+        buffer's (the widest of the tensors' dtypes).
     reuse: the buffer of a mean already read; it is taken again when its size, dtype and device fit.
     compression: a compression.GradientCompression to average with instead (wire_dtype is then
         unused), with `params` ((id, offset, numel) of each parameter in the buffer) and `last`
@@ -82,5 +83,5 @@ def start_mean(tensors, group, wire_dtype: torch.dtype | None = None,
     if compression is not None:
         work = compression.start([buffer], params, last)
     else:
-        work = mean_coalesced([buffer], group=group, dtype=wire_dtype or dtype, async_op=True)
+        work = mean_coalesced([buffer], group=group, dtype=wire_dtype, async_op=True)
     return BackgroundMean(buffer, work)

@@ -23,10 +23,10 @@ dtype and the 1/world_size scaling are fused into the backend's packing pass (`m
 import torch
 import torch.distributed as dist
 
-from ._backend import group_of, wire_dtype_of
+from ._backend import backend_of, group_of
 from ._double_buffering import BackgroundMean, start_mean
 from .compression import GradientCompression
-from .gradients import GROUP_DEFAULT, mean_coalesced
+from .gradients import mean_coalesced
 
 __all__ = [
     "allreduce_hook",
@@ -47,7 +47,8 @@ def _bucket_params(bucket: dist.GradBucket) -> tuple:
 
 
 def _mean_bucket(process_group, bucket: dist.GradBucket, dtype) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket's buffer in place over the group, travelling as `dtype`."""
+    """Average the bucket's buffer in place over the group, travelling as `dtype` (None: the group's
+    allreduce_grad_dtype, else the bucket's own)."""
     work = mean_coalesced([bucket.buffer()], group=process_group, dtype=dtype, async_op=True)
     # The Work's future holds [buffer]; DDP wants the tensor itself.
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -58,7 +59,7 @@ def allreduce_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Futu
 
     With the default Options this gives the same gradients as DDP without a hook.
     """
-    return _mean_bucket(process_group, bucket, GROUP_DEFAULT)
+    return _mean_bucket(process_group, bucket, None)
 
 
 def fp16_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -116,9 +117,7 @@ class DoubleBufferingState:
             self.compression, compress = compress, torch.float32
             process_group = self.compression.process_group
         self.process_group = group_of(process_group, "DoubleBufferingState")
-        group_dtype = wire_dtype_of(self.process_group, "DoubleBufferingState")
-        if compress is None:
-            compress = group_dtype
+        backend_of(self.process_group, "DoubleBufferingState")  # a chainermn group, or a clear error now
         if compress is not None and compress not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise ValueError("DoubleBufferingState: compress must be None, torch.float16 or torch.bfloat16 "
                              f"(or a wider float dtype), or a GradientCompressionState, got {compress}")

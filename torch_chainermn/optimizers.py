@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._backend import group_of, wire_dtype_of
+from ._backend import backend_of, group_of, wire_dtype_of
 from ._double_buffering import BackgroundMean, start_mean
 from .compression import compression_from, layout_of
 from .gradients import mean_coalesced
@@ -73,8 +73,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self.group = group_of(communicator, "create_multi_node_optimizer")
         if gradient_compression is None:
             gradient_compression = getattr(communicator, "gradient_compression", None)
+        backend_of(self.group, "create_multi_node_optimizer")  # a chainermn group, or a clear error now
         self.gradient_compression = compression_from(gradient_compression, self.group, "create_multi_node_optimizer")
-        self.wire_dtype = wire_dtype_of(self.group, "create_multi_node_optimizer")
         self.double_buffering = bool(double_buffering)
         self.zero_fill = bool(zero_fill)
         self.world_size = self.group.size()
@@ -108,7 +108,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
 
     def __repr__(self):
         return (f"MultiNodeOptimizer(double_buffering={self.double_buffering}, zero_fill={self.zero_fill}, "
-                f"wire_dtype={self.wire_dtype}, {self.actual_optimizer!r})")
+                f"wire_dtype={wire_dtype_of(self.group)}, {self.actual_optimizer!r})")
 
     def state_dict(self):
         return self.actual_optimizer.state_dict()
@@ -164,7 +164,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             if grads and self.gradient_compression is not None:
                 self.gradient_compression.start(grads, layout_of(grads, used)).wait()
             elif grads:
-                mean_coalesced(grads, group=self.group, dtype=self.wire_dtype)
+                mean_coalesced(grads, group=self.group)  # the group's wire dtype
             self.actual_optimizer.step()
         return loss
 
@@ -182,7 +182,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if not grads:
             return None
         spare, self._spare = self._spare, None
-        mean = start_mean(grads, self.group, self.wire_dtype, reuse=spare, compression=self.gradient_compression,
+        mean = start_mean(grads, self.group, reuse=spare, compression=self.gradient_compression,
                           params=layout_of(grads, used))
         return _InFlight(used, mean)
 

@@ -379,7 +379,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::meanCoalesced(
       checkStrategyHandles(op, *context_->strategy, tensor);
       widest = widest ? at::promoteTypes(*widest, tensor.scalar_type()) : tensor.scalar_type();
     }
-    const at::ScalarType wire = wireDtype.value_or(widest.value_or(at::kFloat));
+    // The wire dtype: the caller's, else the group's allreduce_grad_dtype, else the widest given.
+    const at::ScalarType wire = wireDtype.value_or(options_.allreduceGradDtype.value_or(widest.value_or(at::kFloat)));
     TORCH_CHECK_VALUE(at::isFloatingType(wire), op, ": the wire dtype must be floating point, got ", wire);
     const Scaling scaling = meanScaling(wire, size_);
     Agreement agreement = agreeOn(tensors);

@@ -187,7 +187,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // packed into one reused buffer of `wireDtype` (cast, and for 16-bit wire dtypes scaled by 1/size,
   // in the same pass), reduced by the group's strategy, and unpacked with the cast back (and the
   // 1/size scale of wider dtypes) in one pass. Tensors may mix floating dtypes; std::nullopt means the
-  // widest of their dtypes.
+  // group's Options.allreduce_grad_dtype, and where that is unset too, the widest of their dtypes.
   c10::intrusive_ptr<c10d::Work> meanCoalesced(
       std::vector<at::Tensor>& tensors,
       std::optional<at::ScalarType> wireDtype);
