@@ -12,7 +12,7 @@ exact dtype and shape), the `_obj` variants move any picklable object. Ranks and
 communicator's own group. Every method is collective over the communicator unless it is point to point,
 and every rank must call them in the same order.
 
-How tensors and objects travel between ranks: see _messages.py.
+How tensors and objects travel between ranks: see messages/ (objects.py, exchange.py).
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ from .gradients import mean_coalesced
 from .options import Options
 from .topology import topology
 
-from ._messages import (
-    DEFAULT_MAX_BUF_LEN, TAG_GATHER_OBJ, _allocate, _array_spec, _as_array, _as_plain, _bcast_raw, _bytes_of,
-    _check_alike, _check_tag, _chunks, _describe, _finish, _land, _landing, _nbytes, _padded, _scatter_pieces,
-    _spec_of, _torch_dtype_of, _wait_all, agree, allgather_small, bcast_structured, check_max_buf_len, check_rank,
-    recv_structured, send_structured,
-)
+from .messages.arrays import (array_spec, check_alike, describe, nbytes, plain_array, scatter_pieces, spec_of,
+                              torch_dtype_of)
+from .messages.exchange import exchange
+from .messages.framing import (DEFAULT_MAX_BUF_LEN, TAG_GATHER_OBJ, bcast_bytes, check_max_buf_len, check_rank,
+                               check_tag, chunks, wait_all)
+from .messages.objects import agree, allgather_small, bcast_object, recv_object, send_object
 
 __all__ = ["Communicator", "create_communicator"]
 
@@ -123,10 +123,10 @@ class Communicator:
         op = "send"
         dest, tag = self._check_peer(op, "dest", dest, tag)
         if isinstance(data, (tuple, list)):
-            data = type(data)(_as_plain(_as_array(op, f"data[{i}]", x)) for i, x in enumerate(data))
+            data = type(data)(plain_array(op, f"data[{i}]", x) for i, x in enumerate(data))
         else:
-            data = _as_plain(_as_array(op, "data", data))
-        send_structured(self.group, data, dest, tag, DEFAULT_MAX_BUF_LEN, op)
+            data = plain_array(op, "data", data)
+        send_object(self.group, data, dest, tag, DEFAULT_MAX_BUF_LEN, op)
 
     def recv(self, source: int, tag: int = 0):
         """Receive what `source` sent with `send` (shape, dtype and kind travel with the data)."""
@@ -135,7 +135,7 @@ class Communicator:
     def _check_peer(self, op: str, name: str, peer: int, tag: int) -> tuple[int, int]:
         """The peer rank and tag of a point-to-point call, checked: the peer must be another rank."""
         peer = check_rank(op, name, peer, self.size)
-        tag = _check_tag(op, tag)
+        tag = check_tag(op, tag)
         if peer == self.rank:
             raise ValueError(f"{op}: {name} must be another rank than this one ({self.rank})")
         return peer, tag
@@ -143,7 +143,7 @@ class Communicator:
     def _recv(self, op: str, source: int, tag: int):
         """What `source` sent with send or send_obj (the message says which kind it carries)."""
         source, tag = self._check_peer(op, "source", source, tag)
-        return recv_structured(self.group, source, tag, op)
+        return recv_object(self.group, source, tag, op)
 
     # ---- arrays, collectives
     def bcast(self, data, max_buf_len: int | None = None, root: int = 0):
@@ -154,108 +154,79 @@ class Communicator:
         refusal = None
         if self.rank == root:
             try:
-                data = _as_plain(_as_array(op, "data", data))
+                data = plain_array(op, "data", data)
             except ValueError as error:
                 refusal = error
-        return bcast_structured(self.group, data, root, chunk, op, refusal)
+        return bcast_object(self.group, data, root, chunk, op, refusal)
 
     def gather(self, data, root: int = 0):
         """A tuple of every rank's array (shapes may differ, dtypes may not) on `root`; None elsewhere."""
         op = "gather"
         root = check_rank(op, "root", root, self.size)
-        specs = agree(self.group, lambda: _array_spec(op, "data", data))
-        _check_alike(op, specs)
-        width = max(_nbytes(spec) for spec in specs)
-        mine = _padded(_bytes_of(_as_plain(_as_array(op, "data", data))), width)
-        received = [_allocate(spec, specs[root][3] if spec[0] == "torch" else None) for spec in specs] \
-            if self.rank == root else []
-        landings = [_landing(flat, width) for _, flat in received]
-        _wait_all([dist.gather(mine[b:e], [landed[b:e] for landed in landings] if self.rank == root else None,
-                               group=self.group, group_dst=root, async_op=True)
-                   for b, e in _chunks(width, DEFAULT_MAX_BUF_LEN)])
-        if self.rank != root:
-            return None
-        for (array, flat), landed, spec in zip(received, landings, specs):
-            _land(flat, landed)
-            _finish(array, spec)
-        return tuple(array for array, _ in received)
+        specs = agree(self.group, lambda: array_spec(op, "data", data))
+        check_alike(op, specs)
+        received = exchange(
+            lambda mine, landings: dist.gather(mine[0], landings if self.rank == root else None, group=self.group,
+                                               group_dst=root, async_op=True),
+            [plain_array(op, "data", data)], specs if self.rank == root else [], _widest(specs),
+            _device_type(specs[root]))
+        return tuple(received) if self.rank == root else None
 
     def allgather(self, data):
         """A tuple of every rank's array (shapes may differ, dtypes may not), on every rank."""
         op = "allgather"
-        specs = agree(self.group, lambda: _array_spec(op, "data", data))
-        _check_alike(op, specs)
-        width = max(_nbytes(spec) for spec in specs)
-        mine = _padded(_bytes_of(_as_plain(_as_array(op, "data", data))), width)
-        device_type = specs[self.rank][3] if specs[self.rank][0] == "torch" else None
-        received = [_allocate(spec, device_type) for spec in specs]
-        landings = [_landing(flat, width) for _, flat in received]
-        _wait_all([dist.all_gather([landed[b:e] for landed in landings], mine[b:e], group=self.group, async_op=True)
-                   for b, e in _chunks(width, DEFAULT_MAX_BUF_LEN)])
-        for (array, flat), landed, spec in zip(received, landings, specs):
-            _land(flat, landed)
-            _finish(array, spec)
-        return tuple(array for array, _ in received)
+        specs = agree(self.group, lambda: array_spec(op, "data", data))
+        check_alike(op, specs)
+        return tuple(exchange(
+            lambda mine, landings: dist.all_gather(landings, mine[0], group=self.group, async_op=True),
+            [plain_array(op, "data", data)], specs, _widest(specs), _device_type(specs[self.rank])))
 
     def scatter(self, xs, root: int = 0):
         """Rank `root` gives rank i its xs[i] (a sequence of `size` arrays of one dtype, or one array
         with `size` rows); every rank returns its piece. Others' `xs` is ignored."""
         op = "scatter"
         root = check_rank(op, "root", root, self.size)
-        pieces, specs, refusal = None, None, None
+        pieces, specs, refusal = [], None, None
         if self.rank == root:
             try:
-                pieces = [_as_plain(p) for p in _scatter_pieces(op, xs, self.size)]
-                specs = [_spec_of(p) for p in pieces]
-                _check_alike(op, specs)
+                pieces = [plain_array(op, f"xs[{i}]", p) for i, p in enumerate(scatter_pieces(op, xs, self.size))]
+                specs = [spec_of(p) for p in pieces]
+                check_alike(op, specs)
             except ValueError as error:
                 refusal = error
-        specs = bcast_structured(self.group, specs, root, DEFAULT_MAX_BUF_LEN, op, refusal)
-        width = max(_nbytes(spec) for spec in specs)
-        array, flat = _allocate(specs[self.rank])
-        landed = _landing(flat, width)
-        sends = [_padded(_bytes_of(p), width) for p in pieces] if self.rank == root else None
-        _wait_all([dist.scatter(landed[b:e], [s[b:e] for s in sends] if sends else None,
-                                group=self.group, group_src=root, async_op=True)
-                   for b, e in _chunks(width, DEFAULT_MAX_BUF_LEN)])
-        _land(flat, landed)
-        return _finish(array, specs[self.rank])
+        specs = bcast_object(self.group, specs, root, DEFAULT_MAX_BUF_LEN, op, refusal)
+        received = exchange(
+            lambda sends, mine: dist.scatter(mine[0], sends or None, group=self.group, group_src=root, async_op=True),
+            pieces, [specs[self.rank]], _widest(specs))
+        return received[0]
 
     def alltoall(self, xs):
         """Rank i sends xs[j] to rank j; returns the tuple of what every rank sent to this one."""
         op = "alltoall"
 
-        def describe():
+        def describe_xs():
             if not isinstance(xs, (tuple, list)) or len(xs) != self.size:
-                raise ValueError(f"{op}: xs must be a tuple or list of {self.size} arrays, got {_describe(xs)}")
-            return [_array_spec(op, f"xs[{i}]", x) for i, x in enumerate(xs)]
+                raise ValueError(f"{op}: xs must be a tuple or list of {self.size} arrays, got {describe(xs)}")
+            return [array_spec(op, f"xs[{i}]", x) for i, x in enumerate(xs)]
 
-        rows = agree(self.group, describe)  # rows[source][dest]
-        _check_alike(op, [spec for row in rows for spec in row])
-        width = max(_nbytes(spec) for row in rows for spec in row)
-        sends = [_padded(_bytes_of(_as_plain(_as_array(op, "xs", x))), width) for x in xs]
-        device_type = rows[self.rank][0][3] if rows[self.rank][0][0] == "torch" else None
-        received = [_allocate(rows[source][self.rank], device_type) for source in range(self.size)]
-        landings = [_landing(flat, width) for _, flat in received]
-        _wait_all([dist.all_to_all([landed[b:e] for landed in landings], [s[b:e] for s in sends],
-                                   group=self.group, async_op=True)
-                   for b, e in _chunks(width, DEFAULT_MAX_BUF_LEN)])
-        for source, ((array, flat), landed) in enumerate(zip(received, landings)):
-            _land(flat, landed)
-            _finish(array, rows[source][self.rank])
-        return tuple(array for array, _ in received)
+        rows = agree(self.group, describe_xs)  # rows[source][dest]
+        check_alike(op, [spec for row in rows for spec in row])
+        return tuple(exchange(
+            lambda sends, landings: dist.all_to_all(landings, sends, group=self.group, async_op=True),
+            [plain_array(op, "xs", x) for x in xs], [rows[source][self.rank] for source in range(self.size)],
+            max(nbytes(spec) for row in rows for spec in row), _device_type(rows[self.rank][0])))
 
     def allreduce(self, data):
         """The element-wise sum of every rank's array (same shape and dtype everywhere), as a new
         array on every rank; `data` is left unchanged (ChainerMN's allreduce: SUM only)."""
         op = "allreduce"
-        specs = agree(self.group, lambda: _array_spec(op, "data", data))
-        _check_alike(op, specs)
+        specs = agree(self.group, lambda: array_spec(op, "data", data))
+        check_alike(op, specs)
         shapes = {spec[2] for spec in specs}
         if len(shapes) > 1:
             raise ValueError(f"{op}: every rank must pass the same shape, got {sorted(shapes)}")
-        _torch_dtype_of(op, specs[0])
-        array = _as_plain(_as_array(op, "data", data))
+        torch_dtype_of(op, specs[0])
+        array = plain_array(op, "data", data)
         if isinstance(array, torch.Tensor):
             result = array.detach().clone(memory_format=torch.contiguous_format)
             flat = result.reshape(-1)
@@ -263,8 +234,8 @@ class Communicator:
             result = np.array(array, order="C", copy=True)
             flat = torch.from_numpy(result.reshape(-1))
         per_chunk = max(1, DEFAULT_MAX_BUF_LEN // max(1, flat.element_size()))
-        _wait_all([dist.all_reduce(flat[b:e], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                   for b, e in _chunks(flat.numel(), per_chunk)])
+        wait_all([dist.all_reduce(flat[b:e], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                  for b, e in chunks(flat.numel(), per_chunk)])
         return result
 
     # ---- Python objects
@@ -272,7 +243,7 @@ class Communicator:
         """Send any picklable object to `dest`; it returns from `recv_obj`."""
         op = "send_obj"
         dest, tag = self._check_peer(op, "dest", dest, tag)
-        send_structured(self.group, obj, dest, tag, DEFAULT_MAX_BUF_LEN, op)
+        send_object(self.group, obj, dest, tag, DEFAULT_MAX_BUF_LEN, op)
 
     def recv_obj(self, source: int, tag: int = 0):
         """Receive the object `source` sent with `send_obj` (or `send`)."""
@@ -284,7 +255,7 @@ class Communicator:
         op = "bcast_obj"
         root = check_rank(op, "root", root, self.size)
         chunk = check_max_buf_len(op, max_buf_len)
-        return bcast_structured(self.group, obj, root, chunk, op)
+        return bcast_object(self.group, obj, root, chunk, op)
 
     def gather_obj(self, obj, root: int = 0, max_buf_len: int | None = None):
         """The list of every rank's object, in rank order, on `root`; None elsewhere."""
@@ -314,7 +285,7 @@ class Communicator:
                 except Exception as error:  # noqa: BLE001  every rank must learn of it
                     failure = error
         try:
-            total = bcast_structured(self.group, total, 0, chunk, op, failure)
+            total = bcast_object(self.group, total, 0, chunk, op, failure)
         except (ValueError, RuntimeError):
             if own_failure is None:
                 raise
@@ -327,7 +298,7 @@ class Communicator:
         (None, [], this rank's failure to send or None), so that it can still join what follows."""
         if self.rank != root:
             try:
-                send_structured(self.group, obj, root, TAG_GATHER_OBJ, chunk, op)
+                send_object(self.group, obj, root, TAG_GATHER_OBJ, chunk, op)
             except Exception as error:  # noqa: BLE001  the root was told; raised by the caller
                 return None, [], error
             return None, [], None
@@ -337,7 +308,7 @@ class Communicator:
                 objs.append(obj)
                 continue
             try:
-                objs.append(recv_structured(self.group, source, TAG_GATHER_OBJ, op))
+                objs.append(recv_object(self.group, source, TAG_GATHER_OBJ, op))
             except (ValueError, RuntimeError) as error:
                 objs.append(None)
                 failures.append(str(error))
@@ -355,7 +326,7 @@ class Communicator:
         for tensors in groups.values():
             with torch.no_grad():
                 packed = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
-                _bcast_raw(self.group, packed.view(torch.uint8), 0, DEFAULT_MAX_BUF_LEN)
+                bcast_bytes(self.group, packed.view(torch.uint8), 0, DEFAULT_MAX_BUF_LEN)
                 if self.rank != 0:
                     for tensor, value in zip(tensors, torch._utils._unflatten_dense_tensors(packed, tensors)):
                         tensor.copy_(value)
@@ -434,6 +405,16 @@ class Communicator:
 
     def __exit__(self, *exc_info):
         self.finalize()
+
+
+def _widest(specs) -> int:
+    """The bytes every rank moves in an exchange of arrays of these specs: the widest's."""
+    return max(nbytes(spec) for spec in specs)
+
+
+def _device_type(spec) -> str | None:
+    """Where received tensors go: the device kind of `spec`'s tensor (None for numpy arrays)."""
+    return spec[3] if spec[0] == "torch" else None
 
 
 def _named_parameters(op: str, model):

@@ -14,10 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ._backend import group_of
-from ._messages import (
-    DEFAULT_MAX_BUF_LEN, TAG_SCATTER_DATASET, bcast_structured, check_max_buf_len, check_rank, recv_structured,
-    send_failure, send_structured,
-)
+from .messages.framing import DEFAULT_MAX_BUF_LEN, TAG_SCATTER_DATASET, check_max_buf_len, check_rank
+from .messages.objects import bcast_object, recv_object, send_failure, send_object
 
 
 __all__ = ["ScatteredDataset", "EmptyDataset", "create_empty_dataset", "scatter_dataset"]
@@ -129,7 +127,7 @@ def scatter_dataset(dataset, comm=None, root: int = 0, shuffle: bool = False, se
         shard, failure = _receive(op, group, root)
     # Everyone learns whether every rank got its shard, so no rank goes on to train while another
     # raised (the root says why, once).
-    bcast_structured(group, None, root, DEFAULT_MAX_BUF_LEN, op, failure if rank == root else None)
+    bcast_object(group, None, root, DEFAULT_MAX_BUF_LEN, op, failure if rank == root else None)
     if failure is not None:
         raise failure
     return shard
@@ -151,8 +149,8 @@ def _deal(op, group, dataset, root, size, shuffle, seed, chunk, force_equal_leng
                 continue
             # Only this shard is built and pickled now: the root holds one rank's copy at a time.
             payload = (_take(dataset, indices), indices)
-            pending.remove(r)  # from here on, send_structured itself tells r if pickling fails
-            send_structured(group, payload, r, TAG_SCATTER_DATASET, chunk, op)
+            pending.remove(r)  # from here on, send_object itself tells r if pickling fails
+            send_object(group, payload, r, TAG_SCATTER_DATASET, chunk, op)
     except Exception as error:  # noqa: BLE001  the ranks still waiting must hear of it
         failure = error
         for r in pending:
@@ -163,7 +161,7 @@ def _deal(op, group, dataset, root, size, shuffle, seed, chunk, force_equal_leng
 def _receive(op, group, root):
     """On another rank: (own shard, failure or None)."""
     try:
-        items, indices = recv_structured(group, root, TAG_SCATTER_DATASET, op)
+        items, indices = recv_object(group, root, TAG_SCATTER_DATASET, op)
     except (ValueError, RuntimeError) as error:
         return None, error
     return ScatteredDataset(items, indices), None

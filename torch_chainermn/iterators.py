@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from ._backend import group_of
-from ._messages import DEFAULT_MAX_BUF_LEN, agree, bcast_structured, check_rank
+from .messages.framing import DEFAULT_MAX_BUF_LEN, check_rank
+from .messages.objects import agree, bcast_object
 
 __all__ = ["MultiNodeIterator", "create_multi_node_iterator", "create_synchronized_iterator"]
 
@@ -63,7 +64,7 @@ class MultiNodeIterator:
                 message = (_END, None)
             except Exception as error:  # noqa: BLE001  the others must not wait for a batch that never comes
                 failure = error
-        kind, batch = bcast_structured(self._group, message, self._rank_master, DEFAULT_MAX_BUF_LEN, op, failure)
+        kind, batch = bcast_object(self._group, message, self._rank_master, DEFAULT_MAX_BUF_LEN, op, failure)
         if kind == _END:
             self._exhausted = True
             self._iterator = None
@@ -104,7 +105,7 @@ def create_multi_node_iterator(iterable, comm=None, rank_master: int = 0) -> Mul
             except TypeError:  # no len(): a generator or an iterable-style dataset
                 length = None
     # Every rank learns the length, and whether the master's iterable is usable, at creation.
-    length = bcast_structured(group, length, rank_master, DEFAULT_MAX_BUF_LEN, op, failure)
+    length = bcast_object(group, length, rank_master, DEFAULT_MAX_BUF_LEN, op, failure)
     return MultiNodeIterator(iterable, group, rank_master, length)
 
 

@@ -7,10 +7,10 @@
     ys = F.allgather(comm, h)                           # and bcast, gather, scatter, alltoall
 
 `comm` is a torch_chainermn Communicator, a chainermn ProcessGroup, or None (the default group).
-Point to point: point_to_point.py (its wire format: _wire.py); collectives:
+Point to point: point_to_point.py (its wire format: ../messages/tensors.py); collectives:
 collective_communication.py; pseudo_connect.py.
 """
-from ._wire import drain
+from ..messages.tensors import drain
 from .collective_communication import allgather, alltoall, bcast, gather, scatter
 from .point_to_point import recv, send
 from .pseudo_connect import pseudo_connect

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._messages import RESERVED_TAG
+from ..messages.framing import RESERVED_TAG
 from ..communicator import Communicator
 
 _wrapped: "weakref.WeakKeyDictionary[dist.ProcessGroup, Communicator]" = weakref.WeakKeyDictionary()

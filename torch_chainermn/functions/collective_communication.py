@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._messages import agree, check_rank
+from ..messages.framing import check_rank
+from ..messages.objects import agree
 from ._arguments import anchor, as_communicator, check_tensor, grad_needed
 
 

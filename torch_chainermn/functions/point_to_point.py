@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _wire
+from ..messages import tensors as wire
 from ._arguments import (anchor, as_communicator, check_peer, check_tag, check_tensor, differentiable, grad_needed,
                          is_communicator)
 
@@ -31,7 +31,7 @@ class _Link:
 
 class _Send(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, link: _Link, spec: _wire.Spec, *xs):
+    def forward(ctx, link: _Link, spec: wire.Spec, *xs):
         ctx.link, ctx.spec = link, spec
         ctx.device = xs[0].device
         return torch.zeros((), device=xs[0].device)  # the delegate variable: a scalar 0, so phi.backward() works
@@ -42,8 +42,8 @@ class _Send(torch.autograd.Function):
         what = f"send #{link.seq} to rank {link.peer} (tag {link.tag}) on rank {link.comm.rank}"
         waiting = (f"its backward waited for the gradient from rank {link.peer}, whose backward did not reach the "
                    f"matching recv within the group timeout")
-        grads, got = _wire.recv_tensors(link.comm.group, link.peer, link.tag, _wire.KIND_GRADIENT, link.seq, what,
-                                        waiting, device=ctx.device)
+        grads, got = wire.recv_tensors(link.comm.group, link.peer, link.tag, wire.KIND_GRADIENT, link.seq, what,
+                                       waiting, device=ctx.device)
         wanted = [(dtype, shape) for dtype, requires_grad, shape in spec.meta if requires_grad]
         if [(d, s) for d, _, s in got.meta] != wanted:
             raise RuntimeError(f"{what}: the gradient from rank {link.peer} is {got.describe()}, "
@@ -54,7 +54,7 @@ class _Send(torch.autograd.Function):
 
 class _Recv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, link: _Link, spec: _wire.Spec, received: list, _anchor):
+    def forward(ctx, link: _Link, spec: wire.Spec, received: list, _anchor):
         ctx.link, ctx.spec = link, spec
         ctx.anchor = (_anchor.shape, _anchor.dtype, _anchor.device)
         ctx.mark_non_differentiable(*[t for t in received if not differentiable(t.dtype)])
@@ -70,8 +70,7 @@ class _Recv(torch.autograd.Function):
             what = (f"the gradient sent back by recv #{link.seq} from rank {link.peer} (tag {link.tag}) on rank "
                     f"{link.comm.rank} was never collected: rank {link.peer}'s backward did not reach the "
                     f"matching send within the group timeout")
-            _wire.send_tensors(link.comm.group, link.peer, link.tag, _wire.KIND_GRADIENT, link.seq, back,
-                               True, what)
+            wire.send_tensors(link.comm.group, link.peer, link.tag, wire.KIND_GRADIENT, link.seq, back, True, what)
         shape, dtype, device = ctx.anchor
         return None, None, None, torch.zeros(shape, dtype=dtype, device=device)
 
@@ -99,7 +98,7 @@ def send_activation(x, communicator, rank: int, tag: int = 0, gradients_ahead: b
         check_tensor(op, "x", x, SEND_USAGE, comm.rank)
     peer = check_peer(op, "rank", rank, comm)
     tag = check_tag(op, tag, comm)
-    state = _wire.pair(comm.group, peer, tag)
+    state = wire.pair(comm.group, peer, tag)
     seq = next(state.sent)
     link = _Link(comm, peer, tag, seq)
     what = (f"send #{seq} to rank {peer} (tag {tag}) on rank {comm.rank} was never received: rank {peer} did not "
@@ -108,17 +107,17 @@ def send_activation(x, communicator, rank: int, tag: int = 0, gradients_ahead: b
         if is_tuple and not xs:
             raise ValueError(f"{op}: x must hold at least one tensor, got an empty {type(x).__name__} "
                              f"(on rank {comm.rank})")
-        _wire.check_sendable(op, "x", xs, comm.rank)
+        wire.check_sendable(op, "x", xs, comm.rank)
     except ValueError as error:
-        _wire.send_failure(comm.group, peer, tag, error, what)  # the receiver raises too, instead of waiting
+        wire.send_failure(comm.group, peer, tag, error, what)  # the receiver raises too, instead of waiting
         raise
     if not torch.is_grad_enabled():
         xs = [t.detach() for t in xs]
-    spec = _wire.Spec.of(xs, is_tuple)
-    _wire.send_tensors(comm.group, peer, tag, _wire.KIND_ACTIVATION, seq, xs, is_tuple, what)
+    spec = wire.Spec.of(xs, is_tuple)
+    wire.send_tensors(comm.group, peer, tag, wire.KIND_ACTIVATION, seq, xs, is_tuple, what)
     if grad_needed(*xs):
         if gradients_ahead:
-            _wire.receive_ahead(comm.group, peer, tag, 1)
+            wire.receive_ahead(comm.group, peer, tag, 1)
         return _Send.apply(link, spec, *xs)
     return torch.zeros((), device=xs[0].device)
 
@@ -138,13 +137,13 @@ def recv(communicator, rank: int, delegate_variable: torch.Tensor | None = None,
     tag = check_tag(op, tag, comm)
     if delegate_variable is not None:
         check_tensor(op, "delegate_variable", delegate_variable, RECV_USAGE)
-    state = _wire.pair(comm.group, peer, tag)
+    state = wire.pair(comm.group, peer, tag)
     seq = next(state.received)
     what = f"recv #{seq} from rank {peer} (tag {tag}) on rank {comm.rank}"
     waiting = (f"rank {peer} sent nothing within the group timeout (if it is waiting in a backward, a delegate "
                f"variable was dropped on one of the two ranks)")
-    received, spec = _wire.recv_tensors(comm.group, peer, tag, _wire.KIND_ACTIVATION, seq, what, waiting,
-                                        device=None if device is None else torch.device(device))
+    received, spec = wire.recv_tensors(comm.group, peer, tag, wire.KIND_ACTIVATION, seq, what, waiting,
+                                       device=None if device is None else torch.device(device))
     outputs = _connect(op, comm, peer, tag, seq, spec, received, delegate_variable)
     if len(outputs) == 1 and not force_tuple:
         return outputs[0]

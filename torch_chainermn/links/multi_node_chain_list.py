@@ -34,7 +34,7 @@ import queue
 import numpy as np
 import torch
 
-from ..functions import _wire
+from ..messages import tensors as wire
 from ..functions._arguments import as_communicator, differentiable
 from ..functions.point_to_point import recv, send_activation
 from ..functions.pseudo_connect import pseudo_connect
@@ -174,7 +174,7 @@ class MultiNodeChainList(torch.nn.Module):
         return delegate, False
 
     def forward(self, *inputs):
-        _wire.drain(self._comm)  # the previous step's messages have all arrived (and errors surface)
+        wire.drain(self._comm)  # the previous step's messages have all arrived (and errors surface)
         if self.micro_batches == 1:
             return self.run_components(*inputs)[0]
         return pipeline.gpipe_forward(self, inputs, self.micro_batches)
@@ -189,9 +189,9 @@ class MultiNodeChainList(torch.nn.Module):
         Returns the batch's loss there (and appends each micro-batch's loss to `losses`), else None.
         Gradients accumulate into .grad; step the optimizer afterwards.
         """
-        _wire.drain(self._comm)
+        wire.drain(self._comm)
         result = pipeline.run_schedule(self, inputs, target, loss_fn, losses)
-        _wire.drain(self._comm)
+        wire.drain(self._comm)
         return result
 
 

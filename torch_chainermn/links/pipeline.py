@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .._messages import allgather_small
-from ..functions import _wire
+from ..messages.objects import allgather_small
+from ..messages import tensors as wire
 
 
 def split_batch(op: str, values, m: int):
@@ -69,7 +69,7 @@ def receive_ahead(chain, m: int) -> None:
     for _, rank_in, _ in chain.components():
         for source in rank_in or ():
             if source != chain.comm.rank:
-                _wire.receive_ahead(chain.comm.group, source, 0, m)
+                wire.receive_ahead(chain.comm.group, source, 0, m)
 
 
 def gpipe_forward(chain, inputs, m: int):

@@ -1,4 +1,5 @@
-"""How the model-parallel functions' tensors travel point to point, and how their waits fail.
+"""How the model-parallel functions' tensors travel point to point (torch_chainermn.functions and
+links), and how their waits fail.
 
 A transfer is two messages: a fixed-size int64 header on the pair's tag, then one payload of bytes
 (every tensor of the message packed, each at a 16-byte boundary; skipped when empty) on the tag
@@ -16,9 +17,9 @@ a (group, peer, tag) pair; a gradient carries the seq of the activation it belon
 that run their backward passes in different orders get an error, not each other's gradients.
 
 Sends are posted with isend and not waited for (an outbox keeps their Works), so a stage can go on
-computing while its activations travel; `drain` waits for them. Every wait that runs out of the
-group timeout is re-raised naming the send or recv that was never joined, and the usual cause: a
-delegate variable that never reached backward.
+computing while its activations travel; `drain` waits for them. Every wait the backend fails (a
+timeout above all: DistBackendError) is re-raised naming the send or recv that was never joined,
+and the usual cause: a delegate variable that never reached backward.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from .framing import wait_all
 
 MAGIC = 0x4D4E4D50  # "MNMP"
 KIND_ACTIVATION, KIND_GRADIENT, KIND_FAILURE = 1, 2, 3
@@ -158,19 +161,9 @@ def drain(comm=None) -> None:
                 raise
 
 
-def _timed_out(error: BaseException) -> bool:
-    text = str(error)
-    return "timed out" in text or "unusable" in text
-
-
 def _wait_all(works, what: str) -> None:
-    for work in works:
-        try:
-            work.wait()
-        except RuntimeError as error:
-            if _timed_out(error):
-                raise dist.DistBackendError(f"{what}. {DELEGATE_HINT}\n(the backend said: {error})") from error
-            raise
+    """Wait; a failure of the backend (a timeout above all) names `what` and the usual cause."""
+    wait_all(works, what, DELEGATE_HINT)
 
 
 # ---- send and receive ----------------------------------------------------------------------------------
