@@ -13,6 +13,8 @@ The time reported is the median round's. Every received buffer is checked (the l
 Contenders:
   chainermn   dist.send / dist.recv on the chainermn default group: within a node through the
               shared-memory rings (comm/shm_mailbox.h), each message with its header (messages.h)
+  functions   torch_chainermn.functions.send / recv (model parallelism: ChainerMN's API, the message
+              says its shapes and dtypes; messages/tensors.py), what MultiNodeChainList's stages use
   gloo        the same calls on dist.new_group(backend="gloo") (TCP over loopback)
   mpi4py      MPI.COMM_WORLD.Send / Recv on the tensors' numpy views: only under mpiexec with mpi4py
 
@@ -44,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch_chainermn  # noqa: E402  registers the backend
+from torch_chainermn import functions  # noqa: E402
 
 
 def parse_args():
@@ -69,7 +72,19 @@ def contenders(gloo):
                 dist.send(x, 0, group=group)
         return round_trip
 
-    found = {"chainermn": torch_pair(None), "gloo": torch_pair(gloo)}
+    def functions_round_trip(x, rank):
+        # The received tensor is a new one: it is copied into x for the check only after the timed
+        # loop (see last_received), so the loop times send and recv alone.
+        peer = 1 - rank
+        if rank == 0:
+            functions.send(x, communicator, peer)
+            last_received[0] = functions.recv(communicator, peer)
+        else:
+            last_received[0] = functions.recv(communicator, peer)
+            functions.send(last_received[0], communicator, peer)
+
+    communicator = torch_chainermn.communicator.Communicator()
+    found = {"chainermn": torch_pair(None), "functions": functions_round_trip, "gloo": torch_pair(gloo)}
     if MPI is not None:
         comm = MPI.COMM_WORLD
 
@@ -85,12 +100,20 @@ def contenders(gloo):
     return found
 
 
+last_received = [None]  # the last tensor the functions contender received
+
+
 def timed(round_trip, x, rank, iters) -> float:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         round_trip(x, rank)
-    return (time.perf_counter() - start) / iters / 2
+    elapsed = (time.perf_counter() - start) / iters / 2
+    functions.drain()  # the functions' sends are not waited for: all of them have gone now
+    if last_received[0] is not None:
+        x.copy_(last_received[0])
+        last_received[0] = None
+    return elapsed
 
 
 def main():

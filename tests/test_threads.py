@@ -329,6 +329,48 @@ def test_shared_memory_messages_stream_past_their_ring_while_the_peer_is_busy():
     assert testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30) == [True, True]
 
 
+def test_shared_memory_messages_that_wait_in_the_ring_for_their_receive():
+    # A message no receive wants yet stays in the ring while nothing is behind it (comm/shm_mailbox.h):
+    # a later receive takes it from there; one that does not match it fails and skips it; and once a
+    # message is behind it, a receive for that one moves it aside first.
+    def per_rank(r):
+        t = r.world
+        if r.rank == 0:
+            t.send(torch.arange(6.0), 1, tag=1).wait()
+            t.barrier()  # the receiver posts only now: the message waited in the ring
+            t.send(torch.ones(10), 1, tag=4).wait()
+            t.barrier()
+            t.send(torch.arange(3.0), 1, tag=4).wait()
+            t.send(torch.full((4,), 2.0), 1, tag=2).wait()
+            t.send(torch.full((4,), 3.0), 1, tag=3).wait()
+            t.barrier()
+            return ""
+        t.barrier()
+        first = torch.zeros(6)
+        t.recv(first, 0, tag=1).wait()
+        assert torch.equal(first, torch.arange(6.0)), first
+        t.barrier()
+        wrong = torch.zeros(5)
+        try:
+            t.recv(wrong, 0, tag=4).wait()
+            error = ""
+        except ValueError as e:
+            error = str(e)
+        assert torch.equal(wrong, torch.zeros(5)), wrong  # not written
+        right = torch.zeros(3)
+        t.recv(right, 0, tag=4).wait()
+        assert torch.equal(right, torch.arange(3.0)), right
+        t.barrier()
+        later, earlier = torch.zeros(4), torch.zeros(4)
+        t.recv(later, 0, tag=3).wait()  # behind the tag-2 message, which moves aside
+        t.recv(earlier, 0, tag=2).wait()
+        assert torch.equal(later, torch.full((4,), 3.0)) and torch.equal(earlier, torch.full((4,), 2.0))
+        return error
+
+    error = testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30)[1]
+    assert "expected 5 torch.float32 elements from rank 0 (tag 4), which sent 10 torch.float32" in error, error
+
+
 def test_shared_memory_receive_that_does_not_match_fails_and_the_pair_stays_usable():
     def per_rank(r):
         t = r.world

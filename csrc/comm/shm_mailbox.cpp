@@ -87,6 +87,11 @@ void Mailboxes::State::progressReceives(int from) {
       rings.read(from, reinterpret_cast<char*>(&header), sizeof header, false);
       TORCH_CHECK(header.magic == kMagic, "shared memory: a corrupt message from rank ", from, " to rank ", rank);
       begin(in, from, header);
+    } else if (in.waiting) {
+      if (keepInRing(in, from)) {
+        return;
+      }
+      stash(in, from);
     } else if (in.taken < in.bytes) {
       const size_t n = rings.read(from, in.dest == nullptr ? nullptr : in.dest + in.taken, in.bytes - in.taken, true);
       in.taken += n;
@@ -117,9 +122,42 @@ void Mailboxes::State::begin(Incoming& in, int from, const FrameHeader& header) 
     posted.erase(match);
     return;
   }
-  unexpected.push_back(Arrived{from, header, std::vector<char>(in.bytes)});
+  // No receive yet: the message is usually wanted soon (the backend's data follows its header, and
+  // a model-parallel payload its header); left in the ring, it then goes straight to its receive,
+  // without a buffer of its own and a second copy.
+  in.waiting = true;
+  in.header = header;
+}
+
+bool Mailboxes::State::keepInRing(const Incoming& in, int from) {
+  return in.bytes <= rings.capacity() / 2 && rings.readable(from) <= in.bytes;
+}
+
+void Mailboxes::State::stash(Incoming& in, int from) {
+  unexpected.push_back(Arrived{from, in.header, std::unique_ptr<char[]>(new char[in.bytes])});
+  in.waiting = false;
   in.arrived = &unexpected.back();
-  in.dest = in.arrived->data.data();
+  in.dest = in.arrived->data.get();
+}
+
+bool Mailboxes::State::takeWaiting(const Posted& receive) {
+  for (int from = 0; from < size; ++from) {
+    Incoming& in = incoming[from];
+    if (!in.active || !in.waiting || in.header.tag != receive.tag ||
+        (receive.peer != kAnySource && receive.peer != from)) {
+      continue;
+    }
+    in.waiting = false;
+    receive.status->source = from;
+    if (matches(receive, in.header)) {
+      in.dest = receive.data;
+      in.status = receive.status;
+    } else {
+      refuse(*receive.status, mismatch(from, receive, in.header));  // the message is skipped: in.dest is null
+    }
+    return true;
+  }
+  return false;
 }
 
 void Mailboxes::State::end(Incoming& in) {
@@ -136,7 +174,7 @@ void Mailboxes::State::end(Incoming& in) {
 
 void Mailboxes::State::deliver(Arrived* arrived) {
   if (!arrived->drop) {
-    std::memcpy(arrived->claimantData, arrived->data.data(), arrived->data.size());
+    std::memcpy(arrived->claimantData, arrived->data.get(), arrived->header.bytes());
     finish(*arrived->claimant, "");
   }
   unexpected.remove_if([arrived](const Arrived& a) { return &a == arrived; });
@@ -204,7 +242,9 @@ void Mailboxes::State::postReceive(const Posted& receive) {
     return !a.claimant && (receive.peer == kAnySource || a.source == receive.peer) && a.header.tag == receive.tag;
   });
   if (arrived == unexpected.end()) {
-    posted.push_back(receive);
+    if (!takeWaiting(receive)) {
+      posted.push_back(receive);
+    }
     return;
   }
   const StatusPtr& status = receive.status;
@@ -213,6 +253,17 @@ void Mailboxes::State::postReceive(const Posted& receive) {
   if (!matches(receive, arrived->header)) {
     refuse(*status, mismatch(arrived->source, receive, arrived->header));
     arrived->drop = true;
+  } else if (!arrived->complete) {
+    // Still arriving (a receive posted just after its message began, as the backend's own headers
+    // and the model-parallel functions' do): what came so far is copied now, the rest lands in place.
+    Incoming& in = incoming[arrived->source];
+    TORCH_INTERNAL_ASSERT(in.arrived == &*arrived, "shared memory: an incomplete message that is not arriving");
+    std::memcpy(receive.data, arrived->data.get(), in.taken);
+    in.dest = receive.data;
+    in.status = status;
+    in.arrived = nullptr;
+    unexpected.erase(arrived);
+    return;
   } else {
     arrived->claimantData = receive.data;
   }

@@ -8,8 +8,11 @@
 //
 // Matching is MPI's: by sender and tag, messages from one sender on one tag in the order they were
 // sent, a receive from any source takes the first that arrives. A message no receive is waiting for
-// is copied into a buffer of its own (so the messages behind it, on other tags, still get through)
-// and handed to the receive that comes for it.
+// stays in the ring while nothing is behind it and it fits in half the ring, and its receive then
+// takes it straight from there (the usual case: a receive posted just after its message arrived);
+// otherwise it is copied into a buffer of its own (so the messages behind it, on other tags, still
+// get through, and its sender has room), and a receive that comes while it is still arriving takes
+// what came so far and the rest in place.
 //
 // Transfers progress without the caller: each rank has a progress thread that sleeps on the rank's
 // doorbell, a futex in the segment a peer rings when it wrote a message or freed room in a ring. So

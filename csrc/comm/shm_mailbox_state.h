@@ -63,11 +63,13 @@ struct Mailboxes::State {
     int peer;
     int tag;
   };
-  // A message that came before its receive: copied out of the ring so messages behind it pass.
+  // A message that came before its receive: copied out of the ring so messages behind it pass. A
+  // receive that comes while it is still arriving takes what came so far, and the rest goes straight
+  // into the receive's buffer (postReceive).
   struct Arrived {
     int source;
     FrameHeader header;
-    std::vector<char> data;
+    std::unique_ptr<char[]> data;  // header.bytes(), not zeroed: every byte is written before it is read
     bool complete = false;
     StatusPtr claimant;  // the receive that took it while it was still arriving
     char* claimantData = nullptr;
@@ -80,6 +82,10 @@ struct Mailboxes::State {
     char* dest = nullptr;  // null: dropped (its receive failed or is gone)
     StatusPtr status;      // the receive it goes to, or
     Arrived* arrived = nullptr;  // the buffer it goes to
+    // No receive yet: its bytes stay in the ring for the receive to come, as long as nothing is
+    // behind them and they are at most half the ring (keepInRing); else they go to an Arrived.
+    bool waiting = false;
+    FrameHeader header{};
   };
   // Under the lock. The first outcome stays.
   void finish(Status& status, std::string error);
@@ -94,8 +100,15 @@ struct Mailboxes::State {
   void progressSends(int to);
   // Takes what has arrived from `from`. Under the lock.
   void progressReceives(int from);
-  // A message's header arrived: to the first receive waiting for it, else into a buffer of its own.
+  // A message's header arrived: to the first receive waiting for it, else it waits in the ring.
   void begin(Incoming& in, int from, const FrameHeader& header);
+  // Whether a message that no receive wants yet may stay in the ring from `from`: nothing is behind
+  // it there (so no message waits on it) and it fits in half the ring (so its sender has room).
+  bool keepInRing(const Incoming& in, int from);
+  // The waiting message from `from` goes to a buffer of its own, so that what follows it passes.
+  void stash(Incoming& in, int from);
+  // Under the lock: the waiting message a receive takes, straight from the ring; false if none.
+  bool takeWaiting(const Posted& receive);
 
   // The message is in: to its receive, or marked complete for the receive to come.
   void end(Incoming& in);

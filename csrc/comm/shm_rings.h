@@ -32,6 +32,10 @@ class Rings {
   size_t write(int to, const char* from, size_t n);
   // How many bytes from rank `from` are there to read.
   size_t readable(int from);
+  // The bytes one ring holds.
+  size_t capacity() const {
+    return ringSize_;
+  }
   // Copies up to `n` bytes from rank `from` into `to` (null: skips them), at most one piece, and
   // returns how many. With `more`, when none are there yet it waits a little for them (the sender
   // is in the middle of a message).
