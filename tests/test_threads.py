@@ -371,6 +371,37 @@ def test_shared_memory_messages_that_wait_in_the_ring_for_their_receive():
     assert "expected 5 torch.float32 elements from rank 0 (tag 4), which sent 10 torch.float32" in error, error
 
 
+def test_shared_memory_receives_of_any_size():
+    # Transport::recvAnySize: the message lands in a tensor of the sender's count and dtype, whether
+    # the receive came first, the message waited in the ring, or it was streaming past the ring
+    # (larger than half of it) when the receive came.
+    def per_rank(r):
+        t = r.world
+        big = torch.arange(BIG, dtype=torch.float32)
+        if r.rank == 0:
+            t.barrier()  # the receiver's first receive is posted
+            t.send(torch.arange(5, dtype=torch.int64), 1, tag=1).wait()
+            t.send(torch.tensor([1.5, 2.5], dtype=torch.float64), 1, tag=2).wait()
+            t.barrier()
+            sent = t.send(big, 1, tag=3)
+            sent.wait()
+            t.barrier()
+            return True
+        first = t.recv_any_size(0, tag=1)
+        t.barrier()
+        got = [first.wait()]
+        t.barrier()  # the tag-2 message waited in the ring until now
+        got.append(t.recv_any_size(0, tag=2).wait())
+        time.sleep(0.001)  # the big message is streaming past the ring meanwhile
+        got.append(t.recv_any_size(0, tag=3).wait())
+        t.barrier()
+        return (torch.equal(got[0], torch.arange(5, dtype=torch.int64))
+                and torch.equal(got[1], torch.tensor([1.5, 2.5], dtype=torch.float64))
+                and torch.equal(got[2], big))
+
+    assert testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30) == [True, True]
+
+
 def test_shared_memory_receive_that_does_not_match_fails_and_the_pair_stays_usable():
     def per_rank(r):
         t = r.world

@@ -52,11 +52,14 @@ class CheckedSend : public Request {
 
 // The header first; then the data into the caller's tensor when they match, or else into a
 // buffer of the sender's size (so the sender's message is consumed and the pair stays usable) and
-// the receive fails naming both sizes.
+// the receive fails naming both sizes. With `anySize`, the tensor is made of the sender's size and
+// dtype when the header arrives.
 class CheckedReceive : public Request {
  public:
-  CheckedReceive(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag, int self)
-      : transport_(transport), order_(order), tensor_(tensor), peer_(peer), tag_(tag), self_(self) {
+  CheckedReceive(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag, int self,
+                 std::shared_ptr<at::Tensor> anySize = nullptr)
+      : transport_(transport), order_(order), tensor_(tensor), peer_(peer), tag_(tag), self_(self),
+        anySize_(std::move(anySize)) {
     header_ = transport.recv(&received_, sizeof(Header), at::kByte, peer, headerTag(tag));
   }
 
@@ -75,6 +78,10 @@ class CheckedReceive : public Request {
         return false;  // an earlier message's data is to be received first
       }
       ++next;
+      if (anySize_) {
+        tensor_ = at::empty({received_.count}, at::TensorOptions().dtype(static_cast<at::ScalarType>(received_.dtype)));
+        *anySize_ = tensor_;
+      }
       const int64_t count = tensor_.numel();
       const auto dtype = static_cast<int32_t>(tensor_.scalar_type());
       if (received_.count == count && received_.dtype == dtype) {
@@ -115,6 +122,7 @@ class CheckedReceive : public Request {
   const int peer_;
   const int tag_;
   const int self_;
+  std::shared_ptr<at::Tensor> anySize_;
   Header received_;
   std::vector<char> drain_;  // only when the sizes differ; declared before the requests, which outlive it not
   RequestPtr header_, data_;
@@ -125,6 +133,17 @@ class CheckedReceive : public Request {
 };
 
 } // namespace
+
+RequestPtr recvCheckedAnySize(
+    Transport& transport, MessageOrder& order, int peer, int tag, std::shared_ptr<at::Tensor> received) {
+  if (transport.checksMessages()) {
+    return transport.recvAnySize(peer, tag, [received](int64_t count, c10::ScalarType dtype) {
+      *received = at::empty({count}, at::TensorOptions().dtype(dtype));
+      return received->data_ptr();
+    });
+  }
+  return std::make_unique<CheckedReceive>(transport, order, at::Tensor(), peer, tag, transport.rank(), std::move(received));
+}
 
 RequestPtr sendChecked(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag) {
   if (tensor.is_cuda() || transport.checksMessages()) {

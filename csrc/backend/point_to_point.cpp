@@ -112,6 +112,47 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
       batch.work);
 }
 
+namespace {
+
+// The receive of a message of any size: done when `inner` is, with the message as the Work's result.
+class Delivering : public Request {
+ public:
+  Delivering(RequestPtr inner, std::shared_ptr<at::Tensor> received, c10::intrusive_ptr<WorkChainerMN> work)
+      : inner_(std::move(inner)), received_(std::move(received)), work_(std::move(work)) {}
+  bool test() override {
+    if (!inner_->test()) {
+      return false;
+    }
+    work_->setOutputs({*received_});  // on the worker, before it completes the Work
+    return true;
+  }
+  void wakeWhenReady(std::function<void()> wake) override {
+    inner_->wakeWhenReady(std::move(wake));
+  }
+
+ private:
+  RequestPtr inner_;
+  std::shared_ptr<at::Tensor> received_;
+  c10::intrusive_ptr<WorkChainerMN> work_;
+};
+
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvMessage(int srcRank, int tag) {
+  const char* op = "recv_message";
+  return abandonsBatch([&] {
+    checkRank(op, "src", srcRank, size_);
+    checkTag(op, tag);
+    OpSpec spec{c10d::OpType::RECV, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
+    auto work = makeWork(spec, at::Device(at::kCPU));
+    return post(spec, [srcRank, tag, work, order = &context_->messages](DeviceContext& on) -> RequestPtr {
+      auto received = std::make_shared<at::Tensor>();
+      return std::make_unique<Delivering>(
+          recvCheckedAnySize(*on.transports.world, *order, srcRank, tag, received), received, work);
+    }, work);
+  });
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const char* op = "recv";
   at::Tensor tensor = single(op, "tensor", tensors);

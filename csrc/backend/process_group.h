@@ -139,6 +139,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  // A receive of whatever CPU message srcRank sent on `tag` with send (any size and dtype): the
+  // Work's result() is it, one flat tensor. What the model-parallel functions' messages use: one
+  // message per transfer, its header inside (torch_chainermn/messages/tensors.py).
+  c10::intrusive_ptr<c10d::Work> recvMessage(int srcRank, int tag);
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
   // torch's coalescing manager, as batch_isend_irecv uses it: the sends and receives issued between

@@ -162,6 +162,10 @@ class ShmTransport : public Transport {
     }
     return fallback_->recv(buf, count, dtype, peer, tag);
   }
+  RequestPtr recvAnySize(int peer, int tag, Allocate allocate) override {
+    TORCH_CHECK(mailboxes_, "shared memory: a receive of unknown size needs the mailboxes");
+    return mailboxes_->recvAnySize(peer, tag, std::move(allocate));
+  }
   void barrier() override {
     barrier_.sync();
   }

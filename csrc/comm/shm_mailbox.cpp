@@ -39,19 +39,6 @@ void Mailboxes::State::refuse(Status& status, std::string error) {
   finish(status, std::move(error));
 }
 
-std::string Mailboxes::State::mismatch(int source, const Posted& expected, const FrameHeader& sent) const {
-  auto described = [](int64_t count, c10::ScalarType dtype) {
-    return std::to_string(count) + " " + dtypeName(dtype) + " elements";
-  };
-  return "recv on rank " + std::to_string(rank) + " expected " + described(expected.count, expected.dtype) +
-      " from rank " + std::to_string(source) + " (tag " + std::to_string(expected.tag) + "), which sent " +
-      described(sent.count, static_cast<c10::ScalarType>(sent.dtype)) + "; the tensor was not written";
-}
-
-bool Mailboxes::State::matches(const Posted& posted, const FrameHeader& sent) {
-  return posted.count == sent.count && static_cast<int16_t>(posted.dtype) == sent.dtype;
-}
-
 void Mailboxes::State::progressSends(int to) {
   auto& queue = outgoing[to];
   while (!queue.empty()) {
@@ -102,82 +89,6 @@ void Mailboxes::State::progressReceives(int from) {
       end(in);
     }
   }
-}
-
-void Mailboxes::State::begin(Incoming& in, int from, const FrameHeader& header) {
-  in = Incoming{};
-  in.active = true;
-  in.bytes = header.bytes();
-  auto match = std::find_if(posted.begin(), posted.end(), [&](const Posted& p) {
-    return (p.peer == from || p.peer == kAnySource) && p.tag == header.tag;
-  });
-  if (match != posted.end()) {
-    match->status->source = from;
-    if (matches(*match, header)) {
-      in.dest = match->data;
-      in.status = match->status;
-    } else {
-      refuse(*match->status, mismatch(from, *match, header));
-    }
-    posted.erase(match);
-    return;
-  }
-  // No receive yet: the message is usually wanted soon (the backend's data follows its header, and
-  // a model-parallel payload its header); left in the ring, it then goes straight to its receive,
-  // without a buffer of its own and a second copy.
-  in.waiting = true;
-  in.header = header;
-}
-
-bool Mailboxes::State::keepInRing(const Incoming& in, int from) {
-  return in.bytes <= rings.capacity() / 2 && rings.readable(from) <= in.bytes;
-}
-
-void Mailboxes::State::stash(Incoming& in, int from) {
-  unexpected.push_back(Arrived{from, in.header, std::unique_ptr<char[]>(new char[in.bytes])});
-  in.waiting = false;
-  in.arrived = &unexpected.back();
-  in.dest = in.arrived->data.get();
-}
-
-bool Mailboxes::State::takeWaiting(const Posted& receive) {
-  for (int from = 0; from < size; ++from) {
-    Incoming& in = incoming[from];
-    if (!in.active || !in.waiting || in.header.tag != receive.tag ||
-        (receive.peer != kAnySource && receive.peer != from)) {
-      continue;
-    }
-    in.waiting = false;
-    receive.status->source = from;
-    if (matches(receive, in.header)) {
-      in.dest = receive.data;
-      in.status = receive.status;
-    } else {
-      refuse(*receive.status, mismatch(from, receive, in.header));  // the message is skipped: in.dest is null
-    }
-    return true;
-  }
-  return false;
-}
-
-void Mailboxes::State::end(Incoming& in) {
-  if (in.status) {
-    finish(*in.status, "");
-  } else if (in.arrived != nullptr) {
-    in.arrived->complete = true;
-    if (in.arrived->claimant) {
-      deliver(in.arrived);
-    }
-  }
-  in = Incoming{};
-}
-
-void Mailboxes::State::deliver(Arrived* arrived) {
-  if (!arrived->drop) {
-    std::memcpy(arrived->claimantData, arrived->data.get(), arrived->header.bytes());
-    finish(*arrived->claimant, "");
-  }
-  unexpected.remove_if([arrived](const Arrived& a) { return &a == arrived; });
 }
 
 void Mailboxes::State::progressAll() {
@@ -235,41 +146,6 @@ StatusPtr Mailboxes::State::post(std::function<void(const StatusPtr&)> enqueue) 
   lock.unlock();
   runWakes(taken);
   return status;
-}
-
-void Mailboxes::State::postReceive(const Posted& receive) {
-  auto arrived = std::find_if(unexpected.begin(), unexpected.end(), [&](const Arrived& a) {
-    return !a.claimant && (receive.peer == kAnySource || a.source == receive.peer) && a.header.tag == receive.tag;
-  });
-  if (arrived == unexpected.end()) {
-    if (!takeWaiting(receive)) {
-      posted.push_back(receive);
-    }
-    return;
-  }
-  const StatusPtr& status = receive.status;
-  status->source = arrived->source;
-  arrived->claimant = status;
-  if (!matches(receive, arrived->header)) {
-    refuse(*status, mismatch(arrived->source, receive, arrived->header));
-    arrived->drop = true;
-  } else if (!arrived->complete) {
-    // Still arriving (a receive posted just after its message began, as the backend's own headers
-    // and the model-parallel functions' do): what came so far is copied now, the rest lands in place.
-    Incoming& in = incoming[arrived->source];
-    TORCH_INTERNAL_ASSERT(in.arrived == &*arrived, "shared memory: an incomplete message that is not arriving");
-    std::memcpy(receive.data, arrived->data.get(), in.taken);
-    in.dest = receive.data;
-    in.status = status;
-    in.arrived = nullptr;
-    unexpected.erase(arrived);
-    return;
-  } else {
-    arrived->claimantData = receive.data;
-  }
-  if (arrived->complete) {
-    deliver(&*arrived);
-  }
 }
 
 void Mailboxes::State::cancel(const StatusPtr& status) {
@@ -440,6 +316,15 @@ RequestPtr Mailboxes::send(const void* buf, int64_t count, c10::ScalarType dtype
   const FrameHeader header{count, tag, static_cast<int16_t>(dtype), kMagic};
   auto status = state_->post([&](const StatusPtr& s) {
     state_->outgoing[peer].push_back({s, static_cast<const char*>(buf), header, header.bytes()});
+  });
+  return std::make_unique<MailboxRequest>(state_, std::move(status));
+}
+
+RequestPtr Mailboxes::recvAnySize(int peer, int tag, Transport::Allocate allocate) {
+  TORCH_CHECK(peer >= 0 && peer < state_->size, "shared memory: recv from rank ", peer, " of ", state_->size);
+  startProgress();
+  auto status = state_->post([&](const StatusPtr& s) {
+    state_->postReceive({s, nullptr, 0, c10::ScalarType::Byte, peer, tag, std::move(allocate)});
   });
   return std::make_unique<MailboxRequest>(state_, std::move(status));
 }

@@ -47,6 +47,8 @@ class Mailboxes {
   // message is dropped (the pair stays usable).
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag);
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag);
+  // As Transport::recvAnySize: `allocate` runs on whichever thread matches the message.
+  RequestPtr recvAnySize(int peer, int tag, Transport::Allocate allocate);
 
   struct State;
 

@@ -62,6 +62,7 @@ struct Mailboxes::State {
     c10::ScalarType dtype;
     int peer;
     int tag;
+    Transport::Allocate allocate = nullptr;  // a receive of any size: data comes from it at the match
   };
   // A message that came before its receive: copied out of the ring so messages behind it pass. A
   // receive that comes while it is still arriving takes what came so far, and the rest goes straight
@@ -94,8 +95,10 @@ struct Mailboxes::State {
   // As messages.cpp words it for the transports that need its headers.
   std::string mismatch(int source, const Posted& expected, const FrameHeader& sent) const;
 
-  // Whether a message is what a receive expects (count and dtype).
+  // Whether a message is what a receive expects (count and dtype; any, for a receive of any size).
   static bool matches(const Posted& posted, const FrameHeader& sent);
+  // Where a matched message goes: the receive's buffer (allocated now for a receive of any size).
+  static char* destination(Posted& posted, const FrameHeader& sent);
   // Moves what fits of the sends queued for `to` into their ring. Under the lock.
   void progressSends(int to);
   // Takes what has arrived from `from`. Under the lock.
@@ -108,7 +111,7 @@ struct Mailboxes::State {
   // The waiting message from `from` goes to a buffer of its own, so that what follows it passes.
   void stash(Incoming& in, int from);
   // Under the lock: the waiting message a receive takes, straight from the ring; false if none.
-  bool takeWaiting(const Posted& receive);
+  bool takeWaiting(Posted& receive);
 
   // The message is in: to its receive, or marked complete for the receive to come.
   void end(Incoming& in);
@@ -128,7 +131,7 @@ struct Mailboxes::State {
   StatusPtr post(std::function<void(const StatusPtr&)> enqueue);
 
   // Under the lock: the first message that arrived for it, else into `posted`.
-  void postReceive(const Posted& receive);
+  void postReceive(Posted receive);
   // A request dropped before it was done: nothing may touch its buffer from now on.
   void cancel(const StatusPtr& status);
   // The transport is going away: every request still in flight fails, and the segment is not

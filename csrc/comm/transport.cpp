@@ -22,6 +22,10 @@ RequestPtr allOf(std::vector<RequestPtr> requests) {
   return std::make_unique<AllOf>(std::move(requests));
 }
 
+RequestPtr Transport::recvAnySize(int /*peer*/, int /*tag*/, Allocate /*allocate*/) {
+  TORCH_CHECK(false, "chainermn: this transport cannot receive a message of unknown size");
+}
+
 RequestPtr Transport::startAll(const std::vector<Transfer>& transfers) {
   std::vector<RequestPtr> requests;
   requests.reserve(transfers.size());

@@ -99,6 +99,11 @@ class Transport {
   virtual RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
   // peer may be kAnySource; the Request's source() then tells which rank sent.
   virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
+  // A receive of whatever message comes from `peer` on `tag`: it lands in `allocate(count, dtype)`,
+  // called once the message's count and dtype are known. Only where checksMessages() (the message
+  // carries them); backend/messages.h reads them from its headers on the other transports.
+  using Allocate = std::function<void*(int64_t count, c10::ScalarType dtype)>;
+  virtual RequestPtr recvAnySize(int peer, int tag, Allocate allocate);
   virtual void barrier() = 0;
   // Starts every transfer of a batch as one (torch's batch_isend_irecv): a receive listed before the
   // send its peer waits for must not hold that send back. Libraries whose transfers progress

@@ -150,6 +150,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("algorithm", &ProcessGroupChainerMN::algorithm)
       .def_property_readonly("shared_memory", &ProcessGroupChainerMN::sharedMemory)
       .def_property_readonly("cuda_transport", &ProcessGroupChainerMN::cudaTransport)
+      .def("recv_message", &ProcessGroupChainerMN::recvMessage, py::arg("src"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "mean_coalesced",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::ScalarType> wireDtype) {

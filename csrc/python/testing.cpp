@@ -71,6 +71,20 @@ struct PyRequest {
   }
 };
 
+// A receive of any size (Transport::recvAnySize): wait() returns the message, a tensor of the
+// sender's count and dtype.
+struct PyAnySize {
+  std::shared_ptr<at::Tensor> received;
+  RequestPtr request;
+
+  at::Tensor wait() {
+    while (!request->test()) {
+      std::this_thread::yield();
+    }
+    return *received;
+  }
+};
+
 // One reduction for the strategy to run: the op, and the input of every rank.
 using Case = std::pair<std::string, std::vector<at::Tensor>>;
 
@@ -173,6 +187,7 @@ void bindTransport(py::module_& testing) {
       .def("test", &PyRequest::test, noGil)
       .def("wait", &PyRequest::wait, noGil)
       .def_property_readonly("source", [](const PyRequest& r) { return r.request->source(); });
+  py::class_<PyAnySize>(testing, "AnySize").def("wait", &PyAnySize::wait, noGil);
   py::class_<T, std::shared_ptr<T>>(testing, "Transport")
       .def_property_readonly("rank", &T::rank)
       .def_property_readonly("size", &T::size)
@@ -202,6 +217,13 @@ void bindTransport(py::module_& testing) {
       .def("recv", [](T& t, Tensor& x, int peer, int tag) {
         return PyRequest{x, t.recv(data(x), x.numel(), x.scalar_type(), peer, tag)}; },
         py::arg("tensor"), py::arg("peer") = kAnySource, py::arg("tag") = 0, noGil)
+      .def("recv_any_size", [](T& t, int peer, int tag) {
+        auto received = std::make_shared<at::Tensor>();
+        auto request = t.recvAnySize(peer, tag, [received](int64_t count, c10::ScalarType dtype) {
+          *received = at::empty({count}, at::TensorOptions().dtype(dtype));
+          return received->data_ptr();
+        });
+        return PyAnySize{received, std::move(request)}; }, py::arg("peer"), py::arg("tag") = 0, noGil)
       .def("barrier", &T::barrier, noGil);
   py::class_<RankGroup>(testing, "Rank")
       .def_property_readonly("rank", [](const RankGroup& g) { return g.topology.rank; })

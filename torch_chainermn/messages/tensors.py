@@ -1,13 +1,16 @@
 """How the model-parallel functions' tensors travel point to point (torch_chainermn.functions and
 links), and how their waits fail.
 
-A transfer is two messages: a fixed-size int64 header on the pair's tag, then one payload of bytes
-(every tensor of the message packed, each at a 16-byte boundary; skipped when empty) on the tag
-plus BODY_TAG_OFFSET, so that a pipeline can post the receives of headers ahead (receive_ahead). The header
-says what the message is, so the receiver needs to know neither shapes nor dtypes in advance:
+A transfer of CPU tensors is one message of bytes on the pair's tag: an int64 header, then every
+tensor of the message packed, each at a 16-byte boundary. The receiver takes it whatever its size
+(the backend's recv_message), and the header says what it is, so the receiver needs to know neither
+shapes nor dtypes in advance; the tensors it gets lie in the message, without a copy:
 
-    [MAGIC, kind, seq, count, spec_len, payload_bytes, device, tuple, spec...]
-    spec: per tensor [dtype, requires_grad, ndim, *shape]   (sent as a third message if it is long)
+    [MAGIC, kind, seq, count, spec_len, payload_bytes, device, tuple, spec...]   (padded to 16 bytes)
+    spec: per tensor [dtype, requires_grad, ndim, *shape]
+
+CUDA tensors travel as a payload of their own on the tag plus BODY_TAG_OFFSET, after a message that
+holds the header only. A pipeline posts the receives of its messages ahead (receive_ahead).
 
 `kind` tells an activation (forward) from a gradient (backward) and from a failure report. Both
 directions use the caller's tag, so a gradient that a rank's backward never collected (its
@@ -23,22 +26,23 @@ and the usual cause: a delegate variable that never reached backward.
 """
 from __future__ import annotations
 
+import array
 import itertools
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from .._backend import backend_of
 from .framing import wait_all
 
 MAGIC = 0x4D4E4D50  # "MNMP"
 KIND_ACTIVATION, KIND_GRADIENT, KIND_FAILURE = 1, 2, 3
 KIND_NAMES = {KIND_ACTIVATION: "an activation", KIND_GRADIENT: "a gradient", KIND_FAILURE: "a failure report"}
-HEADER_LEN = 32
-# A message's body (payload, long spec, failure reason) travels on a tag of its own, so that headers
-# can be received ahead of time (receive_ahead) without taking an earlier message's body.
+# The payload of CUDA tensors travels on a tag of its own, after its header's message, so that
+# messages can be received ahead of time (receive_ahead) without taking an earlier message's payload.
 BODY_TAG_OFFSET = 1 << 20
-_FIXED = 8  # header slots before the inline spec
+_FIXED = 8  # header slots before the spec
 _ALIGN = 16
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -168,77 +172,90 @@ def _wait_all(works, what: str) -> None:
 
 # ---- send and receive ----------------------------------------------------------------------------------
 
-def _header(kind: int, seq: int, spec: Spec | None, payload: int, extra: list[int] | None = None) -> torch.Tensor:
-    ints = spec.ints() if spec is not None else (extra or [])
-    count = len(spec.meta) if spec is not None else 0
-    device = DEVICES.index(spec.device) if spec is not None else 0
-    is_tuple = int(spec.is_tuple) if spec is not None else 0
-    head = [MAGIC, kind, seq, count, len(ints), payload, device, is_tuple]
-    if len(head) + len(ints) <= HEADER_LEN:
-        head += ints
-    head += [0] * (HEADER_LEN - len(head))
-    return torch.tensor(head, dtype=torch.int64)
+def _backend(group):
+    """The group's ProcessGroupChainerMN (its recv_message), found once per group."""
+    backend = _backends.get(group)
+    if backend is None:
+        backend = _backends[group] = backend_of(group, "recv")
+    return backend
 
 
-def _pack(tensors, spec: Spec) -> torch.Tensor:
-    """A copy of the tensors' bytes, back to back at aligned offsets. A copy, because the send is not
+_backends: "weakref.WeakKeyDictionary[dist.ProcessGroup, object]" = weakref.WeakKeyDictionary()
+
+
+def _header_bytes(slots: int) -> int:
+    """Bytes a header of `slots` int64 takes at the front of a message (the payload starts aligned)."""
+    return -(-8 * slots // _ALIGN) * _ALIGN
+
+
+def _message(head: list[int], payload_bytes: int) -> tuple[torch.Tensor, int]:
+    """A message buffer with `head` written at its front, and where its payload starts."""
+    start = _header_bytes(len(head))
+    message = torch.empty(start + payload_bytes, dtype=torch.uint8)
+    written = 8 * len(head)
+    message[:written].copy_(torch.frombuffer(array.array("q", head), dtype=torch.uint8))
+    message[written:start].zero_()
+    return message, start
+
+
+def _pack(tensors, spans, into: torch.Tensor) -> None:
+    """The tensors' bytes, back to back at aligned offsets of `into`. A copy, because the send is not
     waited for: the caller may change its tensors at once (autograd accumulates gradients in place)."""
-    spans, total = spec.offsets()
-    payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for t, (b, e) in zip(tensors, spans):
         if e > b:
-            payload[b:e].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-    return payload
+            into[b:e].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tuple: bool, what: str) -> None:
-    """Post the header and payload of `tensors` to `peer` (not waited for: see drain)."""
+    """Post `tensors` to `peer` (not waited for: see drain). CPU tensors go in the header's message;
+    CUDA tensors follow it as a payload of their own on the body tag."""
     spec = Spec.of(tensors, is_tuple)
     spans, total = spec.offsets()
-    header = _header(kind, seq, spec, total)
-    works = [dist.isend(header, group=group, group_dst=peer, tag=tag)]
     ints = spec.ints()
-    body = tag + BODY_TAG_OFFSET
-    if _FIXED + len(ints) > HEADER_LEN:
-        works.append(dist.isend(torch.tensor(ints, dtype=torch.int64), group=group, group_dst=peer, tag=body))
-    if total:
-        works.append(dist.isend(_pack(tensors, spec), group=group, group_dst=peer, tag=body))
+    head = [MAGIC, kind, seq, len(spec.meta), len(ints), total, DEVICES.index(spec.device), int(is_tuple), *ints]
+    on_host = spec.device == "cpu"
+    message, start = _message(head, total if on_host else 0)
+    if on_host:
+        _pack(tensors, spans, message[start:])
+    works = [dist.isend(message, group=group, group_dst=peer, tag=tag)]
+    if total and not on_host:
+        payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+        _pack(tensors, spans, payload)
+        works.append(dist.isend(payload, group=group, group_dst=peer, tag=tag + BODY_TAG_OFFSET))
     _post(group, works, what)
 
 
 def send_failure(group, peer: int, tag: int, error: BaseException, what: str) -> None:
     """Tell a peer waiting for a message that none comes, and why (it raises too)."""
     reason = f"{type(error).__name__}: {error}".encode()
-    works = [dist.isend(_header(KIND_FAILURE, 0, None, len(reason)), group=group, group_dst=peer, tag=tag)]
+    message, start = _message([MAGIC, KIND_FAILURE, 0, 0, 0, len(reason), 0, 0], len(reason))
     if reason:
-        works.append(dist.isend(torch.frombuffer(bytearray(reason), dtype=torch.uint8), group=group,
-                                group_dst=peer, tag=tag + BODY_TAG_OFFSET))
-    _post(group, works, what)
+        message[start:].copy_(torch.frombuffer(bytearray(reason), dtype=torch.uint8))
+    _post(group, [dist.isend(message, group=group, group_dst=peer, tag=tag)], what)
 
 
 _ahead: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
 
 
 class _Ahead:
-    """The header receives of one (peer, tag) pair still to be posted ahead, and the one posted."""
+    """The receives of one (peer, tag) pair's messages still to be posted ahead, and the one posted."""
 
     def __init__(self):
         self.expected = 0
-        self.posted = None  # (header, work)
+        self.posted = None  # the Work of recv_message
 
     def post_next(self, group, peer: int, tag: int) -> None:
-        # One at a time: with several receives pending on one peer and tag, the backend may pair
-        # a later receive with an earlier message (it posts each data receive when its header lands).
+        # One at a time, so that a receive posted ahead never takes a message meant for a receive
+        # that is not posted ahead (a recv of the same pair outside the pipeline's count).
         if self.posted is None and self.expected > 0:
             self.expected -= 1
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
-            self.posted = (header, dist.irecv(header, group=group, group_src=peer, tag=tag))
+            self.posted = _backend(group).recv_message(peer, tag)
 
 
 def receive_ahead(group, peer: int, tag: int, count: int) -> None:
-    """Expect `count` more messages from `peer` on `tag`: their header receives are posted ahead, each
-    as soon as the one before it has landed, so that a header arrives while this rank computes
-    (a pipeline knows what it will receive). Only for messages that will surely come."""
+    """Expect `count` more messages from `peer` on `tag`: their receives are posted ahead, each as
+    soon as the one before it has landed, so that a message arrives while this rank computes (a
+    pipeline knows what it will receive). Only for messages that will surely come."""
     ahead = _ahead.setdefault(group, {}).setdefault((peer, tag), _Ahead())
     ahead.expected += count
     ahead.post_next(group, peer, tag)
@@ -248,61 +265,69 @@ def _recv_wait(group, tensor, peer: int, tag: int, what: str) -> None:
     _wait_all([dist.irecv(tensor, group=group, group_src=peer, tag=tag)], what)
 
 
+def _tensor_at(message: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor over `message`'s bytes from `offset` (a multiple of 16): no copy, and a tensor of its
+    own, not a view (autograd forbids in-place ops on views made in a custom Function's forward)."""
+    return torch.empty(0, dtype=dtype).set_(message.untyped_storage(), offset // dtype.itemsize, shape)
+
+
 def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, what: str, waiting: str,
                  device: torch.device | None = None):
     """Receive one message from `peer`: (tensors, spec). Raises if it is not what this rank expects.
     `what` names the receiving op in errors; `waiting` says, for a timeout, what never came and why."""
     ahead = _ahead.get(group, {}).get((peer, tag))
     if ahead is not None and ahead.posted is not None:
-        (header, work), ahead.posted = ahead.posted, None
+        work, ahead.posted = ahead.posted, None
         _wait_all([work], f"{what}: {waiting}")
         ahead.post_next(group, peer, tag)
     else:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        _recv_wait(group, header, peer, tag, f"{what}: {waiting}")
-    head = header.tolist()
-    body = tag + BODY_TAG_OFFSET  # the rest of the message
+        work = _backend(group).recv_message(peer, tag)
+        _wait_all([work], f"{what}: {waiting}")
+    message = work.get_future().value()[0]
+    head = message[:8 * _FIXED].view(torch.int64).tolist() \
+        if message.dtype == torch.uint8 and message.numel() >= 8 * _FIXED else [0]
     if head[0] != MAGIC:
         raise RuntimeError(f"{what}: received a message that is not a model-parallel message (another "
                            f"send on the same tag {tag}?)")
     kind, seq, count, spec_len, payload, device_code, is_tuple = head[1:_FIXED]
+    start = _header_bytes(_FIXED + spec_len)
     if kind == KIND_FAILURE:
-        reason = torch.empty(payload, dtype=torch.uint8)
-        if payload:
-            _recv_wait(group, reason, peer, body, f"{what}: the failure report from rank {peer} was cut short")
-        raise RuntimeError(f"{what}: rank {peer} could not send: {bytes(reason.tolist()).decode(errors='replace')}")
-    if _FIXED + spec_len <= HEADER_LEN:
-        ints = head[_FIXED:_FIXED + spec_len]
-    else:
-        long_spec = torch.empty(spec_len, dtype=torch.int64)
-        _recv_wait(group, long_spec, peer, body, f"{what}: the header from rank {peer} was cut short")
-        ints = long_spec.tolist()
+        reason = message[start:start + payload].numpy().tobytes().decode(errors="replace")
+        raise RuntimeError(f"{what}: rank {peer} could not send: {reason}")
+    ints = message[8 * _FIXED:8 * (_FIXED + spec_len)].view(torch.int64).tolist()
     spec = Spec.from_ints(ints, count, DEVICES[device_code], bool(is_tuple))
-    wire = torch.device(spec.device) if spec.device == "cpu" else (
-        device if device is not None and torch.device(device).type == "cuda" else torch.device("cuda"))
     spans, total = spec.offsets()
-    # One tensor lands in a tensor of its own; several land in one buffer and are copied out, so that
-    # every received tensor is a tensor of its own (not a view: autograd forbids in-place ops on views
-    # made in a custom Function's forward).
-    single = torch.empty(spec.meta[0][2], dtype=spec.meta[0][0], device=wire) if len(spec.meta) == 1 else None
-    buffer = single.reshape(-1).view(torch.uint8) if single is not None else \
-        torch.empty(total, dtype=torch.uint8, device=wire)
-    if total:
-        _recv_wait(group, buffer, peer, body, f"{what}: the data from rank {peer} never came after its header")
+    if spec.device == "cpu":
+        tensors = [_tensor_at(message, start + b, dtype, shape) if e > b else torch.empty(shape, dtype=dtype)
+                   for (dtype, _, shape), (b, e) in zip(spec.meta, spans)]
+    else:
+        tensors = _recv_payload(group, peer, tag, spec, spans, total, device, what)
     if kind != expect_kind:
         raise RuntimeError(_wrong_kind(what, peer, tag, kind, seq, expect_kind))
     if seq != expect_seq:
         raise RuntimeError(f"{what}: got {KIND_NAMES[kind]} for message #{seq} of the pair where #{expect_seq} "
                            f"was due: the ranks ran their sends/recvs (or their backward passes) in different "
                            f"orders. {DELEGATE_HINT}")
-    if single is not None:
-        tensors = [single]
-    else:
-        tensors = [buffer[b:e].view(dtype).reshape(shape).clone() if e > b else
-                   torch.empty(shape, dtype=dtype, device=wire) for (dtype, _, shape), (b, e) in zip(spec.meta, spans)]
     if device is not None:
         tensors = [t.to(device) for t in tensors]
     return tensors, spec
+
+
+def _recv_payload(group, peer: int, tag: int, spec: Spec, spans, total: int, device, what: str) -> list:
+    """The CUDA tensors of a message, from the payload that follows its header on the body tag."""
+    wire = device if device is not None and torch.device(device).type == "cuda" else torch.device("cuda")
+    # One tensor lands in a tensor of its own; several land in one buffer and are copied out, so that
+    # every received tensor is a tensor of its own (not a view).
+    single = torch.empty(spec.meta[0][2], dtype=spec.meta[0][0], device=wire) if len(spec.meta) == 1 else None
+    buffer = single.reshape(-1).view(torch.uint8) if single is not None else \
+        torch.empty(total, dtype=torch.uint8, device=wire)
+    if total:
+        _recv_wait(group, buffer, peer, tag + BODY_TAG_OFFSET,
+                   f"{what}: the data from rank {peer} never came after its header")
+    if single is not None:
+        return [single]
+    return [buffer[b:e].view(dtype).reshape(shape).clone() if e > b else
+            torch.empty(shape, dtype=dtype, device=wire) for (dtype, _, shape), (b, e) in zip(spec.meta, spans)]
 
 
 def _wrong_kind(what: str, peer: int, tag: int, kind: int, seq: int, expect_kind: int) -> str:
