@@ -88,8 +88,8 @@ def send(x, communicator, rank: int, tag: int = 0) -> torch.Tensor:
 
 def send_activation(x, communicator, rank: int, tag: int = 0, gradients_ahead: bool = False) -> torch.Tensor:
     """send, for MultiNodeChainList. `gradients_ahead`: the caller will surely run this send's
-    backward (a pipeline schedule runs every backward itself), so the receive of the gradient's
-    header is posted at once and the gradient lands while this rank computes."""
+    backward (a pipeline schedule runs every backward itself), so the receive of the gradient is
+    posted at once and the gradient lands while this rank computes."""
     op = "send"
     comm = as_communicator(op, communicator, SEND_USAGE)
     is_tuple = isinstance(x, (tuple, list))

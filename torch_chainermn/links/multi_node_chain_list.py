@@ -129,7 +129,7 @@ class MultiNodeChainList(torch.nn.Module):
     def run_components(self, *inputs, gradients_ahead: bool = False):
         """Run every component once: (what forward returns, whether it is a model output).
         `gradients_ahead`: the caller will surely run this pass's backward (a pipeline schedule), so
-        each send posts the receive of its gradient's header at once."""
+        each send posts the receive of its gradient at once."""
         comm = self._comm
         handed = queue.Queue()  # values a component sends to this very rank
         y, delegate, y_is_last = None, None, False

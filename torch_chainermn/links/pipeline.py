@@ -64,8 +64,8 @@ def _join_delegates(delegates):
 
 
 def receive_ahead(chain, m: int) -> None:
-    """Post the header receives of every activation the m micro-batches will receive, so that they
-    arrive while this rank computes (only the payload's receive is left for when it is needed)."""
+    """Post the receives of every activation the m micro-batches will receive (one at a time, each
+    once the one before it has landed), so that they arrive while this rank computes."""
     for _, rank_in, _ in chain.components():
         for source in rank_in or ():
             if source != chain.comm.rank:
