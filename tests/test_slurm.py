@@ -47,22 +47,23 @@ def test_a_task_of_a_two_node_step_finds_the_store_on_the_first_node():
 
 def test_only_srun_tasks_count_and_torchrun_variables_win():
     assert _slurm.launched(TASK_OF_TWO_NODES) and not _slurm.launched(BATCH_SCRIPT)
-    saved = dict(os.environ)
+    saved, saved_record = dict(os.environ), _launch.record()
     try:
         for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"):
             os.environ.pop(name, None)
         os.environ.update({**TASK_OF_TWO_NODES, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "torchrun-host",
                            "MASTER_PORT": "29500"})
-        _launch.prepare_environment()  # torchrun started by srun: torchrun's ranks, not srun's
+        assert _launch.prepare_environment().launcher == "env"  # torchrun started by srun: torchrun's ranks
         assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("1", "2", "torchrun-host")
         assert "GROUP_RANK" not in os.environ
         for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             del os.environ[name]
-        _launch.prepare_environment()
+        assert _launch.prepare_environment() == _launch.Launch("srun", True, 3, 5, 0, 2)
         assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("3", "5", "node07")
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        _launch._record = saved_record  # this process's own launch, as the rest of the suite expects
 
 
 @pytest.fixture(scope="module")
