@@ -189,13 +189,19 @@ def _header_bytes(slots: int) -> int:
 
 
 def _message(head: list[int], payload_bytes: int) -> tuple[torch.Tensor, int]:
-    """A message buffer with `head` written at its front, and where its payload starts."""
+    """A message buffer with `head` written at its front (padded with zeros to the payload's
+    alignment), and where its payload starts."""
     start = _header_bytes(len(head))
     message = torch.empty(start + payload_bytes, dtype=torch.uint8)
-    written = 8 * len(head)
-    message[:written].copy_(torch.frombuffer(array.array("q", head), dtype=torch.uint8))
-    message[written:start].zero_()
+    padded = head + [0] * (start // 8 - len(head))
+    message[:start].copy_(torch.frombuffer(array.array("q", padded), dtype=torch.uint8))
     return message, start
+
+
+def _post_send(group, tensor: torch.Tensor, peer: int, tag: int):
+    """Post a send of `tensor` to group rank `peer` straight on the group's backend (what dist.isend
+    does, without its Python checks: these messages are ours, on a chainermn group)."""
+    return _backend(group).send([tensor], peer, tag)
 
 
 def _pack(tensors, spans, into: torch.Tensor) -> None:
@@ -217,11 +223,11 @@ def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tu
     message, start = _message(head, total if on_host else 0)
     if on_host:
         _pack(tensors, spans, message[start:])
-    works = [dist.isend(message, group=group, group_dst=peer, tag=tag)]
+    works = [_post_send(group, message, peer, tag)]
     if total and not on_host:
         payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
         _pack(tensors, spans, payload)
-        works.append(dist.isend(payload, group=group, group_dst=peer, tag=tag + BODY_TAG_OFFSET))
+        works.append(_post_send(group, payload, peer, tag + BODY_TAG_OFFSET))
     _post(group, works, what)
 
 
@@ -231,7 +237,7 @@ def send_failure(group, peer: int, tag: int, error: BaseException, what: str) ->
     message, start = _message([MAGIC, KIND_FAILURE, 0, 0, 0, len(reason), 0, 0], len(reason))
     if reason:
         message[start:].copy_(torch.frombuffer(bytearray(reason), dtype=torch.uint8))
-    _post(group, [dist.isend(message, group=group, group_dst=peer, tag=tag)], what)
+    _post(group, [_post_send(group, message, peer, tag)], what)
 
 
 _ahead: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
