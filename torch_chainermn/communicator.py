@@ -30,8 +30,8 @@ from .gradients import mean_coalesced
 from .options import Options
 from .topology import topology
 
-from .messages.arrays import (array_spec, check_alike, describe, nbytes, plain_array, scatter_pieces, spec_of,
-                              torch_dtype_of)
+from .messages.arrays import (array_spec, as_plain, check_alike, describe, nbytes, plain_array, scatter_pieces,
+                              spec_of, torch_dtype_of)
 from .messages.exchange import exchange
 from .messages.framing import (DEFAULT_MAX_BUF_LEN, TAG_GATHER_OBJ, bcast_bytes, check_max_buf_len, check_rank,
                                check_tag, chunks, wait_all)
@@ -189,7 +189,7 @@ class Communicator:
         pieces, specs, refusal = [], None, None
         if self.rank == root:
             try:
-                pieces = [plain_array(op, f"xs[{i}]", p) for i, p in enumerate(scatter_pieces(op, xs, self.size))]
+                pieces = [as_plain(p) for p in scatter_pieces(op, xs, self.size)]  # checked there
                 specs = [spec_of(p) for p in pieces]
                 check_alike(op, specs)
             except ValueError as error:
@@ -214,7 +214,7 @@ class Communicator:
         return tuple(exchange(
             lambda sends, landings: dist.all_to_all(landings, sends, group=self.group, async_op=True),
             [plain_array(op, "xs", x) for x in xs], [rows[source][self.rank] for source in range(self.size)],
-            max(nbytes(spec) for row in rows for spec in row), _device_type(rows[self.rank][0])))
+            _widest([spec for row in rows for spec in row]), _device_type(rows[self.rank][0])))
 
     def allreduce(self, data):
         """The element-wise sum of every rank's array (same shape and dtype everywhere), as a new

@@ -322,20 +322,21 @@ RequestPtr Mailboxes::send(const void* buf, int64_t count, c10::ScalarType dtype
 
 RequestPtr Mailboxes::recvAnySize(int peer, int tag, Transport::Allocate allocate) {
   TORCH_CHECK(peer >= 0 && peer < state_->size, "shared memory: recv from rank ", peer, " of ", state_->size);
-  startProgress();
-  auto status = state_->post([&](const StatusPtr& s) {
-    state_->postReceive({s, nullptr, 0, c10::ScalarType::Byte, peer, tag, std::move(allocate)});
-  });
-  return std::make_unique<MailboxRequest>(state_, std::move(status));
+  return receive(nullptr, 0, c10::ScalarType::Byte, peer, tag, std::move(allocate));
 }
 
 RequestPtr Mailboxes::recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) {
   TORCH_CHECK(
       peer == kAnySource || (peer >= 0 && peer < state_->size), "shared memory: recv from rank ", peer, " of ",
       state_->size);
+  return receive(buf, count, dtype, peer, tag, nullptr);
+}
+
+RequestPtr Mailboxes::receive(
+    void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag, Transport::Allocate allocate) {
   startProgress();
   auto status = state_->post([&](const StatusPtr& s) {
-    state_->postReceive({s, static_cast<char*>(buf), count, dtype, peer, tag});
+    state_->postReceive({s, static_cast<char*>(buf), count, dtype, peer, tag, std::move(allocate)});
   });
   return std::make_unique<MailboxRequest>(state_, std::move(status));
 }

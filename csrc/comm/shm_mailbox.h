@@ -54,6 +54,8 @@ class Mailboxes {
 
  private:
   void startProgress();
+  // Files a receive (recv, recvAnySize: `allocate` set, `buf` null) and progresses once.
+  RequestPtr receive(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag, Transport::Allocate allocate);
 
   std::shared_ptr<State> state_;
   std::once_flag progressStarted_;
