@@ -135,9 +135,12 @@ def test_strategies_on_cuda_one_node(config):
 def mean_cases():
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
-    shapes = [(3, 5), (1,), (1000,), (0,), (257, 3)]
-    mixes = {"float32": [torch.float32] * 5,
-             "mixed": [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float32]}
+    # (70001,) spans many of the kernel's chunks (4096 elements at this total); after (3, 5) every
+    # part sits at an odd element offset, so raw moves of 16-bit parts go 2 bytes at a time.
+    shapes = [(3, 5), (1,), (1000,), (0,), (257, 3), (70001,)]
+    mixes = {"float32": [torch.float32] * 6,
+             "float16": [torch.float16] * 6,
+             "mixed": [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float32, torch.bfloat16]}
     for mix_name, dtypes in mixes.items():
         for wire in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
             case = f"{mix_name}-{wire}"

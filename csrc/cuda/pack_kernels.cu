@@ -1,10 +1,11 @@
 // One-launch pack/unpack of many tensors on CUDA (see pack.h).
 //
-// The table uploaded per call holds, for n parts: offsets[0..n] (prefix sums of the parts' element
-// counts, offsets[0] = 0) and n Part records. Each element i of the packed buffer binary-searches
-// offsets for its part, so a launch covers any number of parts of any sizes with no per-part launch
-// and no host loop over elements. Parts of equal dtype to the wire with scale 1 (and every integer
-// pack) are moved as raw bytes by the same kernel shape.
+// The host cuts every part into chunks (at most `chunkLength` elements, or bytes for a raw move) and
+// uploads the list per call; block b takes chunk b (grid-stride beyond the grid). A block knows its
+// source, its destination, their dtypes and its length from its one record: no search per element,
+// and the loop over the chunk is typed, so consecutive threads read and write consecutive addresses
+// of one dtype. Parts of equal dtype to the wire with scale 1 (and every integer pack) are moved as
+// raw bytes, in the widest words both ends' alignment allows.
 #include "cuda/pack_kernels.h"
 
 #include "cuda/device.h"
@@ -22,7 +23,7 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
+#include <limits>
 #include <optional>
 #include <type_traits>
 
@@ -32,10 +33,12 @@ namespace {
 
 enum class Kind : int32_t { Float = 0, Double = 1, Half = 2, BFloat16 = 3, Byte = 4 };
 
-struct Part {
-  void* data;
-  int32_t kind;
-  int32_t pad;
+// A stretch of one part and where it goes in the packed buffer.
+struct Chunk {
+  void* data;        // the part's first element (byte) of this chunk
+  int64_t packedAt;  // its index in the packed buffer: wire elements, or bytes for a raw move
+  int32_t count;     // elements (bytes) in the chunk
+  int32_t kind;      // the part's Kind
 };
 
 Kind kindOf(c10::ScalarType dtype) {
@@ -53,115 +56,123 @@ Kind kindOf(c10::ScalarType dtype) {
   }
 }
 
-// The part holding element i: the last p with offsets[p] <= i (offsets has n + 1 entries).
-__device__ __forceinline__ int findPart(const int64_t* offsets, int n, int64_t i) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= i) {
-      lo = mid;
+// v * scale as `To`. Arithmetic in float unless a double is involved, as torch (and castScale on the
+// CPU) computes; half and bfloat16 go through float both ways.
+template <typename To, typename From>
+__device__ __forceinline__ To scaled(From v, double scale) {
+  if constexpr (std::is_same_v<To, double> || std::is_same_v<From, double>) {
+    double d;
+    if constexpr (std::is_same_v<From, double>) {
+      d = v;
     } else {
-      hi = mid - 1;
+      d = static_cast<double>(static_cast<float>(v));
     }
+    if (scale != 1.0) {
+      d *= scale;
+    }
+    if constexpr (std::is_same_v<To, double>) {
+      return d;
+    } else {
+      return To(static_cast<float>(d));
+    }
+  } else {
+    const float f = static_cast<float>(v);
+    return To(scale == 1.0 ? f : f * static_cast<float>(scale));
   }
-  return lo;
 }
 
-template <typename T>
-__device__ __forceinline__ T loadAs(const Part& part, int64_t j) {
-  switch (static_cast<Kind>(part.kind)) {
+// out[k] = convert(in[k]) for k < count, by the block's threads, four loads in flight per thread.
+template <typename From, typename To, typename Convert>
+__device__ __forceinline__ void moveEach(const From* in, To* out, int32_t count, Convert convert) {
+  const int step = blockDim.x;
+  int k = threadIdx.x;
+  for (; k + 3 * step < count; k += 4 * step) {
+    const From a = in[k], b = in[k + step], c = in[k + 2 * step], d = in[k + 3 * step];
+    out[k] = convert(a);
+    out[k + step] = convert(b);
+    out[k + 2 * step] = convert(c);
+    out[k + 3 * step] = convert(d);
+  }
+  for (; k < count; k += step) {
+    out[k] = convert(in[k]);
+  }
+}
+
+// Calls f with a null pointer of the part's C++ type (one switch per chunk, not per element).
+template <typename F>
+__device__ __forceinline__ void withPartType(int32_t kind, F&& f) {
+  switch (static_cast<Kind>(kind)) {
     case Kind::Float:
-      return static_cast<T>(static_cast<const float*>(part.data)[j]);
+      return f(static_cast<float*>(nullptr));
     case Kind::Double:
-      return static_cast<T>(static_cast<const double*>(part.data)[j]);
+      return f(static_cast<double*>(nullptr));
     case Kind::Half:
-      return static_cast<T>(static_cast<float>(static_cast<const c10::Half*>(part.data)[j]));
+      return f(static_cast<c10::Half*>(nullptr));
     case Kind::BFloat16:
     default:
-      return static_cast<T>(static_cast<float>(static_cast<const c10::BFloat16*>(part.data)[j]));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void storeFrom(const Part& part, int64_t j, T value) {
-  switch (static_cast<Kind>(part.kind)) {
-    case Kind::Float:
-      static_cast<float*>(part.data)[j] = static_cast<float>(value);
-      break;
-    case Kind::Double:
-      static_cast<double*>(part.data)[j] = static_cast<double>(value);
-      break;
-    case Kind::Half:
-      static_cast<c10::Half*>(part.data)[j] = c10::Half(static_cast<float>(value));
-      break;
-    case Kind::BFloat16:
-    default:
-      static_cast<c10::BFloat16*>(part.data)[j] = c10::BFloat16(static_cast<float>(value));
-      break;
+      return f(static_cast<c10::BFloat16*>(nullptr));
   }
 }
 
 template <typename W>
-__device__ __forceinline__ float wireToFloat(W v) {
-  return static_cast<float>(v);
-}
-
-// Arithmetic in float unless a double is involved, as torch (and castScale on the CPU) computes.
-template <typename W>
-__global__ void packKernel(W* packed, const int64_t* offsets, const Part* parts, int n, int64_t total, double scale) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int p = findPart(offsets, n, i);
-    const Part part = parts[p];
-    const int64_t j = i - offsets[p];
-    if (std::is_same_v<W, double> || static_cast<Kind>(part.kind) == Kind::Double) {
-      packed[i] = static_cast<W>(loadAs<double>(part, j) * scale);
-    } else {
-      const float v = loadAs<float>(part, j);
-      packed[i] = static_cast<W>(scale == 1.0 ? v : v * static_cast<float>(scale));
-    }
+__global__ void packKernel(W* packed, const Chunk* chunks, int n, double scale) {
+  for (int c = blockIdx.x; c < n; c += gridDim.x) {
+    const Chunk chunk = chunks[c];
+    withPartType(chunk.kind, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      moveEach(static_cast<const T*>(chunk.data), packed + chunk.packedAt, chunk.count,
+               [scale](T v) { return scaled<W>(v, scale); });
+    });
   }
 }
 
 template <typename W>
-__global__ void unpackKernel(const W* packed, const int64_t* offsets, const Part* parts, int n, int64_t total, double scale) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int p = findPart(offsets, n, i);
-    const Part part = parts[p];
-    const int64_t j = i - offsets[p];
-    if (std::is_same_v<W, double> || static_cast<Kind>(part.kind) == Kind::Double) {
-      storeFrom<double>(part, j, static_cast<double>(packed[i]) * scale);
-    } else {
-      const float v = static_cast<float>(packed[i]);
-      storeFrom<float>(part, j, scale == 1.0 ? v : v * static_cast<float>(scale));
-    }
+__global__ void unpackKernel(const W* packed, const Chunk* chunks, int n, double scale) {
+  for (int c = blockIdx.x; c < n; c += gridDim.x) {
+    const Chunk chunk = chunks[c];
+    withPartType(chunk.kind, [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      moveEach(packed + chunk.packedAt, static_cast<T*>(chunk.data), chunk.count,
+               [scale](W v) { return scaled<T>(v, scale); });
+    });
   }
 }
 
-// Raw bytes (same dtype, no scale): offsets count bytes.
-__global__ void packBytesKernel(uint8_t* packed, const int64_t* offsets, const Part* parts, int n, int64_t total, bool toPacked) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int p = findPart(offsets, n, i);
-    auto* data = static_cast<uint8_t*>(parts[p].data);
-    const int64_t j = i - offsets[p];
-    if (toPacked) {
-      packed[i] = data[j];
-    } else {
-      data[j] = packed[i];
-    }
+// `bytes` bytes from `in` to `out` in words of `Word` (both aligned to it), then the bytes left over.
+template <typename Word>
+__device__ __forceinline__ void copyWords(const uint8_t* in, uint8_t* out, int32_t bytes) {
+  const int32_t words = bytes / static_cast<int32_t>(sizeof(Word));
+  moveEach(reinterpret_cast<const Word*>(in), reinterpret_cast<Word*>(out), words, [](Word w) { return w; });
+  const int32_t done = words * static_cast<int32_t>(sizeof(Word));
+  for (int32_t k = done + threadIdx.x; k < bytes; k += blockDim.x) {
+    out[k] = in[k];
   }
 }
 
-int blocksFor(int64_t total) {
-  constexpr int64_t kThreads = 256;
-  const int64_t blocks = (total + kThreads - 1) / kThreads;
-  // Grid-stride beyond this: enough blocks to fill any current GPU many times over.
-  return static_cast<int>(std::min<int64_t>(blocks, 65535));
+// Raw bytes (same dtype, no scale): chunks count bytes, and start on 16-byte boundaries of their part.
+__global__ void packBytesKernel(uint8_t* packed, const Chunk* chunks, int n, bool toPacked) {
+  for (int c = blockIdx.x; c < n; c += gridDim.x) {
+    const Chunk chunk = chunks[c];
+    auto* data = static_cast<uint8_t*>(chunk.data);
+    const uint8_t* in = toPacked ? data : packed + chunk.packedAt;
+    uint8_t* out = toPacked ? packed + chunk.packedAt : data;
+    const auto both = reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out);
+    if (both % 16 == 0) {
+      copyWords<uint4>(in, out, chunk.count);
+    } else if (both % 8 == 0) {
+      copyWords<uint2>(in, out, chunk.count);
+    } else if (both % 4 == 0) {
+      copyWords<uint32_t>(in, out, chunk.count);
+    } else if (both % 2 == 0) {
+      copyWords<uint16_t>(in, out, chunk.count);
+    } else {
+      copyWords<uint8_t>(in, out, chunk.count);
+    }
+  }
 }
 
 constexpr int kTableSlots = 8;
+constexpr int kThreads = 256;  // a block
 
 } // namespace
 
@@ -213,11 +224,26 @@ size_t PartTable::bytesHeld() const {
 namespace {
 
 struct Uploaded {
-  const int64_t* offsets;
-  const Part* parts;
+  const Chunk* chunks;  // on the device
   int n;
-  int64_t total;
 };
+
+// The parts' units (elements, or bytes for a raw move).
+int64_t unitsOf(const FlatBuffer& part, bool bytes) {
+  return bytes ? part.count * static_cast<int64_t>(c10::elementSize(part.dtype)) : part.count;
+}
+
+// Chunks of about total / kTargetChunks units: enough blocks to fill the GPU several times over (an
+// H100 holds about 1000 blocks of 256 threads at once) with a table of tens of kB, at least
+// kMinChunk units (a few per thread) and a multiple of 16, so that each chunk of a raw move starts on
+// its part's 16-byte alignment.
+int64_t chunkLength(int64_t total) {
+  constexpr int64_t kTargetChunks = 2048;
+  constexpr int64_t kMinChunk = 4096;
+  constexpr int64_t kMaxChunk = int64_t{1} << 30;  // Chunk::count is 32-bit
+  const int64_t length = std::clamp<int64_t>((total + kTargetChunks - 1) / kTargetChunks, kMinChunk, kMaxChunk);
+  return (length + 15) / 16 * 16;
+}
 
 // Makes room for a table of `need` bytes uploaded on `stream` (on the current device). All slots
 // grow at once, so that a size seen once is warmed up for every slot ("nothing allocated per call
@@ -276,12 +302,22 @@ void prepare(PartTable::State& s, size_t need, cudaStream_t stream) {
   s.stream = stream;
 }
 
-// Writes offsets and parts into the next pinned slot and copies it to the device on `stream`.
+// Writes the parts' chunks into the next pinned slot and copies them to the device on `stream`.
 Uploaded upload(PartTable::State& s, const std::vector<FlatBuffer>& parts, bool bytes, cudaStream_t stream) {
-  const int n = static_cast<int>(parts.size());
-  const size_t offsetBytes = (static_cast<size_t>(n) + 1) * sizeof(int64_t);
-  const size_t partsAt = (offsetBytes + alignof(Part) - 1) / alignof(Part) * alignof(Part);
-  const size_t need = partsAt + static_cast<size_t>(n) * sizeof(Part);
+  int64_t total = 0;
+  for (const auto& part : parts) {
+    total += unitsOf(part, bytes);
+  }
+  const int64_t length = chunkLength(total);
+  int64_t n = 0;
+  for (const auto& part : parts) {
+    n += (unitsOf(part, bytes) + length - 1) / length;
+  }
+  if (n == 0) {
+    return Uploaded{nullptr, 0};
+  }
+  TORCH_CHECK(n <= std::numeric_limits<int>::max(), "chainermn: too many parts to pack on CUDA: ", parts.size());
+  const size_t need = static_cast<size_t>(n) * sizeof(Chunk);
   prepare(s, need, stream);
   auto& slot = s.slots[s.next];
   s.next = (s.next + 1) % kTableSlots;
@@ -291,35 +327,29 @@ Uploaded upload(PartTable::State& s, const std::vector<FlatBuffer>& parts, bool 
     C10_CUDA_CHECK(cudaEventSynchronize(slot.copied));
     slot.pending = false;
   }
-  auto* host = static_cast<char*>(slot.host.data_ptr());
-  auto* device = static_cast<char*>(s.device.data_ptr());
-  auto* offsets = reinterpret_cast<int64_t*>(host);
-  auto* records = reinterpret_cast<Part*>(host + partsAt);
-  offsets[0] = 0;
-  for (int p = 0; p < n; ++p) {
-    const int64_t count = bytes ? parts[p].count * static_cast<int64_t>(c10::elementSize(parts[p].dtype)) : parts[p].count;
-    offsets[p + 1] = offsets[p] + count;
-    records[p] = Part{parts[p].data, bytes ? static_cast<int32_t>(Kind::Byte) : static_cast<int32_t>(kindOf(parts[p].dtype)), 0};
+  auto* chunks = static_cast<Chunk*>(slot.host.data_ptr());
+  int64_t c = 0;
+  int64_t packedAt = 0;
+  for (const auto& part : parts) {
+    const int64_t units = unitsOf(part, bytes);
+    const int64_t unitSize = bytes ? 1 : static_cast<int64_t>(c10::elementSize(part.dtype));
+    const auto kind = static_cast<int32_t>(bytes ? Kind::Byte : kindOf(part.dtype));
+    for (int64_t from = 0; from < units; from += length) {
+      chunks[c++] = Chunk{static_cast<char*>(part.data) + from * unitSize, packedAt + from,
+                          static_cast<int32_t>(std::min(length, units - from)), kind};
+    }
+    packedAt += units;
   }
   // Into the one device table: queued behind the kernels that read its previous contents.
-  C10_CUDA_CHECK(cudaMemcpyAsync(device, host, need, cudaMemcpyHostToDevice, stream));
+  C10_CUDA_CHECK(cudaMemcpyAsync(s.device.data_ptr(), chunks, need, cudaMemcpyHostToDevice, stream));
   C10_CUDA_CHECK(cudaEventRecord(slot.copied, stream));
   slot.pending = true;
-  return Uploaded{
-      reinterpret_cast<const int64_t*>(device), reinterpret_cast<const Part*>(device + partsAt), n, offsets[n]};
+  return Uploaded{static_cast<const Chunk*>(s.device.data_ptr()), static_cast<int>(n)};
 }
 
 // Raw bytes suffice when nothing is cast or scaled (and integers are never cast).
 bool moveAsBytes(const std::vector<FlatBuffer>& parts, c10::ScalarType wire, double scale) {
-  if (scale != 1.0) {
-    return false;
-  }
-  for (const auto& part : parts) {
-    if (part.dtype != wire) {
-      return false;
-    }
-  }
-  return true;
+  return scale == 1.0 && std::all_of(parts.begin(), parts.end(), [wire](const FlatBuffer& p) { return p.dtype == wire; });
 }
 
 template <typename F>
@@ -352,19 +382,20 @@ void run(
   auto stream = static_cast<cudaStream_t>(rawStream);
   const bool bytes = moveAsBytes(parts, wire, scale);
   const Uploaded t = upload(*table.state, parts, bytes, stream);
-  if (t.total == 0) {
+  if (t.n == 0) {
     return;
   }
-  const int blocks = blocksFor(t.total);
+  // One block per chunk; grid-stride beyond a grid that fills any current GPU many times over.
+  const int blocks = std::min(t.n, 1 << 16);
   if (bytes) {
-    packBytesKernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(packed), t.offsets, t.parts, t.n, t.total, toPacked);
+    packBytesKernel<<<blocks, kThreads, 0, stream>>>(static_cast<uint8_t*>(packed), t.chunks, t.n, toPacked);
   } else {
     dispatchWire(wire, [&](auto tag) {
       using W = decltype(tag);
       if (toPacked) {
-        packKernel<W><<<blocks, 256, 0, stream>>>(static_cast<W*>(packed), t.offsets, t.parts, t.n, t.total, scale);
+        packKernel<W><<<blocks, kThreads, 0, stream>>>(static_cast<W*>(packed), t.chunks, t.n, scale);
       } else {
-        unpackKernel<W><<<blocks, 256, 0, stream>>>(static_cast<const W*>(packed), t.offsets, t.parts, t.n, t.total, scale);
+        unpackKernel<W><<<blocks, kThreads, 0, stream>>>(static_cast<const W*>(packed), t.chunks, t.n, scale);
       }
     });
   }

@@ -2,8 +2,9 @@
 // the same pass (ChainerMN's batched pack: the mean's 1/size costs nothing extra).
 //
 // On the CPU a pass is a loop per part (memcpy when nothing changes). On CUDA (cuda/pack_kernels.h) a
-// whole pack or unpack is ONE kernel launch on the current stream: each element finds its part by binary search
-// of a prefix-sum table of the parts' sizes, as ChainerMN's _batched_pack did.
+// whole pack or unpack is ONE kernel launch on the current stream, as ChainerMN's _batched_pack was;
+// where _batched_pack had each element binary-search a table of the parts' sizes, a block here takes
+// one chunk of one part from a table the host cuts (cuda/pack_kernels.cu).
 #pragma once
 
 #include "types.h"
