@@ -261,8 +261,14 @@ void Worker::State::watchdogLoop() {
     if (watchDevice(lock, now, nextCheck) || askPeers(lock, now, nextCheck)) {
       continue;
     }
+    watchdogWakesAt = nextCheck;
     wakeWatchdog.wait_until(lock, nextCheck);
+    watchdogWakesAt = Clock::time_point{};  // awake: it looks at every op before it sleeps again
   }
+}
+
+bool Worker::State::wakesWatchdog(const WorkChainerMN& work) const {
+  return std::min(work.deadline(), work.issued() + kAskPeersAfter) < watchdogWakesAt;
 }
 
 } // namespace chainermn

@@ -44,11 +44,13 @@ void Worker::State::run(QueuedOp& op) {
   // An op posted by a completion callback runs inside the op whose completion ran the callback:
   // that op stays `current` again once the nested one is over.
   c10::intrusive_ptr<WorkChainerMN> outer;
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (brokenReason.empty()) {
       outer = current;
       current = op.work;
+      wake = wakesWatchdog(*op.work);
     } else {
       notRun = brokenReason;
     }
@@ -57,7 +59,9 @@ void Worker::State::run(QueuedOp& op) {
     op.work->fail(backendError("chainermn " + op.work->description() + ": not run, " + notRun));
     return;
   }
-  wakeWatchdog.notify_one();
+  if (wake) {
+    wakeWatchdog.notify_one();
+  }
   RequestPtr request;
   bool queuedOnDevice = false;
   std::shared_ptr<void> scope;  // released once the Work completed when queued

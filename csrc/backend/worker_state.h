@@ -62,6 +62,8 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   std::vector<std::pair<Request*, WorkChainerMN*>> testing;  // worker only: progressInFlight's snapshot
   std::deque<OnDevice> onDevice;  // in stream order: the watchdog watches them end (watchdog.cpp)
   std::string brokenReason;
+  // When the watchdog next wakes by itself (mutex): an op it must see sooner wakes it (wakesWatchdog).
+  Clock::time_point watchdogWakesAt{};
   std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
   std::atomic<bool> requestReady{false};  // a request in flight may have completed (wakeWhenReady)
   std::thread::id workerThread;        // set once, before the first op can be queued
@@ -70,6 +72,10 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
 
   void workerLoop();
   void watchdogLoop();
+  // Whether `work`, just started, needs the watchdog before it next wakes by itself (its deadline,
+  // or the time to ask the peers about it, comes sooner). Lock held. Most ops do not: the watchdog
+  // wakes at least once a second, and waking it per op costs a thread switch per op.
+  bool wakesWatchdog(const WorkChainerMN& work) const;
   bool askPeers(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
   void breakGroup(std::unique_lock<std::mutex>& lock, const std::string& reason);
   // Tells the peers `message`, fails `work` with it and breaks the group ("unusable after <work>
