@@ -40,9 +40,9 @@ class CheckedSend : public Request {
   bool test() override {
     return headerSent_->test() && dataSent_->test();
   }
-  void wakeWhenReady(std::function<void()> wake) override {
-    headerSent_->wakeWhenReady(wake);
-    dataSent_->wakeWhenReady(std::move(wake));
+  bool wakeWhenReady(std::function<void()> wake) override {
+    const bool header = headerSent_->wakeWhenReady(wake);
+    return dataSent_->wakeWhenReady(std::move(wake)) && header;
   }
 
  private:
@@ -109,10 +109,11 @@ class CheckedReceive : public Request {
     return source_;
   }
 
-  // The header's arrival, then the data's (the worker must test to post the data's receive).
-  void wakeWhenReady(std::function<void()> wake) override {
+  // The header's arrival, then the data's (the worker must test to post the data's receive, which
+  // comes from the same transport: it wakes if the header's does).
+  bool wakeWhenReady(std::function<void()> wake) override {
     wake_ = wake;
-    header_->wakeWhenReady(std::move(wake));
+    return header_->wakeWhenReady(std::move(wake));
   }
 
  private:

@@ -126,8 +126,8 @@ class Delivering : public Request {
     work_->setOutputs({*received_});  // on the worker, before it completes the Work
     return true;
   }
-  void wakeWhenReady(std::function<void()> wake) override {
-    inner_->wakeWhenReady(std::move(wake));
+  bool wakeWhenReady(std::function<void()> wake) override {
+    return inner_->wakeWhenReady(std::move(wake));
   }
 
  private:

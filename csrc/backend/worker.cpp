@@ -98,13 +98,13 @@ void Worker::State::run(QueuedOp& op) {
     } else if (transfer) {
       // Libraries that progress in threads of their own wake the worker when the transfer is done;
       // the others are polled. The wake takes no lock: it may run at once, here.
-      request->wakeWhenReady([weak = weak_from_this()] {
+      const bool wakes = request->wakeWhenReady([weak = weak_from_this()] {
         if (auto state = weak.lock()) {
           state->requestReady.store(true, std::memory_order_release);
           state->wakeWorker.notify_one();
         }
       });
-      inFlight.push_back({op.work, std::move(op.body), std::move(request)});
+      inFlight.push_back({op.work, std::move(op.body), std::move(request), wakes});
     }
   }
   idle.notify_all();
@@ -214,8 +214,14 @@ void Worker::State::workerLoop() {
         }
       }
       if (queue.empty() && !stopping && !moved) {
-        if (inFlight.empty()) {
-          wakeWorker.wait(lock, [this] { return stopping || !queue.empty(); });
+        const bool poll = std::any_of(inFlight.begin(), inFlight.end(), [](const InFlight& entry) { return !entry.wakes; });
+        if (!poll) {
+          // Nothing to poll: transfers in flight wake this thread when they are ready. Polling them
+          // would wake it every millisecond, and on a core shared with the caller (a rank bound to
+          // one core) each wake preempts the caller's computation.
+          wakeWorker.wait(lock, [this] {
+            return stopping || !queue.empty() || requestReady.load(std::memory_order_acquire);
+          });
         } else {
           wakeWorker.wait_for(lock, backoff.next(), [this] {
             return stopping || !queue.empty() || requestReady.load(std::memory_order_acquire);

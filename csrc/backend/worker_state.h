@@ -25,6 +25,7 @@ struct InFlight {
   c10::intrusive_ptr<WorkChainerMN> work;
   Worker::Body body;  // kept alive until the transfer is over
   RequestPtr request;
+  bool wakes = false;  // the request says when it is ready (wakeWhenReady): no need to poll it
 };
 
 // A CUDA op queued on the group's stream, whose Work completed when queued (completeQueued).

@@ -40,15 +40,16 @@ class GlooRequest : public Request {
     });
   }
 
-  void wakeWhenReady(std::function<void()> wake) override {
+  bool wakeWhenReady(std::function<void()> wake) override {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       if (!state_->done.load(std::memory_order_acquire)) {
         state_->wake = std::move(wake);
-        return;
+        return true;
       }
     }
     wake();  // already done
+    return true;
   }
 
   // A request dropped before its transfer is done leaves its waiter to finish (Gloo bounds the wait

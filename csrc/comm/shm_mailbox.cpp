@@ -270,15 +270,17 @@ class MailboxRequest : public Request {
     return status_->source;
   }
 
-  void wakeWhenReady(std::function<void()> wake) override {
+  // The node's progress thread moves the message and calls `wake` (shm_mailbox.cpp's finish).
+  bool wakeWhenReady(std::function<void()> wake) override {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       if (!status_->done.load(std::memory_order_relaxed)) {
         status_->wake = std::move(wake);
-        return;
+        return true;
       }
     }
     wake();
+    return true;
   }
 
  private:

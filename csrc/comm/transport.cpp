@@ -12,6 +12,13 @@ class AllOf : public Request {
     }
     return pending_.empty();
   }
+  bool wakeWhenReady(std::function<void()> wake) override {
+    bool all = true;
+    for (auto& request : pending_) {
+      all = request->wakeWhenReady(wake) && all;
+    }
+    return all;
+  }
 
  private:
   std::vector<RequestPtr> pending_;

@@ -35,8 +35,11 @@ class Request {
   }
   // Asks for `wake` to be called once test() may return true, from whichever thread learns it (a
   // library that progresses in threads of its own), so the caller need not poll in the meantime.
-  // Requests that progress only when tested ignore it: they are polled.
-  virtual void wakeWhenReady(std::function<void()> wake) {}
+  // Returns whether it will be (or already was) called. Requests that progress only when tested
+  // return false: they are polled. A transport's requests all wake, or none do.
+  virtual bool wakeWhenReady(std::function<void()> /*wake*/) {
+    return false;
+  }
 };
 using RequestPtr = std::unique_ptr<Request>;
 

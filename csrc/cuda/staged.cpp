@@ -117,8 +117,8 @@ class StagedRequest : public Request {
   int source() const override {
     return host_->source();
   }
-  void wakeWhenReady(std::function<void()> wake) override {
-    host_->wakeWhenReady(std::move(wake));
+  bool wakeWhenReady(std::function<void()> wake) override {
+    return host_->wakeWhenReady(std::move(wake));
   }
 
  private:
