@@ -49,3 +49,44 @@ def test_messages_of_any_size(shm):
 def test_messages_of_any_size_over_mpi():
     error, ok = run_mpiexec(messages_of_any_size, 2, env={"CHAINERMN_SHM": "0"})
     assert ok is True and "recv_message" in error, error
+
+
+def _worker_wakeups() -> int:
+    """Context switches of this process's backend worker threads so far (each sleep is one)."""
+    import glob
+    total = 0
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            if open(f"{task}/comm").read().strip() == "cmn-worker":
+                status = open(f"{task}/status").read()
+                total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        except OSError:  # the thread ended meanwhile
+            pass
+    return total
+
+
+def a_receive_in_flight_does_not_wake_the_worker():
+    """While a receive waits for a message that is half a second away, the worker sleeps: the
+    transport wakes it when the message is there (it used to poll every millisecond, and each poll
+    preempted the rank's computation on its core)."""
+    import time
+    tensor = torch.zeros(4)
+    if dist.get_rank() == 0:
+        dist.barrier()
+        time.sleep(0.5)
+        dist.send(torch.ones(4), 1, tag=9)
+        return None
+    work = dist.irecv(tensor, 0, tag=9)
+    dist.barrier()
+    before = _worker_wakeups()
+    time.sleep(0.4)
+    wakeups = _worker_wakeups() - before
+    work.wait()
+    return wakeups, tensor.tolist()
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_a_receive_in_flight_does_not_wake_the_worker(shm):
+    _, (wakeups, received) = run_spawn(a_receive_in_flight_does_not_wake_the_worker, 2, env={"CHAINERMN_SHM": shm})
+    assert received == [1.0] * 4
+    assert wakeups < 40, f"the worker woke {wakeups} times in 0.4 s while a receive was in flight"
