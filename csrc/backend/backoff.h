@@ -1,4 +1,5 @@
-// How the worker polls point-to-point requests between operations.
+// How the worker polls point-to-point requests between operations, when one of them cannot wake it
+// (Request::wakeWhenReady).
 #pragma once
 
 #include <algorithm>

@@ -3,8 +3,9 @@
 //
 // An operation is a Body. A collective's body runs to completion on the worker thread (the transport
 // blocks) and returns nothing pending. A point-to-point body only starts its transfer and returns the
-// Request; the worker polls it between operations, so a send and a receive issued in order never
-// wait for each other. A CUDA collective's body queues kernels on the group's stream and returns a
+// Request; the worker tests it between operations, so a send and a receive issued in order never
+// wait for each other. Idle, the worker sleeps until a transfer says it is ready (the transports
+// whose libraries progress in threads of their own: shared memory, Gloo) or polls it (MPI). A CUDA collective's body queues kernels on the group's stream and returns a
 // mark of their end: its Work completes at once, stream-ordered, and the watchdog watches the device
 // until the mark is reached (a GPU op that hangs or fails is then still found, and named).
 //
