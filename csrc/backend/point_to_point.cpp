@@ -7,6 +7,7 @@
 #include "backend/messages.h"
 #include "backend/validate.h"
 
+#include <cstring>
 #include <utility>
 
 namespace chainermn {
@@ -150,6 +151,71 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvMessage(int srcRank, i
       return std::make_unique<Delivering>(
           recvCheckedAnySize(*on.transports.world, *order, srcRank, tag, received), received, work);
     }, work);
+  });
+}
+
+namespace {
+
+// The message sendMessage describes, as pieces: the parts' bytes and the zeros between them.
+std::vector<Piece> messagePieces(
+    const char* op, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets, int64_t bytes, int rank) {
+  TORCH_CHECK_VALUE(parts.size() == offsets.size(), op, ": rank ", rank, " passed ", parts.size(), " parts and ",
+                    offsets.size(), " offsets");
+  std::vector<Piece> pieces;
+  int64_t at = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& part = parts[i];
+    TORCH_CHECK_VALUE(part.device().is_cpu() && part.is_contiguous(), op, ": parts[", i, "] on rank ", rank,
+                      " must be a contiguous CPU tensor, got ", part.device(), part.is_contiguous() ? "" : ", not contiguous");
+    const int64_t size = part.numel() * static_cast<int64_t>(part.element_size());
+    TORCH_CHECK_VALUE(offsets[i] >= at && offsets[i] + size <= bytes, op, ": parts[", i, "] on rank ", rank, " (",
+                      size, " bytes at offset ", offsets[i], ") overlaps the part before it or ends past the message's ",
+                      bytes, " bytes");
+    if (offsets[i] > at) {
+      pieces.push_back({nullptr, static_cast<size_t>(offsets[i] - at)});
+    }
+    pieces.push_back({part.data_ptr(), static_cast<size_t>(size)});
+    at = offsets[i] + size;
+  }
+  if (bytes > at) {
+    pieces.push_back({nullptr, static_cast<size_t>(bytes - at)});
+  }
+  return pieces;
+}
+
+at::Tensor packed(const std::vector<Piece>& pieces, int64_t bytes) {
+  at::Tensor message = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  auto* into = static_cast<char*>(message.data_ptr());
+  for (const Piece& piece : pieces) {
+    if (piece.data) {
+      std::memcpy(into, piece.data, piece.bytes);
+    } else {
+      std::memset(into, 0, piece.bytes);
+    }
+    into += piece.bytes;
+  }
+  return message;
+}
+
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(
+    const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets, int64_t bytes, int dstRank, int tag) {
+  const char* op = "send_message";
+  return abandonsBatch([&] {
+    checkRank(op, "dst", dstRank, size_);
+    checkTag(op, tag);
+    std::vector<Piece> pieces = messagePieces(op, parts, offsets, bytes, rank_);
+    auto world = context_->cpu->transports.world;
+    if (!batch_ && world->sendsGathered()) {
+      OpSpec spec{c10d::OpType::SEND, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
+      auto work = makeWork(spec, at::Device(at::kCPU));
+      // The pieces are read (or copied) before sendGathered returns: the body holds none of them.
+      if (worker_->runIfIdle(work, [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); })) {
+        return c10::intrusive_ptr<c10d::Work>(work);
+      }
+    }
+    return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag);
   });
 }
 

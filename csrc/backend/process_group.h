@@ -143,6 +143,12 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // Work's result() is it, one flat tensor. What the model-parallel functions' messages use: one
   // message per transfer, its header inside (torch_chainermn/messages/tensors.py).
   c10::intrusive_ptr<c10d::Work> recvMessage(int srcRank, int tag);
+  // A send of one CPU message of `bytes` bytes, part i (contiguous, on the CPU) at byte offsets[i] and
+  // zeros between: what recvMessage receives. The parts may change once this returns (what has not
+  // gone yet is copied). Within a node over shared memory it is written straight from the parts into
+  // the ring on this thread when the worker is idle (no pack, no thread hop); else packed and posted.
+  c10::intrusive_ptr<c10d::Work> sendMessage(
+      const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets, int64_t bytes, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
   // torch's coalescing manager, as batch_isend_irecv uses it: the sends and receives issued between

@@ -213,22 +213,22 @@ void Worker::State::workerLoop() {
           }
         }
       }
-      if (queue.empty() && !stopping && !moved) {
+      if ((queue.empty() || callerRunning) && !stopping && !moved) {
         const bool poll = std::any_of(inFlight.begin(), inFlight.end(), [](const InFlight& entry) { return !entry.wakes; });
         if (!poll) {
           // Nothing to poll: transfers in flight wake this thread when they are ready. Polling them
           // would wake it every millisecond, and on a core shared with the caller (a rank bound to
           // one core) each wake preempts the caller's computation.
           wakeWorker.wait(lock, [this] {
-            return stopping || !queue.empty() || requestReady.load(std::memory_order_acquire);
+            return stopping || (!queue.empty() && !callerRunning) || requestReady.load(std::memory_order_acquire);
           });
         } else {
           wakeWorker.wait_for(lock, backoff.next(), [this] {
-            return stopping || !queue.empty() || requestReady.load(std::memory_order_acquire);
+            return stopping || (!queue.empty() && !callerRunning) || requestReady.load(std::memory_order_acquire);
           });
         }
       }
-      if (!queue.empty()) {
+      if (!queue.empty() && !callerRunning) {
         op.emplace(std::move(queue.front()));
         queue.pop_front();
         hasQueued.store(!queue.empty(), std::memory_order_release);
@@ -355,6 +355,29 @@ void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
     return;
   }
   state_->wakeWorker.notify_one();
+}
+
+bool Worker::runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body body) {
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (std::this_thread::get_id() == state_->workerThread || state_->closed || !state_->queue.empty() ||
+        state_->current || state_->callerRunning) {
+      return false;
+    }
+    state_->callerRunning = true;
+  }
+  QueuedOp op{work, std::move(body)};
+  state_->run(op);  // never throws: a failing body fails the Work
+  bool queued = false;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->callerRunning = false;
+    queued = !state_->queue.empty();
+  }
+  if (queued) {
+    state_->wakeWorker.notify_one();  // an op another thread posted meanwhile
+  }
+  return true;
 }
 
 void Worker::drain() {

@@ -59,6 +59,7 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   std::condition_variable idle;          // the queue emptied or the worker left a call
   std::deque<QueuedOp> queue;
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
+  bool callerRunning = false;  // an op runs on its caller's thread (runIfIdle): take none meanwhile
   std::vector<InFlight> inFlight;
   std::vector<std::pair<Request*, WorkChainerMN*>> testing;  // worker only: progressInFlight's snapshot
   std::deque<OnDevice> onDevice;  // in stream order: the watchdog watches them end (watchdog.cpp)

@@ -156,6 +156,13 @@ class ShmTransport : public Transport {
     }
     return fallback_->send(buf, count, dtype, peer, tag);
   }
+  bool sendsGathered() const override {
+    return mailboxes_ != nullptr;
+  }
+  RequestPtr sendGathered(const std::vector<Piece>& pieces, int peer, int tag) override {
+    TORCH_CHECK(mailboxes_, "shared memory: a gathered send needs the mailboxes");
+    return mailboxes_->sendGathered(pieces, peer, tag);
+  }
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
     if (mailboxes_) {
       return mailboxes_->recv(buf, count, dtype, peer, tag);

@@ -63,6 +63,57 @@ void Mailboxes::State::progressSends(int to) {
   }
 }
 
+bool Mailboxes::State::writeFrom(int to, const char* from, uint64_t n, uint64_t& done) {
+  static const char zeros[256] = {};
+  while (done < n) {
+    const size_t want = from ? n - done : std::min<uint64_t>(n - done, sizeof zeros);
+    const size_t wrote = rings.write(to, from ? from + done : zeros, want);
+    if (wrote == 0) {
+      return false;
+    }
+    done += wrote;
+  }
+  return true;
+}
+
+void Mailboxes::State::enqueueGathered(
+    const StatusPtr& status, int to, const FrameHeader& header, const std::vector<Piece>& pieces) {
+  Outgoing out{status, nullptr, header, header.bytes()};
+  auto& queue = outgoing[to];
+  if (queue.empty()) {  // nothing ahead of it: straight into the ring, no copy of its own
+    uint64_t headerDone = 0;
+    bool room = writeFrom(to, reinterpret_cast<const char*>(&header), sizeof header, headerDone);
+    out.headerWritten = headerDone;
+    for (size_t i = 0; room && i < pieces.size(); ++i) {
+      uint64_t done = 0;
+      room = writeFrom(to, static_cast<const char*>(pieces[i].data), pieces[i].bytes, done);
+      out.written += done;
+    }
+    if (room) {
+      finish(*status, "");
+      return;
+    }
+  }
+  // The rest, copied now: the caller may change the pieces once the send returns.
+  out.owned.resize(out.bytes - out.written);
+  uint64_t at = 0;  // of the payload
+  for (const Piece& piece : pieces) {
+    const uint64_t from = std::max(at, out.written), end = at + piece.bytes;
+    if (from < end) {
+      char* into = out.owned.data() + (from - out.written);
+      if (piece.data) {
+        std::memcpy(into, static_cast<const char*>(piece.data) + (from - at), end - from);
+      } else {
+        std::memset(into, 0, end - from);
+      }
+    }
+    at = end;
+  }
+  out.dataOffset = out.written;
+  out.data = out.owned.data();
+  queue.push_back(std::move(out));
+}
+
 void Mailboxes::State::progressReceives(int from) {
   Incoming& in = incoming[from];
   while (true) {
@@ -319,6 +370,18 @@ RequestPtr Mailboxes::send(const void* buf, int64_t count, c10::ScalarType dtype
   auto status = state_->post([&](const StatusPtr& s) {
     state_->outgoing[peer].push_back({s, static_cast<const char*>(buf), header, header.bytes()});
   });
+  return std::make_unique<MailboxRequest>(state_, std::move(status));
+}
+
+RequestPtr Mailboxes::sendGathered(const std::vector<Piece>& pieces, int peer, int tag) {
+  TORCH_CHECK(peer >= 0 && peer < state_->size, "shared memory: send to rank ", peer, " of ", state_->size);
+  startProgress();
+  uint64_t bytes = 0;
+  for (const Piece& piece : pieces) {
+    bytes += piece.bytes;
+  }
+  const FrameHeader header{static_cast<int64_t>(bytes), tag, static_cast<int16_t>(c10::ScalarType::Byte), kMagic};
+  auto status = state_->post([&](const StatusPtr& s) { state_->enqueueGathered(s, peer, header, pieces); });
   return std::make_unique<MailboxRequest>(state_, std::move(status));
 }
 

@@ -47,6 +47,9 @@ class Mailboxes {
   // message is dropped (the pair stays usable).
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag);
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag);
+  // As Transport::sendGathered: a message of bytes written into the ring straight from the pieces
+  // while nothing is queued ahead of it and there is room; the rest is copied before this returns.
+  RequestPtr sendGathered(const std::vector<Piece>& pieces, int peer, int tag);
   // As Transport::recvAnySize: `allocate` runs on whichever thread matches the message.
   RequestPtr recvAnySize(int peer, int tag, Transport::Allocate allocate);
 

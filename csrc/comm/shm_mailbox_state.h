@@ -99,6 +99,12 @@ struct Mailboxes::State {
   static bool matches(const Posted& posted, const FrameHeader& sent);
   // Where a matched message goes: the receive's buffer (allocated now for a receive of any size).
   static char* destination(Posted& posted, const FrameHeader& sent);
+  // Files a gathered send (Mailboxes::sendGathered) to `to`: into the ring as far as it goes, the
+  // rest copied into the send's own buffer. Under the lock.
+  void enqueueGathered(const StatusPtr& status, int to, const FrameHeader& header, const std::vector<Piece>& pieces);
+  // Writes bytes [done, n) of `from` (null: zeros) into the ring to `to` while there is room;
+  // returns whether all are in. Under the lock.
+  bool writeFrom(int to, const char* from, uint64_t n, uint64_t& done);
   // Moves what fits of the sends queued for `to` into their ring. Under the lock.
   void progressSends(int to);
   // Takes what has arrived from `from`. Under the lock.

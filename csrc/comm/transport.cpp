@@ -33,6 +33,10 @@ RequestPtr Transport::recvAnySize(int /*peer*/, int /*tag*/, Allocate /*allocate
   TORCH_CHECK(false, "chainermn: this transport cannot receive a message of unknown size");
 }
 
+RequestPtr Transport::sendGathered(const std::vector<Piece>& /*pieces*/, int /*peer*/, int /*tag*/) {
+  TORCH_CHECK(false, "chainermn: this transport cannot send a gathered message");
+}
+
 RequestPtr Transport::startAll(const std::vector<Transfer>& transfers) {
   std::vector<RequestPtr> requests;
   requests.reserve(transfers.size());

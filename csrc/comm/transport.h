@@ -56,6 +56,13 @@ struct Transfer {
   int tag;
 };
 
+// A stretch of a message gathered from several buffers (Transport::sendGathered). Null `data`:
+// `bytes` zero bytes (padding between aligned parts).
+struct Piece {
+  const void* data;
+  size_t bytes;
+};
+
 // Counts are in elements of `dtype`. Every rank passes the same count and dtype unless said otherwise.
 class Transport {
  public:
@@ -100,6 +107,14 @@ class Transport {
     return false;
   }
   virtual RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
+  // Whether sendGathered is available. It may then be called from any thread while nothing else
+  // calls this transport, its requests in flight aside (the caller's, when the worker is idle).
+  virtual bool sendsGathered() const {
+    return false;
+  }
+  // One message of bytes, `pieces` back to back, received as one (recvAnySize). The pieces may change
+  // as soon as this returns: what is not in the ring yet is copied. Only where sendsGathered().
+  virtual RequestPtr sendGathered(const std::vector<Piece>& pieces, int peer, int tag);
   // peer may be kAnySource; the Request's source() then tells which rank sent.
   virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
   // A receive of whatever message comes from `peer` on `tag`: it lands in `allocate(count, dtype)`,

@@ -152,6 +152,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cuda_transport", &ProcessGroupChainerMN::cudaTransport)
       .def("recv_message", &ProcessGroupChainerMN::recvMessage, py::arg("src"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
+      .def("send_message", &ProcessGroupChainerMN::sendMessage, py::arg("parts"), py::arg("offsets"),
+           py::arg("bytes"), py::arg("dst"), py::arg("tag"), py::call_guard<py::gil_scoped_release>())
       .def(
           "mean_coalesced",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::ScalarType> wireDtype) {

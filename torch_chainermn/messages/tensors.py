@@ -188,28 +188,32 @@ def _header_bytes(slots: int) -> int:
     return -(-8 * slots // _ALIGN) * _ALIGN
 
 
-def _message(head: list[int], payload_bytes: int) -> tuple[torch.Tensor, int]:
-    """A message buffer with `head` written at its front (padded with zeros to the payload's
-    alignment), and where its payload starts."""
+def _header(head: list[int]) -> tuple[torch.Tensor, int]:
+    """`head` as the bytes at a message's front, padded with zeros to the payload's alignment, and
+    where the payload starts."""
     start = _header_bytes(len(head))
-    message = torch.empty(start + payload_bytes, dtype=torch.uint8)
     padded = head + [0] * (start // 8 - len(head))
-    message[:start].copy_(torch.frombuffer(array.array("q", padded), dtype=torch.uint8))
-    return message, start
+    return torch.frombuffer(array.array("q", padded), dtype=torch.uint8), start
+
+
+def _send_message(group, head: list[int], parts, spans, total: int, peer: int, tag: int):
+    """Post one CPU message: `head`, then each part's bytes at its span of the `total`-byte payload.
+    The backend reads the parts before it returns (into the ring within a node, else into a buffer of
+    its own), because the send is not waited for: the caller may change its tensors at once
+    (autograd accumulates gradients in place)."""
+    header, start = _header(head)
+    offsets = [0] + [start + b for b, _ in spans]
+    return _backend(group).send_message([header, *parts], offsets, start + total, peer, tag)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _post_send(group, tensor: torch.Tensor, peer: int, tag: int):
     """Post a send of `tensor` to group rank `peer` straight on the group's backend (what dist.isend
     does, without its Python checks: these messages are ours, on a chainermn group)."""
     return _backend(group).send([tensor], peer, tag)
-
-
-def _pack(tensors, spans, into: torch.Tensor) -> None:
-    """The tensors' bytes, back to back at aligned offsets of `into`. A copy, because the send is not
-    waited for: the caller may change its tensors at once (autograd accumulates gradients in place)."""
-    for t, (b, e) in zip(tensors, spans):
-        if e > b:
-            into[b:e].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tuple: bool, what: str) -> None:
@@ -219,25 +223,28 @@ def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tu
     spans, total = spec.offsets()
     ints = spec.ints()
     head = [MAGIC, kind, seq, len(spec.meta), len(ints), total, DEVICES.index(spec.device), int(is_tuple), *ints]
-    on_host = spec.device == "cpu"
-    message, start = _message(head, total if on_host else 0)
-    if on_host:
-        _pack(tensors, spans, message[start:])
-    works = [_post_send(group, message, peer, tag)]
-    if total and not on_host:
-        payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-        _pack(tensors, spans, payload)
-        works.append(_post_send(group, payload, peer, tag + BODY_TAG_OFFSET))
+    if spec.device == "cpu":
+        sent = [(t, span) for t, span in zip(tensors, spans) if span[1] > span[0]]
+        works = [_send_message(group, head, [_bytes_of(t) for t, _ in sent], [span for _, span in sent], total,
+                               peer, tag)]
+    else:
+        works = [_send_message(group, head, [], [], 0, peer, tag)]
+        if total:
+            payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+            for t, (b, e) in zip(tensors, spans):  # a copy: the send is not waited for (above)
+                if e > b:
+                    payload[b:e].copy_(_bytes_of(t))
+            works.append(_post_send(group, payload, peer, tag + BODY_TAG_OFFSET))
     _post(group, works, what)
 
 
 def send_failure(group, peer: int, tag: int, error: BaseException, what: str) -> None:
     """Tell a peer waiting for a message that none comes, and why (it raises too)."""
     reason = f"{type(error).__name__}: {error}".encode()
-    message, start = _message([MAGIC, KIND_FAILURE, 0, 0, 0, len(reason), 0, 0], len(reason))
-    if reason:
-        message[start:].copy_(torch.frombuffer(bytearray(reason), dtype=torch.uint8))
-    _post(group, [_post_send(group, message, peer, tag)], what)
+    parts = [torch.frombuffer(bytearray(reason), dtype=torch.uint8)] if reason else []
+    work = _send_message(group, [MAGIC, KIND_FAILURE, 0, 0, 0, len(reason), 0, 0], parts, [(0, len(reason))][:len(parts)],
+                         len(reason), peer, tag)
+    _post(group, [work], what)
 
 
 _ahead: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
