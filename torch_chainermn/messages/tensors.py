@@ -197,17 +197,13 @@ def _header(head: list[int]) -> tuple[torch.Tensor, int]:
 
 
 def _send_message(group, head: list[int], parts, spans, total: int, peer: int, tag: int):
-    """Post one CPU message: `head`, then each part's bytes at its span of the `total`-byte payload.
-    The backend reads the parts before it returns (into the ring within a node, else into a buffer of
-    its own), because the send is not waited for: the caller may change its tensors at once
-    (autograd accumulates gradients in place)."""
+    """Post one CPU message: `head`, then each part's bytes (contiguous CPU tensors of any dtype) at
+    its span of the `total`-byte payload. The backend reads the parts before it returns (into the
+    ring within a node, else into a buffer of its own), because the send is not waited for: the
+    caller may change its tensors at once (autograd accumulates gradients in place)."""
     header, start = _header(head)
     offsets = [0] + [start + b for b, _ in spans]
     return _backend(group).send_message([header, *parts], offsets, start + total, peer, tag)
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _post_send(group, tensor: torch.Tensor, peer: int, tag: int):
@@ -225,7 +221,7 @@ def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tu
     head = [MAGIC, kind, seq, len(spec.meta), len(ints), total, DEVICES.index(spec.device), int(is_tuple), *ints]
     if spec.device == "cpu":
         sent = [(t, span) for t, span in zip(tensors, spans) if span[1] > span[0]]
-        works = [_send_message(group, head, [_bytes_of(t) for t, _ in sent], [span for _, span in sent], total,
+        works = [_send_message(group, head, [t.contiguous() for t, _ in sent], [span for _, span in sent], total,
                                peer, tag)]
     else:
         works = [_send_message(group, head, [], [], 0, peer, tag)]
@@ -233,7 +229,7 @@ def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tu
             payload = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
             for t, (b, e) in zip(tensors, spans):  # a copy: the send is not waited for (above)
                 if e > b:
-                    payload[b:e].copy_(_bytes_of(t))
+                    payload[b:e].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
             works.append(_post_send(group, payload, peer, tag + BODY_TAG_OFFSET))
     _post(group, works, what)
 
