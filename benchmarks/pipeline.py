@@ -17,6 +17,8 @@ Contenders, on the same model and data:
   chainermn GPipe      MultiNodeChainList(comm, micro_batches=M): chain(x) then one loss.backward()
   chainermn step GPipe chain.step(x, target=..., loss_fn=...) with schedule="gpipe"
   chainermn step 1F1B  the same with schedule="1f1b"
+  ..., input gradients first  the same with input_gradients_first=True: the last stage sends its last
+                       micro-batch's input gradients before it computes its weights' gradients
   torch GPipe (gloo)   torch.distributed.pipelining: PipelineStage + ScheduleGPipe on a gloo group
   torch 1F1B (gloo)    ... Schedule1F1B
 The chainermn contenders run on the chainermn backend (MPI under mpiexec, Gloo under torchrun). The
@@ -146,12 +148,14 @@ def chainermn_contenders(args, comm, stage, x, target):
     """(label, step function, module whose grads to check) for the chainermn contenders."""
     rank = comm.rank
     out = []
-    for label, m, schedule, use_step in [("unpipelined", 1, "gpipe", False),
-                                         ("chainermn GPipe (forward + backward)", args.micro_batches, "gpipe", False),
-                                         ("chainermn step, GPipe", args.micro_batches, "gpipe", True),
-                                         ("chainermn step, 1F1B", args.micro_batches, "1f1b", True)]:
+    m = args.micro_batches
+    for label, m, schedule, use_step, first in [("unpipelined", 1, "gpipe", False, False),
+                                                ("chainermn GPipe (forward + backward)", m, "gpipe", False, False),
+                                                ("chainermn step, GPipe", m, "gpipe", True, False),
+                                                ("chainermn step, 1F1B", m, "1f1b", True, False),
+                                                ("chainermn step, 1F1B, input gradients first", m, "1f1b", True, True)]:
         module = copy.deepcopy(stage)
-        chain = torch_chainermn.MultiNodeChainList(comm, micro_batches=m, schedule=schedule)
+        chain = torch_chainermn.MultiNodeChainList(comm, micro_batches=m, schedule=schedule, input_gradients_first=first)
         chain.add_link(module, rank_in=None if rank == 0 else 0, rank_out=1 if rank == 0 else None)
 
         def step(chain=chain, module=module, use_step=use_step):

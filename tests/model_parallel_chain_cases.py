@@ -3,6 +3,7 @@ error: checks of the battery in model_parallel_cases.py (same conventions: float
 builds the whole model from seeds and compares its own part with one process's computation)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 
@@ -14,6 +15,7 @@ import torch_chainermn
 from torch_chainermn import MultiNodeChainList, create_multi_node_n_step_rnn
 from torch_chainermn import functions as F
 from torch_chainermn.communicator import Communicator
+from torch_chainermn.messages import tensors as wire
 
 from tests.model_parallel_cases import DT, close, data, expect
 
@@ -172,10 +174,12 @@ def check_pipeline_schedules(comm):
     rank_in = rank - 1 if rank > 0 else None
     rank_out = rank + 1 if rank < size - 1 else None
     last = rank == size - 1
-    for variant in ("unpipelined", "forward", "gpipe", "1f1b"):
+    for variant in ("unpipelined", "forward", "gpipe", "1f1b", "gpipe first", "1f1b first"):
         module = copy.deepcopy(stages[rank])
+        first = variant.endswith("first")
         chain = MultiNodeChainList(comm, micro_batches=1 if variant == "unpipelined" else 4,
-                                   schedule="1f1b" if variant == "1f1b" else "gpipe")
+                                   schedule="1f1b" if variant.startswith("1f1b") else "gpipe",
+                                   input_gradients_first=first)
         chain.add_link(module, rank_in=rank_in, rank_out=rank_out)
         inputs = (x,) if rank == 0 else ()
         if variant in ("unpipelined", "forward"):
@@ -183,13 +187,36 @@ def check_pipeline_schedules(comm):
             (nnf.mse_loss(out, target) if last else out).backward()
         else:
             losses = []
-            loss = chain.step(*inputs, target=target if last else None, loss_fn=nnf.mse_loss, losses=losses)
+            with sends_and_weight_gradients(module) as events:
+                loss = chain.step(*inputs, target=target if last else None, loss_fn=nnf.mse_loss, losses=losses)
             if last:
                 close(loss, ref_loss.detach(), f"{variant} loss")
                 assert len(losses) == 4
+                # The last micro-batch's gradient goes upstream before (with input_gradients_first)
+                # or after its weight gradient.
+                assert events[-2:] == (["sent", "weight"] if first else ["weight", "sent"]), (variant, events)
             else:
                 assert loss is None
         same_grads(module, reference[rank], f"{variant} pipeline of {size}, stage {rank}")
+
+
+@contextlib.contextmanager
+def sends_and_weight_gradients(module):
+    """The order of this rank's gradient sends ("sent") and of `module`'s weight gradients ("weight")."""
+    events, send_tensors = [], wire.send_tensors
+
+    def recorded(*args, **kwargs):
+        if args[3] == wire.KIND_GRADIENT:
+            events.append("sent")
+        return send_tensors(*args, **kwargs)
+
+    hook = module.lin.weight.register_post_accumulate_grad_hook(lambda _: events.append("weight"))
+    wire.send_tensors = recorded
+    try:
+        yield events
+    finally:
+        wire.send_tensors = send_tensors
+        hook.remove()
 
 
 # ---- the multi-node RNN: an encoder on rank 0, a decoder on rank 1 -----------------------------------------
@@ -226,6 +253,7 @@ def check_chain_errors(comm):
     expect(ValueError, lambda: chain.add_link(lambda x: x), "add_link", "link")
     expect(ValueError, lambda: MultiNodeChainList(comm, micro_batches=0), "micro_batches")
     expect(ValueError, lambda: MultiNodeChainList(comm, schedule="zigzag"), "schedule")
+    expect(ValueError, lambda: MultiNodeChainList(comm, input_gradients_first="yes"), "input_gradients_first")
     expect(ValueError, lambda: create_multi_node_n_step_rnn(torch.nn.Linear(2, 2), comm), "n_step_rnn", "rnn")
     lonely = MultiNodeChainList(comm, micro_batches=2)
     lonely.add_link(torch.nn.Linear(2, 2).to(DT))

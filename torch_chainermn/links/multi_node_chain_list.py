@@ -86,9 +86,15 @@ class MultiNodeChainList(torch.nn.Module):
     comm: a torch_chainermn Communicator, a chainermn ProcessGroup or None (the default group).
     micro_batches: split each batch into this many micro-batches and pipeline them (1: ChainerMN's
         behaviour). schedule: what `step()` runs, "gpipe" or "1f1b" (forward always pipelines as GPipe).
+    input_gradients_first: in `step()`, the rank with the model output computes the gradients of what
+        it received for the last micro-batch first and sends them, then its weights' gradients, so
+        the stage before it starts its last backward that much sooner (pipeline.py). Costs that
+        stage one more pass of input gradients, and backward hooks on its tensors or modules run
+        twice for that micro-batch; the gradients are the same.
     """
 
-    def __init__(self, comm=None, micro_batches: int = 1, schedule: str = "gpipe"):
+    def __init__(self, comm=None, micro_batches: int = 1, schedule: str = "gpipe",
+                 input_gradients_first: bool = False):
         super().__init__()
         op = "MultiNodeChainList"
         self._comm = as_communicator(op, comm, USAGE)
@@ -96,8 +102,11 @@ class MultiNodeChainList(torch.nn.Module):
             raise ValueError(f"{op}: micro_batches must be an int >= 1, got {micro_batches!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"{op}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if not isinstance(input_gradients_first, bool):
+            raise ValueError(f"{op}: input_gradients_first must be a bool, got {input_gradients_first!r}")
         self.micro_batches = int(micro_batches)
         self.schedule = schedule
+        self.input_gradients_first = input_gradients_first
         self._rank_inouts: list[tuple] = []
         self._stages = None  # (stage index, number of stages), found by the first 1F1B step
 
@@ -126,10 +135,11 @@ class MultiNodeChainList(torch.nn.Module):
         return any(rank_out is None for _, rank_out in self._rank_inouts)
 
     # ---- one pass over the components (ChainerMN's __call__) ----
-    def run_components(self, *inputs, gradients_ahead: bool = False):
+    def run_components(self, *inputs, gradients_ahead: bool = False, received: list | None = None):
         """Run every component once: (what forward returns, whether it is a model output).
         `gradients_ahead`: the caller will surely run this pass's backward (a pipeline schedule), so
-        each send posts the receive of its gradient at once."""
+        each send posts the receive of its gradient at once. `received`: gets what each recv from
+        another rank returned."""
         comm = self._comm
         handed = queue.Queue()  # values a component sends to this very rank
         y, delegate, y_is_last = None, None, False
@@ -145,6 +155,8 @@ class MultiNodeChainList(torch.nn.Module):
                         value = hang(delegate, handed.get())
                     else:
                         value = recv(comm, source, delegate_variable=delegate)
+                        if received is not None:
+                            received.append(value)
                     xs.append(value)
                     # The next receive hangs on this one: the earlier component's backward runs last.
                     delegate = as_delegate(value)

@@ -15,6 +15,13 @@ waits for a rank that is itself waiting.
   ScheduleGPipe). "1f1b": stage s of S runs S-1-s forwards ahead, then alternates one forward and one
   backward, so at most S-s micro-batches' activations are alive at once; it needs a linear chain
   (one component per rank, a single rank_in and rank_out) covering every rank of the communicator.
+- `input_gradients_first` (either schedule): a pipeline's step ends with the stages' last backward
+  passes one after another, each waiting for the gradient of the stage after it. The stage with the
+  model output then computes the gradients of what it received first (autograd.grad, the graph
+  kept), which sends them upstream, and its weights' gradients after (a second backward, which
+  computes the input gradients again on the way): the stage before starts its last backward one
+  weight-gradient pass sooner. A middle stage does not: its backward starts by receiving its
+  gradient, which a second pass would do again.
 """
 from __future__ import annotations
 
@@ -145,10 +152,12 @@ def run_schedule(chain, inputs, target, loss_fn, losses):
     else:
         stage, stages = 0, 1
     receive_ahead(chain, m)
-    pending, loss_sum = {}, None
+    pending, loss_sum, received = {}, None, {}
     for kind, k in _order(chain.schedule, m, stage, stages):
         if kind == "F":
-            value, is_output = chain.run_components(*batches[k], gradients_ahead=True)  # it runs every backward
+            received[k] = []
+            value, is_output = chain.run_components(*batches[k], gradients_ahead=True,  # it runs every backward
+                                                    received=received[k])
             if is_output:
                 loss = loss_fn(value, targets[k][0]) if targets is not None else loss_fn(value)
                 if losses is not None:
@@ -157,7 +166,48 @@ def run_schedule(chain, inputs, target, loss_fn, losses):
                 loss_sum = value.detach() if loss_sum is None else loss_sum + value.detach()
             pending[k] = value
         else:
-            value = pending.pop(k)
-            if value is not None and value.requires_grad:
+            value, inputs = pending.pop(k), received.pop(k)
+            if value is None or not value.requires_grad:
+                continue
+            if k == m - 1 and has_output and chain.input_gradients_first:
+                backward_input_first(value, inputs)
+            else:
                 torch.autograd.backward(value)
     return loss_sum if has_output else None
+
+
+def _leaves(value: torch.Tensor, stop) -> tuple[list, set]:
+    """The leaf tensors `value`'s backward accumulates into without passing a node of `stop`, and the
+    ids of those found behind the `stop` nodes."""
+    before, behind, seen = {}, set(), set()
+    todo = [(value.grad_fn, False)]
+    while todo:
+        node, past = todo.pop()
+        if node is None or (node, past) in seen:
+            continue
+        seen.add((node, past))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            if past:
+                behind.add(id(variable))
+            else:
+                before[id(variable)] = variable
+        past = past or node in stop
+        todo.extend((nxt, past) for nxt, _ in node.next_functions)
+    return list(before.values()), behind
+
+
+def backward_input_first(value: torch.Tensor, received) -> None:
+    """`value`'s backward, the gradients of the `received` tensors first (see the top of this file)."""
+    tensors = [t for r in received for t in (r if isinstance(r, tuple) else (r,))
+               if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    leaves, behind = _leaves(value, {t.grad_fn for t in tensors})
+    if not tensors or any(id(leaf) in behind for leaf in leaves):
+        torch.autograd.backward(value)  # a leaf reached both ways would take the receives' backward twice
+        return
+    grads = torch.autograd.grad(value, tensors, retain_graph=True, allow_unused=True)
+    given = [(t, g) for t, g in zip(tensors, grads) if g is not None]
+    if given:
+        torch.autograd.backward([t for t, _ in given], [g for _, g in given])  # the recvs' backward: sent
+    if leaves:
+        torch.autograd.backward(value, inputs=leaves)
