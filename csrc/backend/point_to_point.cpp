@@ -43,7 +43,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
     c10d::OpType type,
     const at::Tensor& tensor,
     int peer,
-    int tag) {
+    int tag,
+    c10::intrusive_ptr<WorkChainerMN> work) {
   const bool isSend = type == c10d::OpType::SEND;
   if (batch_) {
     if (!batch_->tensors.empty()) {
@@ -62,7 +63,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
   return post({type, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, isSend, peer, tag, order = &context_->messages](DeviceContext& on) {
     Transport& world = *on.transports.world;
     return isSend ? sendChecked(world, *order, tensor, peer, tag) : recvChecked(world, *order, tensor, peer, tag);
-  });
+  }, std::move(work));
 }
 
 void ProcessGroupChainerMN::startCoalescing() {
@@ -207,15 +208,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(
     checkTag(op, tag);
     std::vector<Piece> pieces = messagePieces(op, parts, offsets, bytes, rank_);
     auto world = context_->cpu->transports.world;
-    if (!batch_ && world->sendsGathered()) {
-      OpSpec spec{c10d::OpType::SEND, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
-      auto work = makeWork(spec, at::Device(at::kCPU));
-      // The pieces are read (or copied) before sendGathered returns: the body holds none of them.
-      if (worker_->runIfIdle(work, [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); })) {
-        return c10::intrusive_ptr<c10d::Work>(work);
-      }
+    if (batch_ || !world->sendsGathered()) {
+      return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag);
     }
-    return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag);
+    OpSpec spec{c10d::OpType::SEND, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
+    auto work = makeWork(spec, at::Device(at::kCPU));
+    // The pieces are read (or copied) before sendGathered returns: the body holds none of them.
+    if (worker_->runIfIdle(work, [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); })) {
+      return c10::intrusive_ptr<c10d::Work>(work);
+    }
+    return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag, work);
   });
 }
 

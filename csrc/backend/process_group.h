@@ -269,8 +269,9 @@ class ProcessGroupChainerMN : public c10d::Backend {
     return tensors[0];
   }
 
-  // A send or receive: posted, or added to the batch being coalesced.
-  c10::intrusive_ptr<c10d::Work> postTransfer(const char* op, c10d::OpType type, const at::Tensor& tensor, int peer, int tag);
+  // A send or receive: posted (as `work`, if given), or added to the batch being coalesced.
+  c10::intrusive_ptr<c10d::Work> postTransfer(const char* op, c10d::OpType type, const at::Tensor& tensor, int peer,
+                                              int tag, c10::intrusive_ptr<WorkChainerMN> work = nullptr);
   // A transfer refused while a batch is being coalesced drops the batch: torch's coalescing manager
   // then never calls endCoalescing, and later transfers must not be gathered into a batch no one ends.
   template <typename Call>
