@@ -7,7 +7,6 @@
 #include "backend/messages.h"
 #include "backend/validate.h"
 
-#include <cstring>
 #include <utility>
 
 namespace chainermn {
@@ -186,15 +185,7 @@ std::vector<Piece> messagePieces(
 
 at::Tensor packed(const std::vector<Piece>& pieces, int64_t bytes) {
   at::Tensor message = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-  auto* into = static_cast<char*>(message.data_ptr());
-  for (const Piece& piece : pieces) {
-    if (piece.data) {
-      std::memcpy(into, piece.data, piece.bytes);
-    } else {
-      std::memset(into, 0, piece.bytes);
-    }
-    into += piece.bytes;
-  }
+  copyPieces(pieces, 0, static_cast<char*>(message.data_ptr()));
   return message;
 }
 

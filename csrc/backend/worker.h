@@ -5,9 +5,10 @@
 // blocks) and returns nothing pending. A point-to-point body only starts its transfer and returns the
 // Request; the worker tests it between operations, so a send and a receive issued in order never
 // wait for each other. Idle, the worker sleeps until a transfer says it is ready (the transports
-// whose libraries progress in threads of their own: shared memory, Gloo) or polls it (MPI). A CUDA collective's body queues kernels on the group's stream and returns a
-// mark of their end: its Work completes at once, stream-ordered, and the watchdog watches the device
-// until the mark is reached (a GPU op that hangs or fails is then still found, and named).
+// whose libraries progress in threads of their own: shared memory, Gloo) or polls it (MPI). A CUDA
+// collective's body queues kernels on the group's stream and returns a mark of their end: its Work
+// completes at once, stream-ordered, and the watchdog watches the device until the mark is reached
+// (a GPU op that hangs or fails is then still found, and named).
 //
 // When an operation outlives its deadline the watchdog fails its Work with an error that names it
 // and says which ranks waited where, fails everything queued behind it, and marks the group

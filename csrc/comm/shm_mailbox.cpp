@@ -95,18 +95,8 @@ void Mailboxes::State::enqueueGathered(
     }
   }
   // The rest, copied now: the caller may change the pieces once the send returns.
-  out.owned.reserve(out.bytes - out.written);
-  uint64_t at = 0;  // of the payload
-  for (const Piece& piece : pieces) {
-    const uint64_t from = std::max(at, out.written), end = at + piece.bytes;
-    if (from < end && piece.data) {
-      const char* data = static_cast<const char*>(piece.data);
-      out.owned.insert(out.owned.end(), data + (from - at), data + (end - at));
-    } else if (from < end) {
-      out.owned.insert(out.owned.end(), end - from, '\0');
-    }
-    at = end;
-  }
+  out.owned.resize(out.bytes - out.written);
+  copyPieces(pieces, out.written, out.owned.data());
   out.dataOffset = out.written;
   out.data = out.owned.data();
   queue.push_back(std::move(out));

@@ -1,5 +1,8 @@
 #include "comm/transport.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace chainermn {
 
 namespace {
@@ -31,6 +34,22 @@ RequestPtr allOf(std::vector<RequestPtr> requests) {
 
 RequestPtr Transport::recvAnySize(int /*peer*/, int /*tag*/, Allocate /*allocate*/) {
   TORCH_CHECK(false, "chainermn: this transport cannot receive a message of unknown size");
+}
+
+void copyPieces(const std::vector<Piece>& pieces, uint64_t skip, char* into) {
+  uint64_t at = 0;  // where the piece starts in the concatenation
+  for (const Piece& piece : pieces) {
+    const uint64_t from = std::max(at, skip), end = at + piece.bytes;
+    if (from < end) {
+      if (piece.data) {
+        std::memcpy(into, static_cast<const char*>(piece.data) + (from - at), end - from);
+      } else {
+        std::memset(into, 0, end - from);
+      }
+      into += end - from;
+    }
+    at = end;
+  }
 }
 
 RequestPtr Transport::sendGathered(const std::vector<Piece>& /*pieces*/, int /*peer*/, int /*tag*/) {

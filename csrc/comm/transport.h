@@ -63,6 +63,9 @@ struct Piece {
   size_t bytes;
 };
 
+// Copies the pieces' bytes, from byte `skip` of their concatenation on, into `into`.
+void copyPieces(const std::vector<Piece>& pieces, uint64_t skip, char* into);
+
 // Counts are in elements of `dtype`. Every rank passes the same count and dtype unless said otherwise.
 class Transport {
  public:

@@ -14,8 +14,8 @@ namespace chainermn {
 namespace cuda {
 
 // The parts' table (their chunks: pointer, dtype, place in the packed buffer) in device memory,
-// uploaded through a ring of pinned host copies so that a call rarely waits for the GPU (only when the upload eight calls back
-// is still queued). The memory comes from torch's caching allocators (no cudaMalloc/cudaFree on
+// uploaded through a ring of pinned host copies so that a call rarely waits for the GPU (only when
+// the upload eight calls back is still queued). The memory comes from torch's caching allocators (no cudaMalloc/cudaFree on
 // the worker thread: cudaFree synchronizes the device and can deadlock against another group's
 // NCCL kernel); it only grows and is reused, so nothing is allocated per call once warmed up. One
 // device, one stream (the group's) in normal use; another stream gets its own device table.
