@@ -73,11 +73,22 @@ class CheckedReceive : public Request {
         source_ = peer_ == kAnySource ? header_->source() : peer_;
         TORCH_CHECK(received_.magic == Header{}.magic, "recv: rank ", source_, " sent a message without a header");
       }
-      uint64_t& next = order_.received[{source_, tag_}];
+      const std::pair<int, int> pair{source_, tag_};
+      uint64_t& next = order_.received[pair];
       if (received_.number != next) {
+        if (wake_) {
+          order_.waiting[pair].push_back(wake_);
+        }
         return false;  // an earlier message's data is to be received first
       }
       ++next;
+      if (auto waiting = order_.waiting.find(pair); waiting != order_.waiting.end()) {
+        const auto wakes = std::move(waiting->second);
+        order_.waiting.erase(waiting);
+        for (const auto& wake : wakes) {
+          wake();  // the next in turn may go on now
+        }
+      }
       if (anySize_) {
         tensor_ = at::empty({received_.count}, at::TensorOptions().dtype(static_cast<at::ScalarType>(received_.dtype)));
         *anySize_ = tensor_;
@@ -110,10 +121,11 @@ class CheckedReceive : public Request {
   }
 
   // The header's arrival, then the data's (the worker must test to post the data's receive, which
-  // comes from the same transport: it wakes if the header's does).
+  // comes from the same transport: it wakes if the header's does). Asked after a first test, it
+  // waits for the data once its receive is posted.
   bool wakeWhenReady(std::function<void()> wake) override {
     wake_ = wake;
-    return header_->wakeWhenReady(std::move(wake));
+    return (data_ ? data_ : header_)->wakeWhenReady(std::move(wake));
   }
 
  private:

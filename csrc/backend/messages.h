@@ -17,9 +17,11 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <utility>
+#include <vector>
 
 namespace chainermn {
 
@@ -27,6 +29,9 @@ namespace chainermn {
 struct MessageOrder {
   std::map<std::pair<int, int>, uint64_t> sent;      // (peer, tag) -> the next message's number
   std::map<std::pair<int, int>, uint64_t> received;  // (peer, tag) -> the number whose data is next
+  // (peer, tag) -> the wakes of receives whose header came before their turn: called when the
+  // turn moves on, so that a worker that sleeps until a transfer wakes it tests them again.
+  std::map<std::pair<int, int>, std::vector<std::function<void()>>> waiting;
 };
 
 RequestPtr sendChecked(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag);

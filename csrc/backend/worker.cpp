@@ -88,80 +88,21 @@ void Worker::State::run(QueuedOp& op) {
   } else if (!request) {
     op.work->complete();
   }
-  const bool transfer = request && !queuedOnDevice;
+  if (request && !queuedOnDevice) {
+    finishOrKeep(op, std::move(request));  // before `current` is reset: drain() sees one or the other
+  }
   bool watchFromNow = false;  // the watchdog polls the device while ops are queued there
   {
     std::lock_guard<std::mutex> lock(mutex);
     current = outer;
     if (queuedOnDevice && request) {
       watchFromNow = watch({op.work, std::move(request)});
-    } else if (transfer) {
-      // Libraries that progress in threads of their own wake the worker when the transfer is done;
-      // the others are polled. The wake takes no lock: it may run at once, here.
-      const bool wakes = request->wakeWhenReady([weak = weak_from_this()] {
-        if (auto state = weak.lock()) {
-          state->requestReady.store(true, std::memory_order_release);
-          state->wakeWorker.notify_one();
-        }
-      });
-      inFlight.push_back({op.work, std::move(op.body), std::move(request), wakes});
     }
   }
   idle.notify_all();
   if (watchFromNow) {
     wakeWatchdog.notify_one();
   }
-}
-
-// Returns true when some request made progress. The requests are tested without the lock: a staged
-// receive's test copies to the device and waits for it, and the watchdog and every enqueue would
-// stall behind it. Only this thread removes entries from inFlight, so the pointers stay valid.
-bool Worker::State::progressInFlight() {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (inFlight.empty()) {
-      return false;
-    }
-    testing.clear();
-    for (auto& entry : inFlight) {
-      testing.push_back({entry.request.get(), entry.work.get()});
-    }
-  }
-  std::vector<std::pair<Request*, std::exception_ptr>> over;  // done, and how
-  for (auto [request, work] : testing) {
-    try {
-      if (request->test()) {
-        over.emplace_back(request, nullptr);
-      }
-    } catch (const std::exception& e) {
-      over.emplace_back(request, failure(*work, e));
-    }
-  }
-  if (over.empty()) {
-    return false;
-  }
-  std::vector<std::pair<InFlight, std::exception_ptr>> finished;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (auto& [request, error] : over) {
-      auto it = std::find_if(inFlight.begin(), inFlight.end(), [r = request](const InFlight& entry) { return entry.request.get() == r; });
-      if (it != inFlight.end()) {
-        finished.emplace_back(std::move(*it), error);
-        inFlight.erase(it);
-      }
-    }
-  }
-  for (auto& [entry, error] : finished) {
-    entry.body = nullptr;  // release the tensors before completing (see run())
-    if (error) {
-      entry.work->fail(error);
-    } else {
-      entry.work->setSourceRank(entry.request->source());
-      entry.work->complete();
-    }
-  }
-  idle.notify_all();
-  return true;
 }
 
 bool Worker::State::progress() {

@@ -91,7 +91,12 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   bool progress() override;  // a wait() inside a callback on the worker thread
   // Watchdog: completes the device ops whose end was reached; fails the group on a device error.
   bool watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck);
-  bool progressInFlight();
+  // Completes a transfer that is already over, else keeps it in flight (in_flight.cpp). Without
+  // the lock.
+  void finishOrKeep(QueuedOp& op, RequestPtr request);
+  // A transfer in flight may be over: wakes the worker (takes the lock).
+  void transferReady();
+  bool progressInFlight();  // in_flight.cpp
   // Registers device work (lock held); wakes the watchdog when it was idle. Returns whether it did.
   bool watch(OnDevice entry);
   // A device op's cross-rank check passed, or failed with `error`.
