@@ -21,22 +21,23 @@ from .extensions import (AllreducePersistent, create_multi_node_checkpoint, crea
                          create_multi_node_evaluator)
 from .gradients import mean_coalesced
 from .iterators import create_multi_node_iterator, create_synchronized_iterator
+from .local_sgd import DiLoCo, LocalSGD
 from .links import MultiNodeChainList, create_multi_node_n_step_rnn
 from .monitoring import monitored_barrier
 from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, convert_mnbn_model,
                  create_mnbn_model)
 from .optimizers import create_multi_node_optimizer
 from .options import Options
-from .topology import topology
+from .topology import node_group, topology
 
 __all__ = [
-    "AllreducePersistent", "Communicator", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
+    "AllreducePersistent", "Communicator", "DiLoCo", "LocalSGD", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
     "Options", "Topology", "communicator", "convert_mnbn_model", "create_communicator", "create_empty_dataset",
     "create_mnbn_model", "create_multi_node_checkpoint", "create_multi_node_checkpointer",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_n_step_rnn",
     "create_multi_node_optimizer", "create_synchronized_iterator", "datasets", "extensions", "functions",
     "get_options", "global_except_hook", "hooks", "iterators", "links", "mean_coalesced", "monitored_barrier",
-    "MultiNodeChainList", "nn", "scatter_dataset", "topology", "transport",
+    "MultiNodeChainList", "nn", "node_group", "scatter_dataset", "topology", "transport",
 ]
 
 

@@ -126,6 +126,15 @@ class GradientCompression:
             self.result_dtype)
         return residual.work
 
+    def reserve(self, params, device) -> None:
+        """Make a layout's residuals before its first mean, so that state_dict() holds them from the
+        start, in the order reserved (DiLoCo reserves its fragments so: a checkpoint's structure is
+        then the same in a fresh run, as torch.distributed.checkpoint needs to load into it)."""
+        params = tuple(params)
+        key = tuple(param_id for param_id, _, _ in params)
+        if key not in self._residuals:
+            self._residuals[key] = self._residual_for(params, sum(numel for _, _, numel in params), device)
+
     def _residual_for(self, params, count: int, device) -> _Residual:
         """A residual for a new layout, holding what earlier layouts (or a loaded state) owe its parameters."""
         # Parameters seen before in another layout: DDP rebuilt its buckets (a first step's buckets,
@@ -161,11 +170,14 @@ class GradientCompression:
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self, by_rank: bool = False) -> dict:
         """What the nodes still owe, summed over the nodes, per parameter: the same on every rank.
 
         Collective over the group (every rank calls it). Keys are the parameters' order of first
-        sight, the same in every run of the same model and buckets.
+        sight, the same in every run of the same model and buckets. by_rank=True adds every rank's
+        own residuals, layout by layout ("by_rank", gathered: the same on every rank), so that a run
+        resumed on the same ranks with the same layouts continues bit for bit; the sum alone resumes
+        on any ranks, owing the same in all but not split across the nodes as before.
         """
         numel = {index: self._numel[param_id] for param_id, index in self._index.items()}
         for index, values in self._loaded.items():
@@ -186,7 +198,17 @@ class GradientCompression:
         if owed.numel():
             dist.all_reduce(owed, group=self.process_group)
         residuals = {index: owed[where[index]:][:numel[index]].clone() for index in sorted(numel)}
-        return {"settings": self._saved_settings(), "residuals": residuals}
+        state = {"settings": self._saved_settings(), "residuals": residuals}
+        if by_rank:
+            mine = []
+            for residual in self._residuals.values():
+                if residual.work is not None:
+                    residual.work.wait()
+                    residual.work = None
+                mine.append({"first": residual.first.cpu(), "second": residual.second.cpu()})
+            state["by_rank"] = [None] * self.process_group.size()
+            dist.all_gather_object(state["by_rank"], mine, group=self.process_group)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Take a state_dict(): the group's first rank owes everything it holds (the sum over the nodes
@@ -196,11 +218,29 @@ class GradientCompression:
         if settings != mine:
             raise ValueError(f"GradientCompression.load_state_dict: the state was saved with {settings}, "
                              f"this compression has {mine}")
+        exact = state.get("by_rank")
+        if exact is not None and len(exact) == self.process_group.size() and self._fits(exact):
+            # The same ranks and layouts: each rank takes its own residuals back, as they were.
+            for residual, saved in zip(self._residuals.values(), exact[self.process_group.rank()]):
+                residual.first.copy_(saved["first"])
+                residual.second.copy_(saved["second"])
+            self._loaded = {}
+            return
         self._residuals.clear()
         self._carried = None
         # Every rank keeps the values so that every rank lays out state_dict() alike; only the first
         # rank places them into its residuals (_residual_for).
         self._loaded = {int(k): v.detach().reshape(-1).to(torch.float32, copy=True) for k, v in state["residuals"].items()}
+
+
+    def _fits(self, by_rank) -> bool:
+        """Whether every rank holds layouts of the sizes saved for it (checked on every rank alike,
+        from what every rank saved and the sizes this rank's residuals imply for the others)."""
+        mine = [(r.first.numel(), r.second.numel()) for r in self._residuals.values()]
+        saved = [(s["first"].numel(), s["second"].numel()) for s in by_rank[self.process_group.rank()]]
+        fits = torch.tensor([int(mine == saved)], dtype=torch.int32)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.process_group)
+        return bool(fits.item())
 
 
 def compression_from(value, group, op: str) -> GradientCompression | None:

@@ -1,0 +1,304 @@
+"""LocalSGD and DiLoCo on real ranks, against DDP and against a plain-PyTorch reference of the rules.
+
+Every rank is one replica (no DDP inside the replica) unless a case says otherwise. The reference
+(`reference_diloco`) simulates every replica in one process, from the rules of torch_chainermn's
+docstring written again plainly: inner steps alone; at a fragment's sync the mean over the replicas
+of `global - local`; tau steps later the outer optimizer's step on the global value and the merge.
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import torch_chainermn
+from torch_chainermn import hooks
+from tests import compression_reference as compressed
+
+STEPS = 8
+THRESHOLD = 0.004  # 2-bit's threshold: below the outer gradients of 3 AdamW steps at lr 0.01
+
+
+def make_model(batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    # BatchNorm after the activation: before it, it would leave the first bias a zero gradient,
+    # whose AdamW steps are rounding noise amplified to full steps.
+    layers = [nn.Linear(6, 8), nn.Tanh()] + ([nn.BatchNorm1d(8)] if batch_norm else []) + [nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+def batch(rank: int, step: int):
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+
+def train_step(model, optimizer, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]
+                     + [b.detach().reshape(-1) for b in model.buffers() if b.is_floating_point()])
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def nesterov(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+# ---- against DDP ----------------------------------------------------------------------------------
+
+def ddp_trajectory(rank: int) -> list:
+    model = nn.parallel.DistributedDataParallel(make_model())
+    optimizer = sgd(model.parameters())
+    out = []
+    for step in range(1, STEPS + 1):
+        train_step(model, optimizer, rank, step)
+        out.append(flat(model))
+    return out
+
+
+def equals_ddp_with_every_step_synced() -> None:
+    """LocalSGD(H=1) and DiLoCo(inner SGD, outer SGD lr=1, H=1) take DDP's steps (SGD is linear)."""
+    rank = dist.get_rank()
+    expected = ddp_trajectory(rank)
+    model = make_model()
+    optimizer = sgd(model.parameters())
+    with torch_chainermn.LocalSGD(model, optimizer, sync_every=1):
+        for step in range(1, STEPS + 1):
+            train_step(model, optimizer, rank, step)
+            torch.testing.assert_close(flat(model), expected[step - 1], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"LocalSGD, step {step}: {m}")
+    model = make_model()
+    inner = sgd(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with torch_chainermn.DiLoCo(model, inner, outer, sync_every=1):
+        for step in range(1, STEPS + 1):
+            train_step(model, inner, rank, step)
+            torch.testing.assert_close(flat(model), expected[step - 1], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"DiLoCo, step {step}: {m}")
+
+
+# ---- against the rules, written plainly -----------------------------------------------------------
+
+def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: int, alpha: float,
+                     kind: str, batch_norm: bool) -> list:
+    """[step][rank] -> flat(replica) for every replica, from the rules.
+
+    runs: each fragment's parameter indices (in model.parameters() order).
+    kind: "float32" (the mean of the outer gradients) or "2bit" (compression_reference's compressed
+    mean between `nodes`, one residual per node and fragment, kept across syncs).
+    """
+    replicas = [make_model(batch_norm) for _ in range(world)]
+    inners = [adamw(m.parameters()) for m in replicas]
+    global_model = make_model(batch_norm)
+    outer = nesterov(global_model.parameters())
+    offsets = [i * H // F for i in range(F)]
+    residuals = [None] * F
+    pending = {}
+
+    def params(model, i):
+        every = list(model.parameters())
+        return [every[j] for j in runs[i]]
+
+    def buffers(model):
+        return [b for b in model.buffers() if b.is_floating_point()]
+
+    history = []
+    for step in range(1, STEPS + 1):
+        for rank in range(world):
+            train_step(replicas[rank], inners[rank], rank, step)
+        for i in range(F):
+            if step >= offsets[i] and (step - offsets[i]) % H == 0:
+                deltas = [torch.cat([(g - p).detach().reshape(-1) for g, p in
+                                     zip(params(global_model, i), params(replicas[r], i))]) for r in range(world)]
+                if kind == "float32":
+                    mean = torch.stack(deltas).mean(0)
+                else:
+                    means, residuals[i], _ = compressed.compressed_mean_steps(
+                        [deltas], nodes, 1, "2bit", threshold=THRESHOLD, residuals=residuals[i])
+                    mean = means[0]
+                buffer_mean = None
+                if i == 0 and batch_norm:
+                    buffer_mean = [torch.stack([buffers(m)[k] for m in replicas]).mean(0)
+                                   for k in range(len(buffers(global_model)))]
+                pending[i] = (step + tau, mean, buffer_mean)
+        for i in range(F):
+            if i in pending and pending[i][0] == step:
+                _, mean, buffer_mean = pending.pop(i)
+                for p in global_model.parameters():
+                    p.grad = None
+                offset = 0
+                for p in params(global_model, i):
+                    p.grad = mean[offset:offset + p.numel()].view(p.shape).clone()
+                    offset += p.numel()
+                outer.step()
+                with torch.no_grad():
+                    for model in replicas:
+                        for mine, new in zip(params(model, i), params(global_model, i)):
+                            mine.copy_(alpha * mine + (1 - alpha) * new if tau else new)
+                        if buffer_mean is not None:
+                            for mine, new in zip(buffers(model), buffer_mean):
+                                mine.copy_(alpha * mine + (1 - alpha) * new if tau else new)
+        history.append([flat(m) for m in replicas])
+    return history
+
+
+def diloco_for(model, H, F, tau, kind, alpha=0.5):
+    inner = adamw(model.parameters())
+    outer = nesterov(model.parameters())
+    compression = hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD) if kind == "2bit" else None
+    diloco = torch_chainermn.DiLoCo(model, inner, outer, sync_every=H, fragments=F, fragment_delay=tau,
+                                    compression=compression, fragment_update_alpha=alpha)
+    return inner, outer, diloco
+
+
+def runs_of(diloco, model) -> list:
+    index = {id(p): j for j, p in enumerate(model.parameters())}
+    return [[index[id(p)] for p in fragment.params] for fragment in diloco.fragments]
+
+
+def equals_reference(configs) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = torch_chainermn.topology()
+    nodes = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
+    for H, F, tau, kind, batch_norm, alpha in configs:
+        model = make_model(batch_norm)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind, alpha=alpha)
+        expected = reference_diloco(world, nodes, runs_of(diloco, model), H, F, tau, alpha, kind, batch_norm)
+        with diloco:
+            for step in range(1, STEPS + 1):
+                train_step(model, inner, rank, step)
+                torch.testing.assert_close(
+                    flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
+                    msg=lambda m: f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm}, step {step}: {m}")
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+def resumes_exactly(configs) -> None:
+    """Stop after `stop` steps (between syncs, or with a fragment in flight), save, start a new
+    model, optimizers and DiLoCo, load, finish: the same parameters as the run that never stopped."""
+    rank = dist.get_rank()
+    for H, F, tau, kind, stop, through_dcp in configs:
+        model = make_model(batch_norm=True)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind)
+        with diloco:
+            for step in range(1, STEPS + 1):
+                train_step(model, inner, rank, step)
+                if step == stop:
+                    assert tau == 0 or any(f.apply_at is not None for f in diloco.fragments), "none in flight"
+                    saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(),
+                                           "diloco": diloco.state_dict()})
+        straight = flat(model)
+
+        model = make_model(batch_norm=True)
+        for p in model.parameters():
+            p.data.add_(1.0)  # a fresh start that is not the saved one
+        inner, _, diloco = diloco_for(model, H, F, tau, kind)
+        if through_dcp:
+            # DiLoCo's state is the same on every rank, as DCP takes a plain tensor to be; the
+            # replicas' own models and inner optimizers differ between syncs, so they are not.
+            import torch.distributed.checkpoint as dcp
+            template = {"diloco": diloco.state_dict()}
+            directory = [tempfile.mkdtemp(prefix="diloco-dcp-") if rank == 0 else None]
+            dist.broadcast_object_list(directory)
+            dcp.save({"diloco": saved["diloco"]}, checkpoint_id=directory[0])
+            dcp.load(template, checkpoint_id=directory[0])
+            saved["diloco"] = template["diloco"]
+        model.load_state_dict(saved["model"])
+        inner.load_state_dict(saved["inner"])
+        diloco.load_state_dict(saved["diloco"])
+        with diloco:
+            for step in range(stop + 1, STEPS + 1):
+                train_step(model, inner, rank, step)
+        assert torch.equal(flat(model), straight), \
+            f"H={H} F={F} tau={tau} {kind}, stopped after {stop}, dcp={through_dcp}: " \
+            f"max difference {(flat(model) - straight).abs().max()}"
+
+
+# ---- one replica per node -------------------------------------------------------------------------
+
+def one_replica_per_node() -> None:
+    """DDP over node_group(), DiLoCo over the world: the node's ranks stay equal (they train one
+    replica), the nodes meet every H steps."""
+    rank = dist.get_rank()
+    topo = torch_chainermn.topology()
+    node = torch_chainermn.node_group()
+    assert node is torch_chainermn.node_group()
+    assert sorted(dist.get_process_group_ranks(node)) == list(topo.ranks_of_node[topo.node_of_rank[rank]])
+    model = nn.parallel.DistributedDataParallel(make_model(), process_group=node)
+    inner, _, diloco = diloco_for(model, 3, 1, 0, "float32")
+    with diloco:
+        for step in range(1, STEPS + 1):
+            train_step(model, inner, rank, step)
+    mine = flat(model)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    for other in topo.ranks_of_node[topo.node_of_rank[rank]]:
+        assert torch.equal(everyone[other], mine), f"ranks {rank} and {other} of one node differ"
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+def bad_input() -> list:
+    """The ValueError each bad call raises on this rank ("" where none was raised)."""
+    rank = dist.get_rank()
+    model = make_model()
+    other = nn.Linear(2, 2)
+
+    def diloco(of=model, **kwargs):
+        args = {"model": of, "inner_optimizer": adamw(of.parameters()),
+                "outer_optimizer": nesterov(of.parameters()), "sync_every": 4}
+        args.update(kwargs)
+        return torch_chainermn.DiLoCo(**args)
+
+    calls = [
+        lambda: diloco(sync_every=0),
+        lambda: torch_chainermn.LocalSGD(model, adamw(model.parameters()), sync_every=0),
+        lambda: diloco(fragments=0),
+        lambda: diloco(fragments=5),                       # 4 parameters
+        lambda: diloco(fragments=2, fragment_delay=2),      # must be < 4 / 2
+        lambda: diloco(outer_optimizer=nesterov(other.parameters())),
+        lambda: diloco(compression="2bit"),
+        lambda: diloco(of=nn.Linear(6, 3 + rank)),          # shapes differ across ranks
+        lambda: diloco(sync_every=0 if rank == 1 else 4),   # bad on one rank only
+        lambda: diloco(fragment_delay=1 if rank == 0 else 0),  # settings differ across ranks
+    ]
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append("")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def two_nodes_of_one() -> list:
+    equals_ddp_with_every_step_synced()
+    equals_reference([(3, 1, 0, "float32", False, 0.5), (3, 2, 1, "2bit", False, 0.5)])
+    return bad_input()
+
+
+def two_nodes_of_two() -> None:
+    equals_ddp_with_every_step_synced()
+    equals_reference([(3, 1, 0, "float32", True, 0.5), (3, 2, 0, "float32", False, 0.5),
+                      (3, 2, 1, "float32", True, 0.25), (3, 1, 0, "2bit", False, 0.5), (3, 2, 1, "2bit", True, 0.5)])
+    resumes_exactly([(3, 1, 0, "float32", 4, False),   # between syncs
+                     (3, 2, 1, "2bit", 4, False),      # fragment 1 in flight (started at 4, applied at 5)
+                     (3, 2, 1, "2bit", 4, True)])      # the same through torch.distributed.checkpoint
+    one_replica_per_node()

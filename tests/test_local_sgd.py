@@ -1,0 +1,32 @@
+"""LocalSGD and DiLoCo (torch_chainermn.local_sgd) on real ranks: see tests/local_sgd_cases.py."""
+from tests import local_sgd_cases
+from tests.harness import run_spawn
+
+
+def test_two_ranks_as_two_nodes():
+    """DDP's steps with every step synced; the rules' reference (float32, and 2-bit streaming); bad
+    input raises the same clear ValueError on every rank."""
+    outcomes = run_spawn(local_sgd_cases.two_nodes_of_one, 2, env={"CHAINERMN_RANKS_PER_NODE": "1"}, timeout=240)
+    expected = [
+        "DiLoCo: sync_every must be an int >= 1, got 0",
+        "LocalSGD: sync_every must be an int >= 1, got 0",
+        "DiLoCo: fragments must be an int >= 1, got 0",
+        "DiLoCo: fragments must be at most the number of trainable parameters (4), got 5",
+        "DiLoCo: fragment_delay must be below sync_every / fragments (4 / 2), got 2",
+        "DiLoCo: outer_optimizer must hold the model's trainable parameters and no others",
+        "DiLoCo: compression must be None, torch.float16, torch.bfloat16 or a GradientCompression",
+        "DiLoCo: ranks disagree on the model's params",
+        "DiLoCo: sync_every must be an int >= 1, got 0 (on rank 1)",
+        "DiLoCo: ranks disagree on the model's settings: fragment_delay=1 on rank 0, fragment_delay=0 on rank 1",
+    ]
+    for rank, errors in enumerate(outcomes):
+        assert len(errors) == len(expected), errors
+        for got, want in zip(errors, expected):
+            assert want in got, f"rank {rank}: {got!r} does not say {want!r}"
+
+
+def test_two_nodes_of_two():
+    """The reference for H=3, F=1/2, tau=0/1, float32 and 2-bit, with buffers; checkpoints mid-run
+    (between syncs, a fragment in flight, through torch.distributed.checkpoint) resume bit for bit;
+    one replica per node (DDP over node_group())."""
+    run_spawn(local_sgd_cases.two_nodes_of_two, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=360)

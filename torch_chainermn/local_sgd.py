@@ -1,0 +1,468 @@
+"""Low-communication training: LocalSGD and DiLoCo (with Streaming DiLoCo's fragments), in torchft's shape.
+
+MXNet's `dist_async` let workers go on without waiting for each other every step; its modern form is
+to communicate rarely. Each replica takes `sync_every` (H) steps of its own optimizer alone (the inner
+steps communicate nothing), then the replicas meet:
+
+- LocalSGD averages the parameters;
+- DiLoCo averages the outer gradient, `global - local` (how far each replica moved since the last
+  meeting), puts it in the `.grad` of the parameters restored to the last global value, and steps an
+  outer optimizer (Nesterov SGD in the paper);
+- Streaming DiLoCo syncs the model in F fragments at staggered steps and lets each fragment's exchange
+  run in the background for tau inner steps, then merges the new global value into the replica's
+  (which went on training meanwhile): `alpha * local + (1 - alpha) * global`.
+
+    inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    with torch_chainermn.DiLoCo(model, inner, outer, sync_every=H):
+        for x, y in data:
+            loss_fn(model(x), y).backward(); inner.step(); inner.zero_grad()
+
+The average is the backend's: `mean_coalesced` (full precision inside a node, the group's strategy
+between nodes; float16/bfloat16 on the wire if asked) or, with a GradientCompression, MXNet's 2-bit
+or 1-bit codes between nodes with error feedback kept per fragment across syncs. With one replica per
+node (the model wrapped in DDP over `node_group()`, DiLoCo over the world) a node's ranks hold the
+same outer gradient, the backend sums them in the node and one copy per node crosses the network.
+
+Floating buffers (BatchNorm's statistics) are averaged at every sync (with the first fragment), in
+full precision; integer buffers are left alone (every replica counts the same steps).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from ._backend import backend_of, group_of
+from .compression import GradientCompression
+from .gradients import mean_coalesced
+from .messages.objects import agree
+
+__all__ = ["DiLoCo", "LocalSGD"]
+
+_WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_count(op: str, name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{op}: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _trainable(op: str, model) -> list:
+    """The model's parameters that train, each once, in model.parameters() order."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{op}: the model has no parameter that requires grad")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: the model's parameters must be on one device, found {sorted(map(str, devices))}")
+    return params
+
+
+def _float_buffers(model) -> list:
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def _flat_views(flat: torch.Tensor, tensors) -> list:
+    views, offset = [], 0
+    for tensor in tensors:
+        views.append(flat[offset:offset + tensor.numel()].view(tensor.shape))
+        offset += tensor.numel()
+    return views
+
+
+def _flat_like(tensors) -> tuple[torch.Tensor, list]:
+    """A flat float buffer (float32, or wider where a tensor is) for `tensors`, and its views."""
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    flat = torch.zeros(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    return flat, _flat_views(flat, tensors)
+
+
+def _split_runs(params: list, fragments: int) -> list:
+    """`params` cut into `fragments` contiguous runs of about equal numbers of values, none empty."""
+    total = sum(p.numel() for p in params)
+    runs, start, seen = [], 0, 0
+    for k in range(1, fragments):
+        end = start + 1  # at least one parameter in this run
+        seen += params[start].numel()
+        while end < len(params) - (fragments - k) and seen + params[end].numel() / 2 <= k * total / fragments:
+            seen += params[end].numel()
+            end += 1
+        runs.append(params[start:end])
+        start = end
+    runs.append(params[start:])
+    return runs
+
+
+class _EveryHSteps:
+    """What LocalSGD and DiLoCo share: the inner optimizer's step hook, the step count, the context
+    manager, the checks every rank agrees on, and rank 0's start."""
+
+    _op = "LocalSGD"
+
+    def __init__(self, model, optimizer, sync_every: int, process_group, settings: dict, check=None):
+        """Check the arguments on every rank at once: a bad argument on any rank (`check` raising
+        ValueError), or ranks that differ in settings or in the model's shapes, raise the same
+        ValueError on every rank, before any rank waits for a sync that would never come."""
+        op = self._op
+        self.process_group = group_of(process_group, op)
+        backend_of(self.process_group, op)  # a chainermn group, or a clear error now
+
+        def describe():
+            _check_count(op, "sync_every", sync_every, 1)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError(f"{op}: the optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            params = _trainable(op, model)
+            if check is not None:
+                check(params)
+            names = {id(p): name for name, p in model.named_parameters()}
+            return {"settings": settings,
+                    "params": [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params],
+                    "buffers": [(tuple(b.shape), str(b.dtype)) for b in _float_buffers(model)]}
+
+        everyone = agree(self.process_group, describe)
+        for rank, theirs in enumerate(everyone):
+            for field in ("settings", "params", "buffers"):
+                if theirs[field] != everyone[0][field]:
+                    raise ValueError(f"{op}: ranks disagree on the model's {field}: "
+                                     f"{_first_difference(everyone[0][field], theirs[field])} "
+                                     f"on rank 0, {_first_difference(theirs[field], everyone[0][field])} on rank {rank}")
+        self.sync_every = sync_every
+        self.model = model
+        # The module that holds the parameters under their own names (a DDP wrapper's is .module).
+        self._module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self.params = _trainable(op, model)
+        self.buffers = _float_buffers(model)
+        self._optimizer = optimizer
+        self._hooks = []
+        self.step = 0  # inner steps taken
+
+    def _broadcast_from_first(self, flat: torch.Tensor) -> None:
+        dist.broadcast(flat, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+
+    def __enter__(self):
+        self._hooks.append(self._optimizer.register_step_post_hook(self._after_inner_step))
+        return self
+
+    def __exit__(self, *exc_info):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._finish_in_flight()
+        return False
+
+    def _after_inner_step(self, optimizer, args, kwargs) -> None:
+        self.step += 1
+        self._on_step()
+
+    def _on_step(self) -> None:
+        raise NotImplementedError
+
+    def _finish_in_flight(self) -> None:
+        pass
+
+
+def _first_difference(mine, theirs):
+    if isinstance(mine, dict):
+        for key in mine:
+            if mine.get(key) != (theirs or {}).get(key):
+                return f"{key}={mine.get(key)!r}"
+        return repr(mine)
+    for index, entry in enumerate(mine):
+        if index >= len(theirs) or entry != theirs[index]:
+            return f"#{index} {entry}"
+    return f"{len(mine)} entries"
+
+
+class LocalSGD(_EveryHSteps):
+    """Parameter averaging every `sync_every` steps of `optimizer` (LocalSGD, torchft's shape).
+
+    model: the replica (a module or its DDP wrapper); its trainable parameters and floating buffers
+        are averaged over `process_group` (default: the default group; a chainermn group) after every
+        sync_every-th `optimizer.step()`, in one packed mean at full precision. With sync_every=1 this
+        is DDP's training with the same optimizer (up to the order of the sums).
+    On construction every rank checks the others train the same shapes with the same settings
+    (a clear ValueError on every rank otherwise) and takes rank 0's parameters and buffers (as DDP
+    does when it is built). Averaging values, not changes, leaves nothing to compress: for compressed
+    parameter averaging use DiLoCo with torch.optim.SGD(lr=1) as the outer optimizer.
+    """
+
+    _op = "LocalSGD"
+
+    def __init__(self, model, optimizer, sync_every: int, process_group=None):
+        super().__init__(model, optimizer, sync_every, process_group, {"sync_every": sync_every})
+        self._tensors = [p.detach() for p in self.params] + [b for b in self.buffers]
+        with torch.no_grad():
+            flat, views = _flat_like(self._tensors)
+            torch._foreach_copy_(views, self._tensors)
+            self._broadcast_from_first(flat)
+            torch._foreach_copy_(self._tensors, views)
+        self._dtype = flat.dtype
+
+    def _on_step(self) -> None:
+        if self.step % self.sync_every == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """Average the parameters and floating buffers over the group now (every rank calls it)."""
+        mean_coalesced(self._tensors, group=self.process_group, dtype=self._dtype)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def _check_outer(op: str, outer, params, model) -> None:
+    if not isinstance(outer, torch.optim.Optimizer):
+        raise ValueError(f"{op}: outer_optimizer must be a torch.optim.Optimizer, got {type(outer).__name__}")
+    theirs = {id(p) for group in outer.param_groups for p in group["params"]}
+    ours = {id(p) for p in params}
+    everything = {id(p) for p in model.parameters()}
+    if ours - theirs or theirs - everything:
+        raise ValueError(f"{op}: outer_optimizer must hold the model's trainable parameters and no others: "
+                         f"{len(ours - theirs)} of the model's are missing, {len(theirs - everything)} are not "
+                         f"the model's")
+
+
+class _Fragment:
+    """A contiguous run of the model's parameters that is synced together (Streaming DiLoCo).
+
+    global_flat: the fragment's value at its last sync, the same on every replica (flat).
+    outer: the outer gradient `global - local`, flat, then (once `work` is done) its mean.
+    local: the replica's own values kept for the merge (only with a fragment delay).
+    buffers/buffer_mean: the model's floating buffers and their mean in flight (first fragment only).
+    """
+
+    def __init__(self, index: int, params: list, offset: int, buffers: list, keep_local: bool):
+        self.index = index
+        self.params = params
+        self.offset = offset  # the fragment is synced at steps offset, offset + H, offset + 2H, ...
+        self.global_flat, self.global_views = _flat_like(params)
+        self.outer, self.outer_views = _flat_like(params)
+        self.local, self.local_views = _flat_like(params) if keep_local else (None, None)
+        self.buffers = buffers
+        self.buffer_mean, self.buffer_views = _flat_like(buffers) if buffers else (None, None)
+        self.layout = tuple((id(p), o, p.numel()) for p, o in zip(params, _offsets(params)))
+        self.work = None          # the outer gradient's mean in flight
+        self.buffer_work = None   # the buffers' mean in flight
+        self.apply_at = None      # the inner step at which the mean is applied (None: nothing pending)
+
+    def wait(self) -> None:
+        for name in ("work", "buffer_work"):
+            work = getattr(self, name)
+            if work is not None:
+                work.wait()
+                setattr(self, name, None)
+
+
+def _offsets(tensors) -> list:
+    offsets, offset = [], 0
+    for tensor in tensors:
+        offsets.append(offset)
+        offset += tensor.numel()
+    return offsets
+
+
+class DiLoCo(_EveryHSteps):
+    """DiLoCo and Streaming DiLoCo over a chainermn group (see the module docstring).
+
+    model: the replica (a module or its DDP wrapper, e.g. DDP over `node_group()`).
+    inner_optimizer: the replica's own optimizer (AdamW in the paper); DiLoCo hooks its step.
+    outer_optimizer: an optimizer over the model's trainable parameters, stepped on the averaged
+        outer gradient (SGD(lr=0.7, momentum=0.9, nesterov=True) in the paper). With SGD(lr=1)
+        and no momentum DiLoCo is LocalSGD.
+    sync_every: H, inner steps between two syncs of a fragment.
+    process_group: the replicas' group (default: the default group; a chainermn group).
+    fragments: F, contiguous runs of model.parameters() of about equal size; fragment i is synced
+        at inner steps i*H//F + k*H (k >= 1 for i = 0).
+    fragment_delay: tau, inner steps a fragment's exchange runs in the background before its mean is
+        applied (0: applied at once; < H / F, so one exchange is in flight at a time).
+    fragment_update_alpha: with tau > 0, how much of the replica's own value a fragment keeps when
+        the new global value arrives: `alpha * local + (1 - alpha) * global` (Streaming DiLoCo's
+        merge; 0.5 by default). With tau = 0 the fragment takes the global value.
+    compression: how the outer gradients travel: None (float32), torch.float16, torch.bfloat16, or a
+        GradientCompression (hooks.GradientCompressionState: MXNet's 2-bit/1-bit codes between nodes,
+        full precision inside, error feedback per fragment across syncs; its group is the one used).
+
+    On construction every rank checks the others train the same shapes with the same settings
+    (a clear ValueError on every rank otherwise) and takes rank 0's parameters and buffers.
+    """
+
+    _op = "DiLoCo"
+
+    def __init__(self, model, inner_optimizer, outer_optimizer, sync_every: int, process_group=None,
+                 fragments: int = 1, fragment_delay: int = 0, compression=None,
+                 fragment_update_alpha: float = 0.5):
+        op = self._op
+        if isinstance(compression, GradientCompression):
+            if process_group is not None and group_of(process_group, op) is not compression.process_group:
+                raise ValueError(f"{op}: compression works on another process group than process_group")
+            process_group = compression.process_group
+
+        def check(params):
+            if compression is not None and not isinstance(compression, GradientCompression) \
+                    and compression not in _WIRE_DTYPES:
+                raise ValueError(f"{op}: compression must be None, torch.float16, torch.bfloat16 or a "
+                                 f"GradientCompression(State), got {compression!r}")
+            _check_count(op, "fragments", fragments, 1)
+            if fragments > len(params):
+                raise ValueError(f"{op}: fragments must be at most the number of trainable parameters "
+                                 f"({len(params)}), got {fragments}")
+            _check_count(op, "fragment_delay", fragment_delay, 0)
+            if isinstance(sync_every, int) and fragment_delay >= sync_every / fragments:
+                raise ValueError(f"{op}: fragment_delay must be below sync_every / fragments "
+                                 f"({sync_every} / {fragments}), got {fragment_delay}")
+            if isinstance(fragment_update_alpha, bool) or not isinstance(fragment_update_alpha, (int, float)) \
+                    or not 0 <= fragment_update_alpha <= 1:
+                raise ValueError(f"{op}: fragment_update_alpha must be a number in [0, 1], "
+                                 f"got {fragment_update_alpha!r}")
+            _check_outer(op, outer_optimizer, params, model)
+
+        settings = {"sync_every": sync_every, "fragments": fragments, "fragment_delay": fragment_delay,
+                    "fragment_update_alpha": fragment_update_alpha, "compression": repr(compression)}
+        super().__init__(model, inner_optimizer, sync_every, process_group, settings, check)
+        self.outer_optimizer = outer_optimizer
+        self.fragment_delay = fragment_delay
+        self.alpha = float(fragment_update_alpha)
+        self.compression = compression
+        self.fragments = [
+            _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0)
+            for i, run in enumerate(_split_runs(self.params, fragments))]
+        if isinstance(compression, GradientCompression):
+            for fragment in self.fragments:  # residuals in fragment order: a checkpoint's fixed structure
+                compression.reserve(fragment.layout, fragment.outer.device)
+        with torch.no_grad():
+            for fragment in self.fragments:  # rank 0's start, and the first global value
+                torch._foreach_copy_(fragment.global_views, fragment.params)
+                self._broadcast_from_first(fragment.global_flat)
+                torch._foreach_copy_(fragment.params, fragment.global_views)
+                if fragment.buffers:
+                    torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
+                    self._broadcast_from_first(fragment.buffer_mean)
+                    torch._foreach_copy_(fragment.buffers, fragment.buffer_views)
+
+    # ---- the schedule ------------------------------------------------------------------------------
+
+    def _on_step(self) -> None:
+        for fragment in self.fragments:
+            if self.step >= fragment.offset and (self.step - fragment.offset) % self.sync_every == 0 \
+                    and self.step > 0:
+                self._start(fragment)
+        for fragment in self.fragments:
+            if fragment.apply_at == self.step:
+                self._apply(fragment)
+
+    @torch.no_grad()
+    def _start(self, fragment: _Fragment) -> None:
+        """Start the mean of the fragment's outer gradient (and of the buffers) in the background."""
+        if fragment.apply_at is not None:  # cannot happen with tau < H / F; a clear error if it does
+            raise RuntimeError(f"{self._op}: fragment {fragment.index} is synced again before its last "
+                               f"sync was applied")
+        torch._foreach_copy_(fragment.outer_views, fragment.params)
+        torch.sub(fragment.global_flat, fragment.outer, out=fragment.outer)   # global - local
+        if isinstance(self.compression, GradientCompression):
+            fragment.work = self.compression.start([fragment.outer], fragment.layout)
+        else:
+            fragment.work = mean_coalesced([fragment.outer], group=self.process_group,
+                                           dtype=fragment.outer.dtype if self.compression is None else self.compression,
+                                           async_op=True)
+        if fragment.buffers:
+            torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
+            fragment.buffer_work = mean_coalesced([fragment.buffer_mean], group=self.process_group,
+                                                  dtype=fragment.buffer_mean.dtype, async_op=True)
+        fragment.apply_at = self.step + self.fragment_delay
+
+    @torch.no_grad()
+    def _apply(self, fragment: _Fragment) -> None:
+        """The outer step on the fragment's global value with the averaged outer gradient, then the merge."""
+        fragment.wait()
+        merge = self.fragment_delay > 0
+        if merge:
+            torch._foreach_copy_(fragment.local_views, fragment.params)
+        torch._foreach_copy_(fragment.params, fragment.global_views)
+        self._outer_step(fragment)
+        torch._foreach_copy_(fragment.global_views, fragment.params)
+        if merge:  # the replica went on for tau steps: keep alpha of its own value
+            torch._foreach_lerp_(fragment.params, fragment.local_views, self.alpha)
+        if fragment.buffers:
+            if merge:
+                torch._foreach_lerp_(fragment.buffer_views, fragment.buffers, self.alpha)
+            torch._foreach_copy_(fragment.buffers, fragment.buffer_views)
+        fragment.apply_at = None
+
+    def _outer_step(self, fragment: _Fragment) -> None:
+        """Step the outer optimizer on this fragment alone: the other parameters' .grad (the inner
+        step's) are set aside meanwhile, so the outer optimizer skips them."""
+        kept = [(p, p.grad) for group in self.outer_optimizer.param_groups for p in group["params"]]
+        for p, _ in kept:
+            p.grad = None
+        for p, grad in zip(fragment.params, fragment.outer_views):
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+        try:
+            self.outer_optimizer.step()
+        finally:
+            for p, grad in kept:
+                p.grad = grad
+
+    def _finish_in_flight(self) -> None:
+        """Leaving the context: no exchange outlives it (its mean stays pending, applied at its step
+        if training goes on in the context again)."""
+        for fragment in self.fragments:
+            fragment.wait()
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The step, each fragment's global value and pending mean, the outer optimizer and the
+        compression's residuals (each rank's own, so a resumed run continues bit for bit).
+
+        Every rank calls it (it waits for exchanges in flight; the residuals are gathered). Its
+        structure is the same for every DiLoCo of the same model and settings, so a fresh one's
+        state_dict() is the template torch.distributed.checkpoint loads into; the outer optimizer's
+        state is torch's get_optimizer_state_dict (keyed by parameter names, initialised if empty).
+        """
+        fragments = []
+        for fragment in self.fragments:
+            fragment.wait()
+            fragments.append({"global": fragment.global_flat.clone(), "outer_gradient": fragment.outer.clone(),
+                              "buffers": fragment.buffer_mean.clone() if fragment.buffers else torch.zeros(0),
+                              "apply_at": -1 if fragment.apply_at is None else fragment.apply_at})
+        return {"step": self.step, "fragments": fragments,
+                "outer_optimizer": get_optimizer_state_dict(self._module, self.outer_optimizer),
+                "compression": self.compression.state_dict(by_rank=True)
+                if isinstance(self.compression, GradientCompression) else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a state_dict() of a DiLoCo of the same model and settings (after constructing this
+        one: construction takes rank 0's parameters). Load the model and the inner optimizer too,
+        with their own state_dicts, for the run to continue exactly."""
+        op = f"{self._op}.load_state_dict"
+        saved = state["fragments"]
+        if len(saved) != len(self.fragments):
+            raise ValueError(f"{op}: the state has {len(saved)} fragments, this DiLoCo {len(self.fragments)}")
+        for fragment, values in zip(self.fragments, saved):
+            if values["global"].numel() != fragment.global_flat.numel():
+                raise ValueError(f"{op}: fragment {fragment.index} holds {values['global'].numel()} values "
+                                 f"in the state, {fragment.global_flat.numel()} here")
+        if isinstance(self.compression, GradientCompression) != (state.get("compression") is not None):
+            raise ValueError(f"{op}: the state was saved {'with' if state.get('compression') else 'without'} "
+                             f"a GradientCompression, this DiLoCo has compression={self.compression!r}")
+        for fragment, values in zip(self.fragments, saved):
+            fragment.wait()
+            fragment.global_flat.copy_(values["global"])
+            fragment.outer.copy_(values["outer_gradient"])
+            if fragment.buffers:
+                fragment.buffer_mean.copy_(values["buffers"])
+            apply_at = int(values["apply_at"])
+            fragment.apply_at = None if apply_at < 0 else apply_at
+        set_optimizer_state_dict(self._module, self.outer_optimizer, state["outer_optimizer"])
+        if isinstance(self.compression, GradientCompression):
+            self.compression.load_state_dict(state["compression"])
+        self.step = int(state["step"])
