@@ -35,9 +35,9 @@ def batch(rank: int, step: int):
     return torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
 
 
-def train_step(model, optimizer, rank: int, step: int) -> None:
+def train_step(model, optimizer, rank: int, step: int, device: str = "cpu") -> None:
     x, y = batch(rank, step)
-    nn.functional.mse_loss(model(x), y).backward()
+    nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -302,3 +302,29 @@ def two_nodes_of_two() -> None:
                      (3, 2, 1, "2bit", 4, False),      # fragment 1 in flight (started at 4, applied at 5)
                      (3, 2, 1, "2bit", 4, True)])      # the same through torch.distributed.checkpoint
     one_replica_per_node()
+
+
+# ---- CUDA (tests/test_cuda_torch_parallel.py) -----------------------------------------------------
+
+def cuda_matches_cpu() -> dict:
+    """Streaming DiLoCo (H=3, F=2, tau=1, BatchNorm) with the model on the GPU and on the CPU, float32
+    and 2-bit outer gradients: the largest difference between the two trajectories, and how far the
+    GPU run moved from its start."""
+    torch.cuda.set_device(0)  # every rank shares the one GPU
+    rank = dist.get_rank()
+    outcome = {}
+    for kind in ("float32", "2bit"):
+        trajectories = {}
+        for device in ("cpu", "cuda"):
+            model = make_model(batch_norm=True).to(device)
+            inner, _, diloco = diloco_for(model, 3, 2, 1, kind)
+            trajectory = [flat(model).cpu()]
+            with diloco:
+                for step in range(1, STEPS + 1):
+                    train_step(model, inner, rank, step, device)
+                    trajectory.append(flat(model).cpu())
+            trajectories[device] = trajectory
+        cpu, cuda = trajectories["cpu"], trajectories["cuda"]
+        outcome[kind] = {"difference": max((a - b).abs().max().item() for a, b in zip(cpu, cuda)),
+                         "moved": (cuda[-1] - cuda[0]).abs().max().item()}
+    return outcome

@@ -1,6 +1,6 @@
 """torch's own parallelism on CUDA tensors gives on a chainermn group what it gives on torch's nccl:
-FSDP2 (`fully_shard`), ZeroRedundancyOptimizer under DDP, and distributed checkpointing (marked
-`cuda`: skipped without a GPU, see conftest.py).
+FSDP2 (`fully_shard`), ZeroRedundancyOptimizer under DDP, and distributed checkpointing; and DiLoCo
+on the GPU what it gives on the CPU (marked `cuda`: skipped without a GPU, see conftest.py).
 
 tests/test_torch_parallel.py does this on the CPU against gloo; here its same functions run with the
 model on the GPU. One 2-rank job per configuration trains on a chainermn group and on a torch nccl
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import local_sgd_cases
 from tests.harness import RankFailure
 from tests.test_cuda import config_names, run_cuda
 from tests.test_torch_parallel import checkpoint, fsdp2, make_model, zero
@@ -75,3 +76,15 @@ def test_distributed_checkpoint_on_cuda_saves_and_loads(config):
     for result in results_of(config):
         assert result["chainermn"]["checkpoint"] is True
         assert result["nccl"]["checkpoint"] is True
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_diloco_on_cuda_matches_cpu(config):
+    """Streaming DiLoCo, 2 ranks as 2 nodes (so 2-bit compresses between them): the GPU trajectory
+    is the CPU one up to float rounding (float32), and up to a few flipped 2-bit codes (t / 2 each)."""
+    results = run_cuda(local_sgd_cases.cuda_matches_cpu, 2, config, extra_env={"CHAINERMN_RANKS_PER_NODE": "1"},
+                       timeout=240, op_timeout=120)
+    for rank, outcome in enumerate(results):
+        assert outcome["float32"]["moved"] > 1e-2 and outcome["2bit"]["moved"] > 1e-2, outcome
+        assert outcome["float32"]["difference"] < 1e-4, f"rank {rank}: {outcome}"
+        assert outcome["2bit"]["difference"] < 4 * local_sgd_cases.THRESHOLD, f"rank {rank}: {outcome}"
