@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """ChainerMN's slow-network experiment on one machine: DDP step time per allreduce mode and link rate.
 
+Two tasks (--task): `synthetic` (the default, this docstring: step time of a large-gradient model)
+and `lm` (time to a target validation loss of a small byte-level language model, low-communication
+modes beside DDP; `run.py --task lm -h`, lm_task.py). Both run on jobs.py's sweep.
+
 For every link rate (--rates; `none` = no shaping), the simulated cluster of netns.py is shaped to
 that rate, and for every mode (--modes, see train.py) one job is run: K torchruns, one per node
 namespace, M ranks each,
@@ -27,10 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,10 +39,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+import jobs  # noqa: E402
 import netns  # noqa: E402
 
-TORCHRUN = REPO / ".venv" / "bin" / "torchrun"
 TRAIN = HERE / "train.py"
+TASKS = ("synthetic", "lm")
 DEFAULT_MODES = ("gloo,flat,hierarchical,two_dimensional,flat+fp16,flat+db,flat+fp16+db,two_dimensional+fp16+db,"
                  "flat+2bit,flat+2bit+db,flat+2bit+cr+db,flat+1bit+cr+db,flat+2bit+fp16+db")
 DEFAULT_RATES = "none,1gbit,500mbit,100mbit"
@@ -50,37 +52,20 @@ COMPRESSED = ("2bit", "1bit")  # the flags of gradient compression
 # The issue's target (issue 22): the best compressed mode's step time within this factor of the
 # best unlimited mode's, per link rate.
 TARGETS = {"1gbit": 1.15, "500mbit": 1.3}
-# Variables that would steer the children somewhere else than the simulated node they run on.
-SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-         "CHAINERMN_HOSTNAME", "CHAINERMN_RANKS_PER_NODE", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
-
-
-class Interrupted(Exception):
-    pass
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--rates", default=DEFAULT_RATES, help="comma-separated tc rates; none = no shaping")
-    p.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated train.py modes")
+    p.add_argument("--task", choices=TASKS, default="synthetic", help="lm: see `run.py --task lm -h`")
+    jobs.add_cluster_args(p, modes=DEFAULT_MODES, rates=DEFAULT_RATES, run_timeout=400.0, name="cluster")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compute-steps", type=int, default=1, help="steps without communication (compute only)")
     p.add_argument("--comm-steps", type=int, default=1, help="rounds of allreduce without compute (comm only)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for every rank (repeatable), e.g. CHAINERMN_SHM_CHUNK_BYTES=16777216")
     p.add_argument("--params", type=float, default=25.0, help="million parameters")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     p.add_argument("--threshold", type=float, default=0.5, help="2-bit compression's threshold (+2bit modes)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per (mode, rate); the median is reported")
-    p.add_argument("--run-timeout", type=float, default=400.0, help="seconds before a run is killed")
-    p.add_argument("--port", type=int, default=29500, help="first master port (one per run)")
-    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
-    p.add_argument("--name", default="cluster", help="stem of the output files")
-    p.add_argument("--keep-up", action="store_true", help="leave the namespaces up at the end")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: one table from earlier results "
                    "(their runs pooled, medians per cell), written as --name")
     return p.parse_args(argv)
@@ -92,93 +77,20 @@ def hooks_available() -> bool:
 
 # ---------------------------------------------------------------------------------------- one run
 
-def child_env(node: int, extra=()) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in SCRUB and not k.startswith(("OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_"))}
-    env.update(CHAINERMN_HOSTNAME=f"node{node}", GLOO_SOCKET_IFNAME=netns.IFNAME, OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    for item in extra:
-        key, _, value = item.partition("=")
-        env[key] = value
-    return env
+def train_args(args, mode: str, rate: str) -> list:
+    """train.py's arguments for one run (the same at every rate)."""
+    return ["--mode", mode, "--params", str(args.params), "--layers", str(args.layers),
+            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--threshold", str(args.threshold),
+            "--compute-steps", str(args.compute_steps), "--comm-steps", str(args.comm_steps),
+            "--timeout", str(int(args.run_timeout))]
 
 
-def kill_job(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.time() + 5
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-
-
-def run_one(args, mode: str, rate: str, port: int, log_dir: Path, live: list) -> dict:
-    tag = f"{mode.replace('+', '_')}-{netns.rate_label(rate)}-p{port}"
-    result_path = log_dir / f"{tag}.json"
-    result_path.unlink(missing_ok=True)
-    train_args = ["--mode", mode, "--params", str(args.params), "--layers", str(args.layers),
-                  "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                  "--threshold", str(args.threshold),
-                  "--compute-steps", str(args.compute_steps), "--comm-steps", str(args.comm_steps), "--timeout", str(int(args.run_timeout)),
-                  "--json", str(result_path)]
-    procs, logs = [], []
-    t0 = time.time()
-    try:
-        for i in range(args.nodes):
-            log = open(log_dir / f"{tag}-node{i}.log", "w")
-            logs.append(log)
-            cmd = ["ip", "netns", "exec", netns.node_ns(i), str(TORCHRUN),
-                   "--nnodes", str(args.nodes), "--node-rank", str(i),
-                   "--nproc-per-node", str(args.ranks_per_node),
-                   "--master-addr", netns.node_addr(0), "--master-port", str(port),
-                   str(TRAIN), *train_args]
-            p = subprocess.Popen(cmd, cwd=REPO, env=child_env(i, args.env), stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            procs.append(p)
-            live.append(p)
-        failed = None
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
-                failed = f"node {codes.index(next(c for c in codes if c not in (None, 0)))} exited with " \
-                         f"{next(c for c in codes if c not in (None, 0))}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.time() - t0 > args.run_timeout:
-                failed = f"timed out after {args.run_timeout:.0f} s"
-                break
-            time.sleep(0.2)
-    finally:
-        kill_job(procs)
-        for p in procs:
-            if p in live:
-                live.remove(p)
-        for log in logs:
-            log.close()
-    elapsed = time.time() - t0
-    if failed is None and not result_path.exists():
-        failed = "no result written"
-    if failed:
-        tails = []
-        for i in range(args.nodes):
-            text = (log_dir / f"{tag}-node{i}.log").read_text(errors="replace").strip().splitlines()
-            tails.append(f"--- node{i} ---\n" + "\n".join(text[-15:]))
-        return {"mode": mode, "rate": netns.rate_label(rate), "error": failed, "elapsed_s": elapsed,
-                "log_tail": "\n".join(tails)}
-    res = json.loads(result_path.read_text())
-    res.update(rate=netns.rate_label(rate), elapsed_s=elapsed)
-    return res
+def describe(res: dict) -> str:
+    fmt = lambda v: f"{v:.3f} s" if v is not None else "-"  # noqa: E731
+    return (f"step {res['step_s']:.3f} s (min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute only "
+            f"{fmt(res.get('compute_s'))}, comm only {fmt(res.get('comm_s'))}, "
+            f"{res['cpu_per_step_s'] / res['step_s']:.2f} cores busy, {res['samples_per_s']:.1f} samples/s")
 
 
 # ---------------------------------------------------------------------------------------- table
@@ -316,12 +228,16 @@ def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
 # ---------------------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    task = argparse.ArgumentParser(add_help=False)
+    task.add_argument("--task", choices=TASKS, default="synthetic")
+    known, rest = task.parse_known_args(argv)
+    if known.task == "lm":
+        import lm_task
+        return lm_task.main(rest)
     args = parse_args(argv)
     if args.merge:
         return merge(args.merge, Path(args.out_dir), args.name)
-    if os.geteuid() != 0:
-        print("run.py needs root: it creates network namespaces (ip netns) and tc qdiscs", file=sys.stderr)
-        return 2
     rates = [netns.rate_label(r) for r in args.rates.split(",") if r.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not hooks_available():
@@ -329,51 +245,8 @@ def main(argv=None) -> int:
         if skipped:
             print(f"torch_chainermn/hooks.py does not exist yet: skipping {', '.join(skipped)}", flush=True)
             modes = [m for m in modes if m not in skipped]
-    out_dir = Path(args.out_dir)
-    log_dir = out_dir / f"{args.name}-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-
-    def on_term(signum, frame):
-        raise Interrupted(f"signal {signum}")
-    signal.signal(signal.SIGTERM, on_term)
-
-    live: list = []
-    runs: list = []
-    port = args.port
     started = time.time()
-    status = 0
-    try:
-        netns.up(args.nodes, None)
-        print(f"cluster up: {args.nodes} nodes x {args.ranks_per_node} ranks; rates {rates}; modes {modes}",
-              flush=True)
-        # Mode by mode, each mode at every rate back to back: a mode's runs at the different rates
-        # are minutes apart at most, so a change of the machine's load does not fall between them.
-        for rep in range(args.repeats):
-            for mode in modes:
-                for rate in rates:
-                    netns.set_rate(rate)
-                    res = run_one(args, mode, rate, port, log_dir, live)
-                    port += 1
-                    runs.append(res)
-                    if "error" in res:
-                        print(f"[{rep}] {mode:>28} @ {rate:>7}: FAILED ({res['error']}) after "
-                              f"{res['elapsed_s']:.0f} s\n{res['log_tail']}", flush=True)
-                        status = 1
-                    else:
-                        fmt = lambda v: f"{v:.3f} s" if v is not None else "-"  # noqa: E731
-                        print(f"[{rep}] {mode:>28} @ {rate:>7}: step {res['step_s']:.3f} s "
-                              f"(min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute only "
-                              f"{fmt(res.get('compute_s'))}, comm only {fmt(res.get('comm_s'))}, "
-                              f"{res['cpu_per_step_s'] / res['step_s']:.2f} cores busy, "
-                              f"{res['samples_per_s']:.1f} samples/s [{res['elapsed_s']:.0f} s]", flush=True)
-    except (KeyboardInterrupt, Interrupted) as e:
-        print(f"\ninterrupted ({str(e) or 'Ctrl-C'}): stopping the jobs and removing the namespaces", flush=True)
-        status = 130
-    finally:
-        kill_job(list(live))
-        if not args.keep_up:
-            netns.down()
-
+    runs, status = jobs.sweep(args, modes, rates, TRAIN, lambda mode, rate: train_args(args, mode, rate), describe)
     if not runs:
         return status or 1
     ok = [r for r in runs if "error" not in r]
@@ -382,10 +255,10 @@ def main(argv=None) -> int:
             "params_m": (ok[0]["params"] / 1e6) if ok else args.params,
             "grad_mb": (ok[0]["grad_mb"]) if ok else args.params * 4,
             "layers": args.layers, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "rates": rates, "modes": modes, "command": " ".join(["benchmarks/cluster/run.py"] + sys.argv[1:]),
+            "rates": rates, "modes": modes, "command": " ".join(["benchmarks/cluster/run.py"] + argv),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "total_s": time.time() - started}
-    report(runs, meta, out_dir, args.name)
+    report(runs, meta, out_dir=Path(args.out_dir), name=args.name)
     return status
 
 
