@@ -43,6 +43,11 @@ class Levels:
         elif self.nodes > 1:
             self.inter = group  # one rank a node: the group is the cross-node group
 
+    @property
+    def two_hops(self) -> bool:
+        """Whether the group spans nodes (else its own collectives serve)."""
+        return self.nodes > 1
+
     def by_intra_rank(self, device) -> torch.Tensor:
         """The group ranks by intra rank, then node: [rank_at[n][l] for l, for n], as an index
         (position l * N + n holds the group rank of node n's l-th rank)."""
