@@ -141,6 +141,19 @@ def expect_value_error(fn, *words: str) -> None:
     raise AssertionError(f"expected ValueError mentioning {words}")
 
 
+def value_errors(calls) -> list:
+    """The message of the ValueError each call raises, "" where one raises none (for the test to
+    compare on every rank)."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append("")
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
 # ---- the cases -------------------------------------------------------------------------------------
 # Factories take the dtype, the device the tensors live on and, for reductions, the ops to try. A
 # combination that must be refused is called anyway and must raise the ValueError `refusal` names.

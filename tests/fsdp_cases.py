@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
+from tests.collective_cases import value_errors
 from torch_chainermn.fsdp import TwoHopAllGather, TwoHopReduceScatter
 
 STEPS = 5
@@ -131,22 +132,15 @@ def int8_exchange_matches_reference() -> dict:
 
 
 def bad_input() -> list:
-    errors = []
     def sharded():
         from torch.distributed.fsdp import fully_shard
         return fully_shard(make_model())
 
-    for call in (lambda: torch_chainermn.fsdp.two_hop(make_model()),
-                 lambda: _gloo_fsdp(),
-                 lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
-                 lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
-                 lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0)):
-        try:
-            call()
-            errors.append("")
-        except ValueError as error:
-            errors.append(str(error))
-    return errors
+    return value_errors([lambda: torch_chainermn.fsdp.two_hop(make_model()),
+                         lambda: _gloo_fsdp(),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0)])
 
 
 def _gloo_fsdp():

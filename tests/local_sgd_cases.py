@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch_chainermn
 from torch_chainermn import hooks
 from tests import compression_reference as compressed
+from tests.collective_cases import value_errors
 
 STEPS = 8
 THRESHOLD = 0.004  # 2-bit's threshold: below the outer gradients of 3 AdamW steps at lr 0.01
@@ -278,14 +279,7 @@ def bad_input() -> list:
         lambda: diloco(sync_every=0 if rank == 1 else 4),   # bad on one rank only
         lambda: diloco(fragment_delay=1 if rank == 0 else 0),  # settings differ across ranks
     ]
-    errors = []
-    for call in calls:
-        try:
-            call()
-            errors.append("")
-        except ValueError as error:
-            errors.append(str(error))
-    return errors
+    return value_errors(calls)
 
 
 def two_nodes_of_one() -> list:

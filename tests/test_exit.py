@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.harness import REPO, free_port, launcher_free_environment
+from tests.harness import REPO, free_port, launcher_free_environment, run_job
 
 OPS = 24
 
@@ -47,3 +47,39 @@ def test_exit_with_operations_in_flight(tmp_path):
     for rank in (0, 1):
         sums = (tmp_path / f"finished.{rank}").read_text().split()
         assert sums == ["2.0"] * OPS, report
+
+
+RELEASE_SCRIPT = textwrap.dedent("""
+    import time
+    import torch
+    import torch.distributed as dist
+    import torch_chainermn
+
+    dist.init_process_group("chainermn")
+    rank = dist.get_rank()
+    group = dist.new_group(backend="chainermn")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+    if rank == 1:
+        time.sleep(2)  # rank 0's op waits for this one while rank 0 lets go of the group
+    dist.all_reduce(torch.ones(1 << 20), group=group, async_op=True)  # only the op holds the tensor
+    dist.destroy_process_group(group)
+    del group
+    del model  # the DDP Reducer held the last reference: the group's threads are joined here
+    print(f"rank {rank} released", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_group_released_by_ddp_while_its_op_finishes(tmp_path):
+    """The interpreter frees a DDP Reducer holding a group's last reference (with the GIL held) while
+    the group's worker finishes an op whose tensor only the op holds: freeing that tensor needs the
+    GIL. Joining the worker with the GIL held hung rank 0 for ever (4 runs of 4 before the fix)."""
+    script = tmp_path / "release.py"
+    script.write_text(RELEASE_SCRIPT)
+    env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(script)]
+    status, output = run_job(command, env, timeout=90)  # a hang fails (RankFailure), its ranks killed
+    assert status == 0, output[-4000:]
+    assert "rank 0 released" in output and "rank 1 released" in output, output[-4000:]

@@ -1,6 +1,7 @@
 #include "backend/worker.h"
 
 #include "backend/backoff.h"
+#include "backend/gil_release.h"
 #include "backend/worker_state.h"
 #include "linger.h"
 #include "thread_name.h"
@@ -220,6 +221,8 @@ Worker::~Worker() {
 }
 
 void Worker::stop() {
+  // The waits below may need a tensor freed on the worker, which needs the GIL (gil_release.h).
+  GilReleased released;
   std::call_once(stopped_, [this] {
     bool stuck = false;
     std::deque<QueuedOp> queued;
