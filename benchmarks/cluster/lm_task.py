@@ -77,7 +77,7 @@ def describe(res: dict) -> str:
     else:
         head = f"not reached: {res['final_val_loss']:.3f} after {res['steps']} steps, {res['clock_s']:.1f} s"
     return (f"{head}; last loss {res['final_val_loss']:.3f}, step {res['step_s']:.3f} s, compute "
-            f"{res['compute_s']:.3f} s, {res['bytes_per_step'] / 1e6:.3f} MB/step between nodes, "
+            f"{res['compute_s'] or float('nan'):.3f} s, {res['bytes_per_step'] / 1e6:.3f} MB/step between nodes, "
             f"startup {res['startup_s']:.0f} s, eval {res['eval_s']:.1f} s")
 
 
@@ -117,7 +117,7 @@ def exchange_lines(runs: list, meta: dict) -> list:
     """The task's compute-to-communication ratio: compute per step against the time one full-precision
     gradient exchange takes at each rate, from the bytes (so a reader can map a rate here to the
     same ratio on a real cluster)."""
-    ok = [r for r in runs if "error" not in r]
+    ok = [r for r in runs if "error" not in r and r.get("compute_s")]
     if not ok:
         return []
     compute = sorted(r["compute_s"] for r in ok)[len(ok) // 2]
@@ -138,6 +138,10 @@ def exchange_lines(runs: list, meta: dict) -> list:
         t = per_link * 8 / bits
         lines.append(f"- {rate}: {t:.3f} s, compute / communication = {compute / t:.2f}")
     return lines
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def target_lines(rows: list, best: float | None) -> list:
@@ -197,7 +201,7 @@ def markdown(rows: list, best: float | None, best_mode: str | None, meta: dict, 
         eq = f"{r['equal_tokens_loss']:.3f}" if r.get("equal_tokens_loss") is not None else "-"
         util = f"{r['utilisation']:.0%}" if r.get("utilisation") else "-"
         out.append(f"| {r['mode']} | {r['rate']} | {ttt} | {stt} | {vs} | {r['final_val_loss']:.3f} | {eq} "
-                   f"| {r['bytes_per_step'] / 1e6:.3f} | {r['compute_s']:.3f} | {r['step_s']:.3f} | {util} |")
+                   f"| {r['bytes_per_step'] / 1e6:.3f} | {_seconds(r['compute_s'])} | {r['step_s']:.3f} | {util} |")
     out += ["", f"Loss at equal tokens: each mode's run at {BASE_RATE} (the whole step budget); a mode's "
             "maths does not depend on the link rate, so it holds for every rate. Time excludes "
             "evaluations; compute utilisation = steps x compute per step / training time.", ""]

@@ -22,6 +22,12 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     streaming-ranks  the same with every rank a replica of its own (no DDP in the node: no
                 communication at all between syncs; the backend still sums a node's outer
                 gradients in the node and sends one compressed copy per node)
+    fsdp-gloo   FSDP2 (fully_shard on every block and the root) on init_process_group("gloo")
+    fsdp        FSDP2 on init_process_group("chainermn"), its own collectives
+    fsdp-2hop   ... with torch_chainermn.fsdp.two_hop(model): in the node, then between nodes
+    fsdp-int8   ... with compress_between_nodes(model, gradients="int8", weights="int8")
+    fsdp-int8-hpz  ... and reshard_after_forward=<ranks per node> (hpZ: the backward all-gather
+                stays in the node)
 
 The clock: training wall time, paused while the validation loss is measured. Every --eval-every
 steps (and at the end) the ranks stop the clock, meet on a separate Gloo group (so nothing queued
@@ -60,7 +66,8 @@ import lm  # noqa: E402
 
 DDP_MODES = ("gloo", "chainermn", "fp16+db", "2bit", "1bit", "2bit+cr", "1bit+cr", "powersgd")
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks")  # replicas synced every H steps
-MODES = DDP_MODES + LOCAL_MODES
+FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz")  # sharded, no compute-alone phase
+MODES = DDP_MODES + LOCAL_MODES + FSDP_MODES
 TX_BYTES = Path("/sys/class/net/eth0/statistics/tx_bytes")
 
 
@@ -112,6 +119,8 @@ def parse_args(argv=None):
 def setup(args, model):
     """(the module to call in training, the inner optimizer, the mode's context manager, a function
     that completes communication still in flight)."""
+    if args.mode in FSDP_MODES:
+        return setup_fsdp(args, model)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.mode in LOCAL_MODES:
         import torch_chainermn
@@ -153,6 +162,21 @@ def setup(args, model):
     return ddp, inner, contextlib.nullcontext(), flush
 
 
+def setup_fsdp(args, model):
+    """FSDP2 on every block and the root, on the default group; the optimizer over the shards."""
+    from torch.distributed.fsdp import fully_shard
+    reshard = int(os.environ["LOCAL_WORLD_SIZE"]) if args.mode.endswith("-hpz") else True
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    if args.mode != "fsdp-gloo" and args.mode != "fsdp":
+        import torch_chainermn.fsdp
+        kind = "int8" if "int8" in args.mode else "float32"
+        torch_chainermn.fsdp.compress_between_nodes(model, gradients=kind, weights=kind)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    return model, inner, contextlib.nullcontext(), lambda: None
+
+
 def node_tx_bytes(local_rank: int) -> int:
     """This node's bytes sent on its link so far (local rank 0 reads it; the others say 0)."""
     return int(TX_BYTES.read_text()) if local_rank == 0 else 0
@@ -163,7 +187,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     timeout = timedelta(seconds=args.timeout)
-    if args.mode == "gloo":
+    if args.mode in ("gloo", "fsdp-gloo"):
         dist.init_process_group("gloo", timeout=timeout)
     else:
         import torch_chainermn  # noqa: F401  (registers the backend)
@@ -241,7 +265,8 @@ def main(argv=None) -> int:
 
     # The compute alone: the same steps with no communication (no DDP sync, no DiLoCo hook).
     compute = []
-    for _ in range(args.compute_steps):
+    # FSDP2 cannot step without its all-gathers: no compute-alone phase (the DDP modes' is the same compute).
+    for _ in range(0 if args.mode in FSDP_MODES else args.compute_steps):
         dist.barrier(group=side)
         t0 = time.perf_counter()
         with train_model.no_sync() if isinstance(train_model, DDP) else contextlib.nullcontext():
@@ -256,7 +281,7 @@ def main(argv=None) -> int:
                            group=side)
     if rank == 0:
         compute_s = statistics.median(max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)) \
-            if args.compute_steps else None
+            if args.compute_steps and compute else None
         tx_total = sum(r["tx"] for r in everyone)
         result = {
             "mode": args.mode, "world_size": world, "nodes": n_nodes, "params": n_params,
