@@ -57,8 +57,7 @@ class TwoHopReduceScatter(ReduceScatter):
             if op == dist.ReduceOp.PREMUL_SUM:
                 raise ValueError("TwoHopReduceScatter: int8 gradients with one rank a node take SUM or AVG, "
                                  "not PREMUL_SUM (FSDPModule.set_gradient_divide_factor)")
-            self._node_sums = input_tensor
-            self._int8_between_nodes(output_tensor, levels, op)
+            self._int8_between_nodes(output_tensor, input_tensor, levels, op)
             return None
         shard = output_tensor.numel()
         self._reordered = _reused(self._reordered, input_tensor.numel(), input_tensor)
@@ -69,12 +68,13 @@ class TwoHopReduceScatter(ReduceScatter):
         # PREMUL_SUM's factor was applied on the first hop; AVG of node means is the mean.
         between = dist.ReduceOp.SUM if op == dist.ReduceOp.PREMUL_SUM else op
         if self.gradients == "int8":
-            self._int8_between_nodes(output_tensor, levels, between)
+            self._int8_between_nodes(output_tensor, self._node_sums, levels, between)
             return None
         return dist.reduce_scatter_tensor(output_tensor, self._node_sums, op=between, group=levels.inter,
                                           async_op=async_op)
 
-    def _int8_between_nodes(self, output_tensor: torch.Tensor, levels, op) -> None:
+    def _int8_between_nodes(self, output_tensor: torch.Tensor, node_sums: torch.Tensor, levels, op) -> None:
+        """output = the sum (AVG: mean) over the nodes of their int8-coded sums of this rank's shard."""
         nodes, shard = levels.nodes, output_tensor.numel()
         width = int8.padded(shard, self.block)
         blocks = width // self.block
@@ -86,7 +86,7 @@ class TwoHopReduceScatter(ReduceScatter):
             self._scales = torch.empty(nodes, blocks, dtype=torch.float32, device=output_tensor.device)
             self._received_scales = torch.empty_like(self._scales)
         values = self._residual  # residual + this step's node sums, then what is left of them
-        values[:, :shard] += self._node_sums.view(nodes, shard)
+        values[:, :shard] += node_sums.view(nodes, shard)
         int8.quantize_(values, self._codes, self._scales, self._sent)
         values.sub_(self._sent)
         dist.all_to_all_single(self._received, self._codes, group=levels.inter)
