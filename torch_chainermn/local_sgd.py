@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ._backend import backend_of, group_of
-from .compression import GradientCompression
+from .compression import GradientCompression, layout_of
 from .gradients import mean_coalesced
 from .messages.objects import agree
 
@@ -101,7 +101,8 @@ def _split_runs(params: list, fragments: int) -> list:
 
 class _EveryHSteps:
     """What LocalSGD and DiLoCo share: the inner optimizer's step hook, the step count, the context
-    manager, the checks every rank agrees on, and rank 0's start."""
+    manager, the checks every rank agrees on, and rank 0's start. Each defines `_on_step()`, what
+    happens after every inner step."""
 
     _op = "LocalSGD"
 
@@ -159,9 +160,6 @@ class _EveryHSteps:
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
         self._on_step()
-
-    def _on_step(self) -> None:
-        raise NotImplementedError
 
     def _finish_in_flight(self) -> None:
         pass
@@ -249,7 +247,7 @@ class _Fragment:
         self.local, self.local_views = _flat_like(params) if keep_local else (None, None)
         self.buffers = buffers
         self.buffer_mean, self.buffer_views = _flat_like(buffers) if buffers else (None, None)
-        self.layout = tuple((id(p), o, p.numel()) for p, o in zip(params, _offsets(params)))
+        self.layout = layout_of(params, params)  # the compression's residuals follow these parameters
         self.work = None          # the outer gradient's mean in flight
         self.buffer_work = None   # the buffers' mean in flight
         self.apply_at = None      # the inner step at which the mean is applied (None: nothing pending)
@@ -260,14 +258,6 @@ class _Fragment:
             if work is not None:
                 work.wait()
                 setattr(self, name, None)
-
-
-def _offsets(tensors) -> list:
-    offsets, offset = [], 0
-    for tensor in tensors:
-        offsets.append(offset)
-        offset += tensor.numel()
-    return offsets
 
 
 class DiLoCo(_EveryHSteps):
