@@ -5,10 +5,12 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
+from tests import compression_reference
 from tests.collective_cases import value_errors
 from torch_chainermn.fsdp import TwoHopAllGather, TwoHopReduceScatter
 
 STEPS = 5
+THRESHOLD = 0.02  # 2-bit: about a tenth of the test model's gradients
 
 
 def make_model():
@@ -17,30 +19,40 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def trained(two_hop: bool, reshard_after_forward=True, mixed=False, int8=False) -> tuple[list, list]:
-    """(the full parameters after STEPS of SGD, the FSDP modules' comm objects)."""
+def sharded_model(reshard_after_forward=True, mixed=False, device="cpu"):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DeviceMesh
 
-    rank = dist.get_rank()
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
         else MixedPrecisionPolicy()
-    model = make_model()
+    model = make_model().to(device)
     for module in (model[0], model[2], model):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    modules = (torch_chainermn.fsdp.compress_between_nodes(model, "int8", "int8", block=8) if int8
-               else torch_chainermn.fsdp.two_hop(model) if two_hop else [])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(100 + rank)
-    for _ in range(STEPS):
+    return model
+
+
+def train(model, optimizer, steps, first_step=0, device="cpu"):
+    """`steps` steps of MSE on data drawn from the rank and the step's index (so a resumed run sees
+    the same data as an unbroken one)."""
+    for step in range(first_step, first_step + steps):
+        generator = torch.Generator().manual_seed(1000 * step + dist.get_rank())
         x, y = torch.randn(8, 12, generator=generator), torch.randn(8, 4, generator=generator)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         optimizer.step()
+
+
+def trained(two_hop: bool, reshard_after_forward=True, mixed=False, codes=None, device="cpu") -> tuple[list, list]:
+    """(the full parameters after STEPS of SGD, the FSDP modules' comm objects). codes: (gradients,
+    weights) between nodes, else two hops at full precision (two_hop) or FSDP2's own collectives."""
+    model = sharded_model(reshard_after_forward, mixed, device)
+    modules = (torch_chainermn.fsdp.compress_between_nodes(model, *codes, block=8, threshold=THRESHOLD) if codes
+               else torch_chainermn.fsdp.two_hop(model) if two_hop else [])
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, device=device)
     comms = [(group._reduce_scatter_comm, group._all_gather_comm)
              for m in modules for group in m._get_fsdp_state()._fsdp_param_groups]
-    return [p.full_tensor().detach().float().clone() for p in model.parameters()], comms
+    return [p.full_tensor().detach().float().cpu().clone() for p in model.parameters()], comms
 
 
 def matches_fsdp2() -> dict:
@@ -61,74 +73,123 @@ def matches_fsdp2() -> dict:
     return out
 
 
-def int8_training() -> dict:
-    """int8 gradients and weights between nodes: how far from FSDP2's own (quantisation error, not
-    a wrong result), and whether every rank holds the same parameters."""
+def coded_training(gradients: str, weights: str = "int8") -> dict:
+    """Coded gradients and weights between nodes: how far from FSDP2's own (the codes' error, not a
+    wrong result), and whether every rank holds the same parameters."""
     expected, _ = trained(False)
-    got, comms = trained(True, int8=True)
+    got, comms = trained(True, codes=(gradients, weights))
     mine = torch.cat([p.reshape(-1) for p in got])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return {"difference": max((a - b).abs().max().item() for a, b in zip(got, expected)),
             "moved": max((a - b).abs().max().item() for a, b in zip(got, make_model().parameters())),
             "replicas agree": all(torch.equal(e, everyone[0]) for e in everyone),
-            "residuals kept": all(rs._residual is not None and rs._residual.abs().sum() > 0 for rs, _ in comms)}
+            "residuals kept": all(rs.residual is not None and rs.residual.abs().sum() > 0 for rs, _ in comms)}
 
 
 def quantized(values: torch.Tensor, block: int) -> torch.Tensor:
-    """What int8 block codes carry, block by block, written plainly (torch_chainermn/fsdp/int8.py's rule)."""
+    """What int8 block codes carry, block by block, written plainly (csrc/kernels/int8.h's rule)."""
     out = torch.zeros_like(values)
     for row in range(values.shape[0]):
         for start in range(0, values.shape[1], block):
             piece = values[row, start:start + block]
-            scale = piece.abs().max() / 127.0
-            if scale > 0:
-                out[row, start:start + block] = torch.round(piece / scale).clamp(-127, 127) * scale
+            largest = piece.abs().max()
+            if largest > 0:
+                codes = torch.round(piece * (127.0 / largest)).clamp(-127, 127)
+                out[row, start:start + block] = codes * (largest / 127.0)
     return out
 
 
-def int8_exchange_matches_reference() -> dict:
-    """The comm objects alone, 3 calls: the int8 reduce-scatter (residuals carried from call to call)
-    and all-gather against the rules written plainly, every rank's inputs known to every rank."""
-    from torch_chainermn.fsdp.int8 import padded
+def carried(code: str, rows: torch.Tensor, block: int, threshold: float) -> torch.Tensor:
+    """What each row's code carries (int8: quantized; 2bit, 1bit: tests/compression_reference)."""
+    if code == "int8":
+        return quantized(rows, block)
+    return torch.stack([compression_reference.quantize(code, row, None, row.numel(), threshold)[2] for row in rows])
 
+
+def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
+    """The comm objects alone, 3 calls: the coded reduce-scatter (residuals carried from call to
+    call) and the int8 all-gather against the rules written plainly, every rank's inputs known to
+    every rank; the largest difference of each."""
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = torch_chainermn.topology()
     rank_at = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
     nodes, per_node = len(rank_at), len(rank_at[0])
     node, intra = topo.node_of_rank[rank], topo.intra_rank
-    shard, block = 10, 4
-    width = padded(shard, block)
+    shard, block, threshold = 10, 4, 0.5
 
     def gradients(step, r):
         return torch.randn(world * shard, generator=torch.Generator().manual_seed(100 * step + r))
 
-    reduce_scatter, all_gather = TwoHopReduceScatter("int8", block), TwoHopAllGather("int8", block)
-    residual = {(n, l): torch.zeros(nodes, width) for n in range(nodes) for l in range(per_node)}
+    reduce_scatter, all_gather = TwoHopReduceScatter(code, block, threshold), TwoHopAllGather("int8", block)
+    residual = {(n, l): torch.zeros(nodes, shard) for n in range(nodes) for l in range(per_node)}
     worst = {"reduce-scatter": 0.0, "all-gather": 0.0}
     for step in range(3):
-        got = torch.empty(shard)
-        reduce_scatter(got, gradients(step, rank), dist.group.WORLD, op=dist.ReduceOp.SUM)
+        got = torch.empty(shard, device=device)
+        reduce_scatter(got, gradients(step, rank).to(device), dist.group.WORLD, op=dist.ReduceOp.SUM)
         sent = {}
         for n in range(nodes):
             node_sum = sum(gradients(step, r) for r in rank_at[n]).view(world, shard)
             for l in range(per_node):
                 values = residual[(n, l)].clone()
                 for m in range(nodes):
-                    values[m, :shard] += node_sum[rank_at[m][l]]
-                sent[(n, l)] = quantized(values, block)
+                    values[m] += node_sum[rank_at[m][l]]
+                sent[(n, l)] = carried(code, values, block, threshold)
                 residual[(n, l)] = values - sent[(n, l)]
-        expected = sum(sent[(n, intra)][node, :shard] for n in range(nodes))
-        worst["reduce-scatter"] = max(worst["reduce-scatter"], (got - expected).abs().max().item())
+        expected = sum(sent[(n, intra)][node] for n in range(nodes))
+        worst["reduce-scatter"] = max(worst["reduce-scatter"], (got.cpu() - expected).abs().max().item())
 
         weights = [torch.randn(shard, generator=torch.Generator().manual_seed(7000 + 100 * step + r))
                    for r in range(world)]
-        gathered = torch.empty(world * shard)
-        all_gather(gathered, weights[rank], dist.group.WORLD)
-        expected = torch.cat([quantized(torch.nn.functional.pad(w, (0, width - shard))[None], block)[0, :shard]
-                              for w in weights])
-        worst["all-gather"] = max(worst["all-gather"], (gathered - expected).abs().max().item())
+        gathered = torch.empty(world * shard, device=device)
+        all_gather(gathered, weights[rank].to(device), dist.group.WORLD)
+        expected = torch.cat([quantized(w[None], block)[0] for w in weights])
+        worst["all-gather"] = max(worst["all-gather"], (gathered.cpu() - expected).abs().max().item())
+    worst["residual"] = (reduce_scatter.residual.cpu() - residual[(node, intra)]).abs().max().item()
     return worst
+
+
+def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
+    """3 steps, a DCP checkpoint of the model, the optimizer and the residuals, 2 steps more; then a
+    fresh model loads the checkpoint and takes the same 2 steps: the parameters and the residuals
+    must be equal, and the residuals must not be zero (they were carried). The root holds no
+    parameters of its own: 2 residuals, the Linear layers'."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    def run():
+        model = sharded_model()
+        torch_chainermn.fsdp.compress_between_nodes(model, gradients, "int8", block=8, threshold=THRESHOLD)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def state_of(model, optimizer):
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
+                "residuals": torch_chainermn.fsdp.state_dict(model)}
+
+    def finished(model):
+        residuals = torch_chainermn.fsdp.state_dict(model)
+        return ([p.full_tensor().detach().clone() for p in model.parameters()],
+                [residuals[k].to_local().clone() for k in sorted(residuals)])
+
+    model, optimizer = run()
+    train(model, optimizer, 3)
+    dcp.save(state_of(model, optimizer), checkpoint_id=directory)
+    train(model, optimizer, 2, first_step=3)
+    unbroken = finished(model)
+
+    model, optimizer = run()
+    state = state_of(model, optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    torch_chainermn.fsdp.load_state_dict(model, state["residuals"])
+    train(model, optimizer, 2, first_step=3)
+    resumed = finished(model)
+    return {"parameters equal": all(torch.equal(a, b) for a, b in zip(unbroken[0], resumed[0])),
+            "residuals equal": all(torch.equal(a, b) for a, b in zip(unbroken[1], resumed[1])),
+            "residuals": len(unbroken[1]),
+            "residuals carried": all(r.abs().sum() > 0 for r in unbroken[1])}
 
 
 def bad_input() -> list:
@@ -136,11 +197,18 @@ def bad_input() -> list:
         from torch.distributed.fsdp import fully_shard
         return fully_shard(make_model())
 
+    def mismatched_state():
+        model = sharded()
+        torch_chainermn.fsdp.compress_between_nodes(model, "2bit")
+        torch_chainermn.fsdp.load_state_dict(model, {"0": torch.zeros(1)})
+
     return value_errors([lambda: torch_chainermn.fsdp.two_hop(make_model()),
                          lambda: _gloo_fsdp(),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0)])
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), threshold=0.0),
+                         mismatched_state])
 
 
 def _gloo_fsdp():
@@ -153,6 +221,52 @@ def _gloo_fsdp():
     torch_chainermn.fsdp.two_hop(model)
 
 
-def cases() -> dict:
-    return {"configs": matches_fsdp2(), "int8 training": int8_training(),
-            "int8 exchange": int8_exchange_matches_reference(), "errors": bad_input()}
+def cases(directory: str) -> dict:
+    return {"configs": matches_fsdp2(),
+            "training": {code: coded_training(code) for code in ("int8", "2bit")},
+            "exchange": {code: coded_exchange_matches_reference(code) for code in ("int8", "2bit", "1bit")},
+            "checkpoint": checkpoint_resumes_exactly(directory),
+            "errors": bad_input()}
+
+
+def cuda_cases() -> dict:
+    """On the GPU (every rank shares it): the coded exchange against the plain rules."""
+    torch.cuda.set_device(0)
+    return {code: coded_exchange_matches_reference(code, "cuda") for code in ("int8", "2bit", "1bit")}
+
+
+def lm_validation_losses(steps: int = 40) -> dict:
+    """The cluster benchmark's language model (benchmarks/cluster/lm.py), CI-sized, under FSDP2 with
+    FSDP2's own collectives and with codes between nodes: the validation loss after `steps` AdamW
+    steps from the same start on the same batches (every rank evaluates the same windows)."""
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.fsdp import fully_shard
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "cluster"))
+    import lm
+
+    corpus = lm.load_corpus(max_mb=1.0)
+    windows = lm.validation_windows(corpus.val, 32, 32)
+    losses = {}
+    for name, codes in (("fsdp2", None), ("int8", ("int8", "int8"))):
+        torch.manual_seed(0)
+        model = lm.ByteLM(dim=64, layers=1, heads=4, context=32)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        if codes:
+            torch_chainermn.fsdp.compress_between_nodes(model, *codes)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+        data = lm.batches(corpus.train, 8, 32, seed=dist.get_rank())
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lm.learning_rate(step, 2e-3, 10)
+            inputs, targets = next(data)
+            optimizer.zero_grad()
+            lm.loss_of(model, inputs, targets).backward()
+            optimizer.step()
+        total, count = lm.validation_loss_sum(model, windows)
+        losses[name] = total / count
+    return losses

@@ -547,3 +547,36 @@ def test_one_bit_kernels_match_the_cpu():
             expected = dequantize_on("cpu", "1bit", cuda_block, out, n, 0.0, accumulate)
             got = dequantize_on("cuda", "1bit", cuda_block, out, n, 0.0, accumulate)
             assert torch.equal(bits(got), bits(expected)), f"{case} accumulate={accumulate}"
+
+
+@pytest.mark.parametrize("code", ["int8", "2bit", "1bit"])
+def test_code_operators_match_the_cpu(code):
+    """torch_chainermn.codes on CUDA: the CPU's wire rows, residuals and decoded values bit for bit
+    (1-bit: its scale, summed in another order, to float rounding)."""
+    from torch_chainermn.codes import decode, encode, wire_row_bytes
+
+    for rows, count, block in ((1, 1, 4), (3, 1000, 256), (2, 37, 5), (2, 70001, 256), (1, 0, 8)):
+        case = f"{code} rows={rows} count={count} block={block}"
+        generator = torch.Generator().manual_seed(count)
+        x, residual = torch.randn(rows, count, generator=generator), torch.randn(rows, count, generator=generator)
+        got = {}
+        for device in ("cpu", "cuda"):
+            kept = residual.to(device, copy=True)
+            wire = torch.empty(rows, wire_row_bytes(code, count, block), dtype=torch.uint8, device=device)
+            encode(x.to(device), wire, kept, code=code, block=block, threshold=0.5)
+            out = torch.empty(rows, count, device=device)
+            total = torch.empty(count, device=device)
+            decode(wire, out, code=code, block=block, threshold=0.5)
+            decode(wire, total, code=code, block=block, threshold=0.5, sum=True)
+            got[device] = [t.cpu() for t in (wire, kept, out, total)]
+        (cpu_wire, cpu_kept, cpu_out, cpu_total), (wire, kept, out, total) = got["cpu"], got["cuda"]
+        if code == "1bit" and count:
+            torch.testing.assert_close(wire[:, :4].view(torch.float32), cpu_wire[:, :4].view(torch.float32),
+                                       rtol=1e-6, atol=0, msg=case)
+            assert torch.equal(wire[:, 4:], cpu_wire[:, 4:]), case
+            for a, b in ((kept, cpu_kept), (out, cpu_out), (total, cpu_total)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=case)
+        else:
+            assert torch.equal(wire, cpu_wire), case
+            for a, b in ((kept, cpu_kept), (out, cpu_out), (total, cpu_total)):
+                assert torch.equal(bits(a), bits(b)), case

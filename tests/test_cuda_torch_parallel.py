@@ -1,6 +1,7 @@
 """torch's own parallelism on CUDA tensors gives on a chainermn group what it gives on torch's nccl:
-FSDP2 (`fully_shard`), ZeroRedundancyOptimizer under DDP, and distributed checkpointing; and DiLoCo
-on the GPU what it gives on the CPU (marked `cuda`: skipped without a GPU, see conftest.py).
+FSDP2 (`fully_shard`), ZeroRedundancyOptimizer under DDP, and distributed checkpointing; DiLoCo and
+torch_chainermn.fsdp's coded exchange on the GPU what they give on the CPU (marked `cuda`: skipped without a GPU,
+see conftest.py).
 
 tests/test_torch_parallel.py does this on the CPU against gloo; here its same functions run with the
 model on the GPU. One 2-rank job per configuration trains on a chainermn group and on a torch nccl
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import local_sgd_cases
+from tests import fsdp_cases, local_sgd_cases
 from tests.harness import RankFailure
 from tests.test_cuda import config_names, run_cuda
 from tests.test_torch_parallel import checkpoint, fsdp2, make_model, zero
@@ -88,3 +89,15 @@ def test_diloco_on_cuda_matches_cpu(config):
         assert outcome["float32"]["moved"] > 1e-2 and outcome["2bit"]["moved"] > 1e-2, outcome
         assert outcome["float32"]["difference"] < 1e-4, f"rank {rank}: {outcome}"
         assert outcome["2bit"]["difference"] < 4 * local_sgd_cases.THRESHOLD, f"rank {rank}: {outcome}"
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_fsdp_codes_between_nodes_on_cuda(config):
+    """torch_chainermn.fsdp's coded reduce-scatter (int8, 2-bit, 1-bit, residuals carried over 3
+    calls) and int8 all-gather on CUDA tensors, 2 ranks as 2 nodes: the rules written plainly (1-bit's
+    scale, summed on the GPU in another order, to float rounding)."""
+    results = run_cuda(fsdp_cases.cuda_cases, 2, config, extra_env={"CHAINERMN_RANKS_PER_NODE": "1"},
+                       timeout=240, op_timeout=120)
+    for rank, outcome in enumerate(results):
+        for code, worst in outcome.items():
+            assert max(worst.values()) < (1e-5 if code == "1bit" else 1e-6), f"rank {rank}, {code}: {worst}"

@@ -1,4 +1,6 @@
 """torch_chainermn.fsdp: FSDP2 with two-hop reduce-scatter and all-gather (tests/fsdp_cases.py)."""
+import tempfile
+
 import pytest
 
 from tests import fsdp_cases
@@ -8,12 +10,14 @@ from tests.harness import run_spawn
 @pytest.mark.parametrize("ranks_per_node", [2, 1])
 def test_two_hops_equal_fsdp2(ranks_per_node):
     """2 nodes x 2 (two hops) and 2 x 1 (one hop between nodes): FSDP2's parameters after 5 steps
-    to 1e-6, with hpZ (reshard_after_forward=2), bfloat16 parameters, no reshard; int8 gradients and
-    weights: the exchange equals the rules written plainly, residuals carried, and training stays
-    near FSDP2's with every rank alike; bad input raises."""
+    to 1e-6, with hpZ (reshard_after_forward=2), bfloat16 parameters, no reshard; int8, 2-bit and
+    1-bit gradients and int8 weights: the exchange equals the rules written plainly, residuals
+    carried, training stays near FSDP2's with every rank alike, and a DCP checkpoint with the
+    residuals resumes exactly; bad input raises."""
     world = 2 * ranks_per_node
-    outcomes = run_spawn(fsdp_cases.cases, world, env={"CHAINERMN_RANKS_PER_NODE": str(ranks_per_node)},
-                         timeout=300)
+    with tempfile.TemporaryDirectory(prefix="chainermn-fsdp-dcp-") as directory:
+        outcomes = run_spawn(fsdp_cases.cases, world, env={"CHAINERMN_RANKS_PER_NODE": str(ranks_per_node)},
+                             timeout=300, directory=directory)
     for rank, outcome in enumerate(outcomes):
         configs = outcome["configs"]
         assert set(configs) >= {"plain", "bf16 params", "no reshard"} | ({"hpZ"} if ranks_per_node > 1 else set())
@@ -21,15 +25,33 @@ def test_two_hops_equal_fsdp2(ranks_per_node):
             assert got["moved"] > 1e-3, f"rank {rank}, {name}: did not train: {got}"
             assert got["difference"] < 1e-6, f"rank {rank}, {name}: {got}"
             assert got["two hops ran"] == (ranks_per_node > 1), f"rank {rank}, {name}: {got}"
-        training = outcome["int8 training"]
-        assert training["moved"] > 1e-3 and training["replicas agree"], f"rank {rank}: {training}"
-        assert training["difference"] < 2e-2, f"rank {rank}: int8 strayed from FSDP2's: {training}"
-        assert training["residuals kept"], f"rank {rank}: {training}"
-        exchange = outcome["int8 exchange"]
-        assert exchange["reduce-scatter"] < 1e-6 and exchange["all-gather"] < 1e-6, f"rank {rank}: {exchange}"
-        no_fsdp, not_chainermn, gradients, weights, block = outcome["errors"]
-        assert "gradients must be one of ('float32', 'int8'), got 'int4'" in gradients
+        for code, training in outcome["training"].items():
+            assert training["moved"] > 1e-3 and training["replicas agree"], f"rank {rank}, {code}: {training}"
+            assert training["residuals kept"], f"rank {rank}, {code}: {training}"
+        # int8 carries every gradient to within 1/254 of its block's largest; 2-bit at most +-t a value
+        # and node per step, so it lags FSDP2 by design (its closeness is the LM benchmark's to judge).
+        int8 = outcome["training"]["int8"]
+        assert int8["difference"] < 2e-2, f"rank {rank}: int8 strayed from FSDP2's: {int8}"
+        for code, exchange in outcome["exchange"].items():
+            assert max(exchange.values()) < 1e-6, f"rank {rank}, {code}: {exchange}"
+        checkpoint = outcome["checkpoint"]
+        assert checkpoint["residuals"] == 2 and checkpoint["residuals carried"], f"rank {rank}: {checkpoint}"
+        assert checkpoint["parameters equal"] and checkpoint["residuals equal"], f"rank {rank}: {checkpoint}"
+        no_fsdp, not_chainermn, gradients, weights, block, threshold, state = outcome["errors"]
+        assert "gradients must be one of ('float32', 'int8', '2bit', '1bit'), got 'int4'" in gradients
         assert "weights must be one of ('float32', 'int8'), got '2bit'" in weights
         assert "block must be an int >= 1, got 0" in block
+        assert "threshold must be a number > 0, got 0.0" in threshold
+        assert "fsdp.load_state_dict: the state has residuals for ['0']" in state
         assert "compress_between_nodes: the model has no FSDP module" in no_fsdp
         assert "compress_between_nodes: the group does not use the chainermn backend (it uses gloo)" in not_chainermn
+
+
+def test_language_model_with_codes_stays_near_fsdp2():
+    """The cluster benchmark's LM task, CI-sized (2 nodes x 2 ranks, 40 AdamW steps): int8 gradients
+    and weights end within 3% of FSDP2's validation loss. (2-bit and 1-bit gradients do not: with
+    AdamW they end 10-15% above at every threshold tried, 1e-5 to 1e-2; docs/fsdp.md.)"""
+    outcomes = run_spawn(fsdp_cases.lm_validation_losses, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=300)
+    for rank, losses in enumerate(outcomes):
+        assert losses["fsdp2"] < 4.0, f"rank {rank}: FSDP2 did not learn: {losses}"
+        assert abs(losses["int8"] / losses["fsdp2"] - 1) < 0.03, f"rank {rank}: {losses}"

@@ -179,7 +179,8 @@ def markdown(rows: list, best: float | None, best_mode: str | None, meta: dict, 
            f"{s['context']}), batch {s['batch']} x {s['context']} bytes per rank, AdamW lr {s['lr']}; "
            f"target {meta['target_loss']}, budget {meta['steps']} steps, {meta['time_budget']:.0f} s of "
            f"training at shaped rates; evaluation every {meta['eval_every']} steps (clock paused)",
-           f"thresholds: gradients {s['threshold']}, streaming's outer gradients {s['outer_threshold']}; "
+           f"thresholds: gradients {s['threshold']}, streaming's outer gradients {s['outer_threshold']}, "
+           f"FSDP's gradients {s.get('fsdp_threshold', '-')}; "
            f"H={s['sync_every']}, streaming F={s['fragments']} tau={s['fragment_delay']}; "
            f"PowerSGD rank {s['powersgd_rank']}",
            (f"best at {BASE_RATE}: {best_mode}, target after {best:.1f} s" if best else

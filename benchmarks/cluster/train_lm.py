@@ -28,6 +28,9 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     fsdp-int8   ... with compress_between_nodes(model, gradients="int8", weights="int8")
     fsdp-int8-hpz  ... and reshard_after_forward=<ranks per node> (hpZ: the backward all-gather
                 stays in the node)
+    fsdp-2bit   ... gradients="2bit" (threshold --fsdp-threshold), weights="float32"
+    fsdp-2bit-int8, fsdp-2bit-int8-hpz  ... 2-bit gradients, int8 weights (and hpZ)
+    fsdp-1bit-int8-hpz  ... 1-bit gradients (sign x mean magnitude), int8 weights, hpZ
 
 The clock: training wall time, paused while the validation loss is measured. Every --eval-every
 steps (and at the end) the ranks stop the clock, meet on a separate Gloo group (so nothing queued
@@ -66,7 +69,8 @@ import lm  # noqa: E402
 
 DDP_MODES = ("gloo", "chainermn", "fp16+db", "2bit", "1bit", "2bit+cr", "1bit+cr", "powersgd")
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks")  # replicas synced every H steps
-FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz")  # sharded, no compute-alone phase
+FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
+              "fsdp-2bit-int8-hpz", "fsdp-1bit-int8-hpz")  # sharded, no compute-alone phase
 MODES = DDP_MODES + LOCAL_MODES + FSDP_MODES
 TX_BYTES = Path("/sys/class/net/eth0/statistics/tx_bytes")
 
@@ -80,6 +84,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # 2e-3 in a one-process simulation of the same error feedback): 2e-3, at the sum's 99th
     # percentile, is the one that did not blow up (codes fire rarely). See the README.
     p.add_argument("--threshold", type=float, default=2e-3, help="2-bit threshold for the gradients")
+    # FSDP2 averages (ReduceOp.AVG): the node's value that 2-bit codes is the mean of its ranks'
+    # gradients, half the DDP hook's sum, so half its threshold.
+    p.add_argument("--fsdp-threshold", type=float, default=1e-3, help="2-bit threshold for FSDP's gradients")
     # DiLoCo's outer gradient over H=16 AdamW steps at lr 2e-3: mean |global - local| 2e-3 to 4e-3,
     # median 1e-3, 90th percentile 5e-3 (lm.py); each node's two ranks hold the same one, so the
     # node sum that is compressed is twice that: 5e-3, about its mean. At H=8 (smaller outer
@@ -171,8 +178,11 @@ def setup_fsdp(args, model):
     fully_shard(model, reshard_after_forward=reshard)
     if args.mode != "fsdp-gloo" and args.mode != "fsdp":
         import torch_chainermn.fsdp
-        kind = "int8" if "int8" in args.mode else "float32"
-        torch_chainermn.fsdp.compress_between_nodes(model, gradients=kind, weights=kind)
+        parts = args.mode.split("-")[1:]  # e.g. ["2bit", "int8", "hpz"]
+        gradients = next((p for p in parts if p in ("int8", "2bit", "1bit")), "float32")
+        weights = "int8" if "int8" in parts else "float32"
+        torch_chainermn.fsdp.compress_between_nodes(model, gradients=gradients, weights=weights,
+                                                    threshold=args.fsdp_threshold)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return model, inner, contextlib.nullcontext(), lambda: None
 

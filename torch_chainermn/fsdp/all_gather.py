@@ -11,10 +11,11 @@ for every rank's, end to end in group-rank order. Here, for N nodes of M ranks:
 One node (and FSDP's post-forward all-gather inside the node with `reshard_after_forward=<ranks per
 node>`, hpZ): the group's own all-gather.
 
-With weights="int8" the first step is ZeRO++'s qwZ: the shard travels block-quantised (int8.py),
-every rank dequantises the N shards, and the node's all-gather carries them at full precision.
-FSDP's sharded parameters, and so the optimizer, stay exact; the gathered copy is what the
-forward and backward compute with. No error feedback (a fresh copy every time, as in ZeRO++).
+With weights="int8" the first step is ZeRO++'s qwZ: the shard travels block-quantised
+(torch_chainermn.codes, one pass each way), and the node's all-gather carries the dequantised N
+shards at full precision. FSDP's sharded parameters, and so the optimizer, stay exact; the gathered
+copy is what the forward and backward compute with. No error feedback (a fresh copy every time, as
+in ZeRO++).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from . import int8
+from ..codes import decode, encode, wire_row_bytes
 from .levels import levels_of
 from .reduce_scatter import _reused
 
@@ -38,7 +39,7 @@ class TwoHopAllGather(AllGather):
         self.block = block
         self._across = None     # the shards of this intra rank's N peers, one per node
         self._by_rank = None    # every rank's, by intra rank then node
-        self._mine = self._codes = self._scales = self._all_codes = self._all_scales = None  # int8
+        self._sent = self._received = self._as_float32 = None  # int8: the codes, and float32 copies
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -52,7 +53,7 @@ class TwoHopAllGather(AllGather):
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=levels.inter or group,
                                                async_op=async_op)
         shard = input_tensor.numel()
-        self._across = _reused(self._across, levels.nodes * shard, input_tensor)
+        self._across = _reused(self._across, levels.nodes * shard, input_tensor.dtype, input_tensor.device)
         if quantised:
             self._int8_between_nodes(input_tensor, levels)
         else:
@@ -60,7 +61,7 @@ class TwoHopAllGather(AllGather):
         if levels.intra is None:  # one rank a node: the N shards are every rank's, in group order
             output_tensor.copy_(self._across.view_as(output_tensor))
             return None
-        self._by_rank = _reused(self._by_rank, output_tensor.numel(), input_tensor)
+        self._by_rank = _reused(self._by_rank, output_tensor.numel(), input_tensor.dtype, input_tensor.device)
         dist.all_gather_into_tensor(self._by_rank, self._across, group=levels.intra)
         # Position l * N + n holds group rank rank_at[n][l]'s shard: scatter the rows back.
         output_tensor.view(-1, shard).index_copy_(0, levels.by_intra_rank(output_tensor.device),
@@ -68,18 +69,20 @@ class TwoHopAllGather(AllGather):
         return None
 
     def _int8_between_nodes(self, input_tensor: torch.Tensor, levels) -> None:
-        """self._across = the N peers' shards, block-quantised on the way, dequantised."""
-        nodes, shard = levels.nodes, input_tensor.numel()
-        width = int8.padded(shard, self.block)
-        device = input_tensor.device
-        if self._mine is None or self._mine.shape != (1, width) or self._mine.device != device:
-            self._mine = torch.zeros(1, width, dtype=torch.float32, device=device)
-            self._codes = torch.empty(1, width, dtype=torch.int8, device=device)
-            self._scales = torch.empty(1, width // self.block, dtype=torch.float32, device=device)
-            self._all_codes = torch.empty(nodes, width, dtype=torch.int8, device=device)
-            self._all_scales = torch.empty(nodes, width // self.block, dtype=torch.float32, device=device)
-        self._mine[0, :shard].copy_(input_tensor.view(-1))
-        int8.quantize_(self._mine, self._codes, self._scales)
-        dist.all_gather_into_tensor(self._all_codes, self._codes, group=levels.inter)
-        dist.all_gather_into_tensor(self._all_scales, self._scales, group=levels.inter)
-        self._across.view(nodes, shard).copy_(int8.dequantize(self._all_codes, self._all_scales)[:, :shard])
+        """self._across = the N peers' shards, block-quantised on the way, decoded."""
+        nodes, shard, device = levels.nodes, input_tensor.numel(), input_tensor.device
+        row = wire_row_bytes("int8", shard, self.block)
+        if self._sent is None or self._sent.shape != (1, row) or self._sent.device != device:
+            self._sent = torch.empty(1, row, dtype=torch.uint8, device=device)
+            self._received = torch.empty(nodes, row, dtype=torch.uint8, device=device)
+        float32 = input_tensor.dtype == torch.float32
+        if not float32:  # bfloat16 parameters (MixedPrecisionPolicy): coded from, and decoded into, float32
+            self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
+        mine = input_tensor.reshape(1, shard) if float32 else self._as_float32[:shard].view(1, shard).copy_(
+            input_tensor.view(1, shard))
+        encode(mine, self._sent, None, code="int8", block=self.block)
+        dist.all_gather_into_tensor(self._received, self._sent, group=levels.inter)
+        decoded = self._across if float32 else self._as_float32
+        decode(self._received, decoded.view(nodes, shard), code="int8", block=self.block)
+        if not float32:
+            self._across.copy_(self._as_float32)

@@ -13,10 +13,10 @@ Only the third step crosses the network, with 1/M of the buffer per rank. FSDP's
 through: AVG and SUM are AVG and SUM on both hops (the mean of node means is the mean), a
 PREMUL_SUM's factor is applied on the first hop only. One node: the group's own reduce-scatter.
 
-With gradients="int8" the third step is ZeRO++'s qgZ with error feedback: each rank adds its
-residual to its N node sums, quantises each in blocks (int8.py: one scale per `block` values),
-keeps what the codes did not carry as the residual for the next step, and the N ranks exchange
-the codes all-to-all; each sums the N dequantised pieces of its own shard.
+With a code between nodes (gradients="int8", "2bit" or "1bit"; torch_chainermn.codes) the third
+step is ZeRO++'s qgZ with error feedback: each rank encodes its N node sums plus its residual (one
+pass; the residual keeps what the codes did not carry, for the next step), the N ranks exchange
+the codes all-to-all, and each decodes and sums the N pieces of its own shard (one pass).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from . import int8
+from ..codes import decode, encode, wire_row_bytes
 from .levels import levels_of
 
 __all__ = ["TwoHopReduceScatter"]
@@ -32,19 +32,27 @@ __all__ = ["TwoHopReduceScatter"]
 
 class TwoHopReduceScatter(ReduceScatter):
     """Gradients reduce-scattered in the node at full precision, then between nodes as `gradients`
-    ("float32" or "int8", blocks of `block` values; see above)."""
+    ("float32", or a code of torch_chainermn.codes with `block` and `threshold`; see above)."""
 
-    def __init__(self, gradients: str = "float32", block: int = 256):
+    def __init__(self, gradients: str = "float32", block: int = 256, threshold: float = 0.5):
         self.gradients = gradients
         self.block = block
+        self.threshold = threshold
         self._reordered = None   # the input, by intra rank then node, reused from call to call
         self._node_sums = None   # the node's sums of this rank's N shards
-        self._residual = None    # int8: [N, padded shard] float32, what the codes have not carried yet
-        self._codes = self._scales = self._sent = None        # int8: what this rank sends ...
-        self._received = self._received_scales = None         # ... and receives
+        # A code between nodes: what this rank owes ([N, shard] float32), kept across steps ...
+        self.residual: torch.Tensor | None = None
+        self._sent = self._received = None  # ... the codes it sends and receives ([N, row bytes])
+        self._as_float32 = None              # the node sums or the output, where FSDP reduces in another dtype
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def reserve(self, nodes: int, shard: int, device: torch.device) -> None:
+        """Make the residual for `nodes` x `shard` values before the first step, so that a checkpoint
+        has the same structure in a fresh run (torch.distributed.checkpoint loads into it)."""
+        if self.gradients != "float32" and self.residual is None:
+            self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -55,57 +63,61 @@ class TwoHopReduceScatter(ReduceScatter):
                                               async_op=async_op)
         if levels.intra is None:  # one rank a node: its gradients are the node's sums, in node order
             if op == dist.ReduceOp.PREMUL_SUM:
-                raise ValueError("TwoHopReduceScatter: int8 gradients with one rank a node take SUM or AVG, "
-                                 "not PREMUL_SUM (FSDPModule.set_gradient_divide_factor)")
-            self._int8_between_nodes(output_tensor, input_tensor, levels, op)
+                raise ValueError(f"TwoHopReduceScatter: {self.gradients} gradients with one rank a node take SUM "
+                                 "or AVG, not PREMUL_SUM (FSDPModule.set_gradient_divide_factor)")
+            self._coded_between_nodes(output_tensor, input_tensor, levels, op)
             return None
         shard = output_tensor.numel()
-        self._reordered = _reused(self._reordered, input_tensor.numel(), input_tensor)
-        self._node_sums = _reused(self._node_sums, levels.nodes * shard, input_tensor)
+        self._reordered = _reused(self._reordered, input_tensor.numel(), input_tensor.dtype, input_tensor.device)
+        self._node_sums = _reused(self._node_sums, levels.nodes * shard, input_tensor.dtype, input_tensor.device)
         torch.index_select(input_tensor.view(-1, shard), 0, levels.by_intra_rank(input_tensor.device),
                            out=self._reordered.view(-1, shard))
         dist.reduce_scatter_tensor(self._node_sums, self._reordered, op=op, group=levels.intra)
         # PREMUL_SUM's factor was applied on the first hop; AVG of node means is the mean.
         between = dist.ReduceOp.SUM if op == dist.ReduceOp.PREMUL_SUM else op
-        if self.gradients == "int8":
-            self._int8_between_nodes(output_tensor, self._node_sums, levels, between)
+        if self.gradients != "float32":
+            self._coded_between_nodes(output_tensor, self._node_sums, levels, between)
             return None
         return dist.reduce_scatter_tensor(output_tensor, self._node_sums, op=between, group=levels.inter,
                                           async_op=async_op)
 
-    def _int8_between_nodes(self, output_tensor: torch.Tensor, node_sums: torch.Tensor, levels, op) -> None:
-        """output = the sum (AVG: mean) over the nodes of their int8-coded sums of this rank's shard."""
-        nodes, shard = levels.nodes, output_tensor.numel()
-        width = int8.padded(shard, self.block)
-        blocks = width // self.block
-        if self._residual is None or self._residual.shape != (nodes, width):
-            self._residual = torch.zeros(nodes, width, dtype=torch.float32, device=output_tensor.device)
-            self._sent = torch.empty_like(self._residual)
-            self._codes = torch.empty(nodes, width, dtype=torch.int8, device=output_tensor.device)
-            self._received = torch.empty_like(self._codes)
-            self._scales = torch.empty(nodes, blocks, dtype=torch.float32, device=output_tensor.device)
-            self._received_scales = torch.empty_like(self._scales)
-        values = self._residual  # residual + this step's node sums, then what is left of them
-        values[:, :shard] += node_sums.view(nodes, shard)
-        int8.quantize_(values, self._codes, self._scales, self._sent)
-        values.sub_(self._sent)
-        dist.all_to_all_single(self._received, self._codes, group=levels.inter)
-        dist.all_to_all_single(self._received_scales, self._scales, group=levels.inter)
-        total = output_tensor if output_tensor.dtype == torch.float32 else torch.empty(
-            shard, dtype=torch.float32, device=output_tensor.device)
-        int8.dequantize_sum(self._received, self._received_scales, total.view(-1))
+    def _coded_between_nodes(self, output_tensor: torch.Tensor, node_sums: torch.Tensor, levels, op) -> None:
+        """output = the sum (AVG: mean) over the nodes of their coded sums of this rank's shard."""
+        nodes, shard, device = levels.nodes, output_tensor.numel(), output_tensor.device
+        self._prepare(nodes, shard, device)
+        values = node_sums.view(nodes, shard)
+        if values.dtype != torch.float32:
+            self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
+            values = self._as_float32.view(nodes, shard).copy_(values)
+        encode(values, self._sent, self.residual, code=self.gradients, block=self.block, threshold=self.threshold)
+        dist.all_to_all_single(self._received, self._sent, group=levels.inter)
+        if output_tensor.dtype == torch.float32:
+            total = output_tensor.view(-1)
+        else:
+            self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
+            total = self._as_float32[:shard]
+        decode(self._received, total, code=self.gradients, block=self.block, threshold=self.threshold, sum=True)
         if op == dist.ReduceOp.AVG:
             total.div_(nodes)
-        if total is not output_tensor:
+        if total.data_ptr() != output_tensor.data_ptr():
             output_tensor.copy_(total.view_as(output_tensor))
 
-    def state_dict(self) -> dict:
-        """The residual this rank keeps (int8 gradients), for a checkpoint of this rank."""
-        return {"residual": None if self._residual is None else self._residual.clone()}
+    def _prepare(self, nodes: int, shard: int, device: torch.device) -> None:
+        """The residual and the wire buffers for `nodes` x `shard` values (made once)."""
+        if self.residual is None or self.residual.device != device or (
+                self.residual.shape != (nodes, shard) and not self.residual.any()):
+            self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
+        elif self.residual.shape != (nodes, shard):
+            raise ValueError(f"TwoHopReduceScatter: the residual held (a checkpoint's?) has shape "
+                             f"{tuple(self.residual.shape)}, this module's gradient shards need ({nodes}, {shard})")
+        row = wire_row_bytes(self.gradients, shard, self.block)
+        if self._sent is None or self._sent.shape != (nodes, row) or self._sent.device != device:
+            self._sent = torch.empty(nodes, row, dtype=torch.uint8, device=device)
+            self._received = torch.empty_like(self._sent)
 
 
-def _reused(buffer, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """`buffer` if it fits `numel` values of like's dtype and device, else a new one."""
-    if buffer is None or (buffer.numel(), buffer.dtype, buffer.device) != (numel, like.dtype, like.device):
-        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+def _reused(buffer, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`buffer` if it holds `numel` values of `dtype` on `device`, else a new one."""
+    if buffer is None or (buffer.numel(), buffer.dtype, buffer.device) != (numel, dtype, device):
+        buffer = torch.empty(numel, dtype=dtype, device=device)
     return buffer
