@@ -118,9 +118,10 @@ def int8_reference(r, block: int):
 
     blocks = r.view(-1, block)
     largest = blocks.abs().amax(dim=1)
-    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros_like(largest))
+    levels = torch.full_like(largest, 127.0)  # tensor by tensor: torch divides by a scalar as a product
+    inverse = torch.where(largest > 0, levels / largest, torch.zeros_like(largest))
     codes = torch.round(blocks * inverse[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes.view(-1), largest / 127.0
+    return codes.view(-1), largest / levels
 
 
 def measure_int8(n: int, values, residual, block: int, record) -> None:
@@ -134,8 +135,7 @@ def measure_int8(n: int, values, residual, block: int, record) -> None:
     scale_bytes = 4 * -(-n // block)
     kept = start.clone()
     encode(x, wire, kept, code="int8", block=block)
-    # The rule in torch on the CPU (torch's CUDA kernels may divide by a scalar as a product with its
-    # reciprocal, which is not the rule's arithmetic).
+    # The rule in torch on the CPU (the CUDA kernels must give the same bits).
     r = (start + x).view(-1).cpu()
     codes, scales = int8_reference(r, block)
     got = wire.cpu()
