@@ -78,8 +78,9 @@ $(IPROUTE_STAMP): $(SLURM_STAMP)
 	fi
 	@command -v ip > $@ || true
 
+# CHAINERMN_TESTING=1: the test build, with the in-process harnesses (_C.testing) the tests use.
 $(EXTENSION_STAMP): $(DEPS_STAMP) $(MPI_STAMP) $(SOURCES)
-	$(PY) -m pip install -q --no-build-isolation -e .
+	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
 demo: install

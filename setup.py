@@ -73,7 +73,12 @@ include_dirs = [os.path.abspath("csrc")]
 cuda = with_cuda()
 
 flags = mpi_flags()
-sources = build_sources.sources(cuda=cuda, mpi=flags is not None)
+# The in-process test harnesses (torch_chainermn._C.testing) only in a test build: `make install`
+# sets CHAINERMN_TESTING=1; a user's `pip install .` leaves them out.
+testing = os.environ.get("CHAINERMN_TESTING") == "1"
+sources = build_sources.sources(cuda=cuda, mpi=flags is not None, testing=testing)
+if testing:
+    define_macros.append(("CHAINERMN_WITH_TESTING", "1"))
 if flags is not None:
     define_macros.append(("CHAINERMN_WITH_MPI", "1"))
     # Only MPI's C API: keep the deprecated C++ bindings out of the link.

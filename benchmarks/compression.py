@@ -14,7 +14,7 @@ same on the GPU, each timed loop ended by a synchronize), for every size N (floa
                        residual (the scale, the chunk's mean magnitude, is needed before the signs),
                        counted as one: the bytes are what the operation needs, not what it happens to move
   1bit dequantize+acc  as 2bit, codes N/8 + 4 bytes
-  torch 2bit quantize  the same 2-bit quantize in plain PyTorch, as tests/compression_reference.py
+  torch 2bit quantize  the same 2-bit quantize in plain PyTorch, as tests/support/compression_reference.py
                        writes it (the reference the kernels are tested against); same bytes counted
   2bit / 1bit q+dq     quantize then dequantize+acc: both byte counts over both times, the issue's
                        target (issue 22: quantize + dequantize at >= 50% of memcpy bandwidth)
@@ -55,7 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "support"))
 DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
 GB = 1e9
 KINDS = ("2bit", "1bit")
@@ -298,7 +298,7 @@ def table(result: dict) -> str:
                  f"scratch); allocating and touching a 2-bit block, timed alone, is {alloc} of the 2-bit "
                  f"quantize time (not subtracted).")
     lines.append("- 1-bit quantize passes over the residual twice (mean magnitude first, then the signs); counted "
-                 "once. `torch 2bit quantize` is tests/compression_reference.py's `quantize`, the reference the "
+                 "once. `torch 2bit quantize` is tests/support/compression_reference.py's `quantize`, the reference the "
                  "kernels are tested against (it also materialises the sent values and int64 codes).")
     verdicts = []
     for kind in KINDS:

@@ -3,6 +3,11 @@ import torch
 
 
 def pytest_configure(config):
+    import torch_chainermn
+
+    if not hasattr(torch_chainermn._C, "testing"):
+        raise pytest.UsageError("torch_chainermn._C was built without its test harnesses: build it with "
+                                "CHAINERMN_TESTING=1 (`make install` does; tools/build_sources.py)")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped on machines without one)")
     config.addinivalue_line("markers", "mpi: runs ranks under Open MPI's mpiexec")
 

@@ -1,13 +1,13 @@
 """Calls the ranks disagree on raise on every rank, write no output, and leave the group in step.
 
-One job per configuration runs the whole battery of tests/mismatch_cases.py on one group (each case
+One job per configuration runs the whole battery of tests/support/mismatch_cases.py on one group (each case
 followed by a correct all_reduce), so a handful of process launches cover every case.
 """
 import pytest
 import torch.distributed as dist
 
-from tests.harness import run_mpiexec, run_spawn
-from tests.mismatch_cases import CASES, POINT_TO_POINT, run_battery
+from tests.support.harness import run_mpiexec, run_spawn
+from tests.support.mismatch_cases import CASES, POINT_TO_POINT, run_battery
 
 
 def check_battery(outcomes, size):

@@ -46,9 +46,10 @@ class _StopBeforeCompiling(Exception):
     pass
 
 
-def setup_py_extension(monkeypatch, tmp_path, cuda, mpi):
-    """The Extension setup.py passes to setup() for this (cuda, mpi), without building anything."""
+def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True):
+    """The Extension setup.py passes to setup() for this (cuda, mpi, testing), without building anything."""
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("CHAINERMN_TESTING", "1" if testing else "0")
     monkeypatch.setattr(sys, "path", list(sys.path))  # setup.py prepends tools/
     monkeypatch.delenv("CHAINERMN_NO_CUDA", raising=False)
     if mpi:  # an mpicc that answers --showme:compile / --showme:link
@@ -95,14 +96,16 @@ def build_extension_objects(monkeypatch, tmp_path, ext):
     return captured["sources"], captured["objects"], cmd.build_temp
 
 
+@pytest.mark.parametrize("testing", [True, False], ids=["test build", "user build"])
 @pytest.mark.parametrize("cuda,mpi", BUILDS, ids=BUILD_IDS)
-def test_setup_py_builds_the_shared_list(monkeypatch, tmp_path, cuda, mpi):
-    ext = setup_py_extension(monkeypatch, tmp_path, cuda, mpi)
-    assert ext.sources == build_sources.sources(cuda=cuda, mpi=mpi)
+def test_setup_py_builds_the_shared_list(monkeypatch, tmp_path, cuda, mpi, testing):
+    ext = setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing)
+    assert ext.sources == build_sources.sources(cuda=cuda, mpi=mpi, testing=testing)
     assert isinstance(ext.extra_compile_args, dict) == cuda  # CUDAExtension's {"cxx", "nvcc"}
     macros = dict(ext.define_macros)
     assert ("CHAINERMN_WITH_MPI" in macros) == mpi
     assert ("CHAINERMN_WITH_CUDA" in macros) == cuda
+    assert ("CHAINERMN_WITH_TESTING" in macros) == testing
 
 
 @pytest.mark.parametrize("cuda,mpi", BUILDS, ids=BUILD_IDS)
@@ -116,8 +119,22 @@ def test_every_source_compiles_to_its_own_object(monkeypatch, tmp_path, cuda, mp
     assert build_sources.object_names(sources, build_temp) == objects
 
 
+def test_a_user_build_has_no_test_harness():
+    """What `pip install .` compiles (no CHAINERMN_TESTING) leaves out csrc/testing/ and the
+    _C.testing bindings, and the test build has every one of them; nothing else differs."""
+    harness = {s for s in csrc_sources() if s.startswith("csrc/testing/") or s.startswith("csrc/python/testing")}
+    assert harness
+    for cuda, mpi in BUILDS:
+        user = set(build_sources.sources(cuda=cuda, mpi=mpi))
+        test = set(build_sources.sources(cuda=cuda, mpi=mpi, testing=True))
+        assert not user & harness and test - user == harness
+    bindings = (ROOT / "csrc" / "python" / "bindings.cpp").read_text()
+    guarded = bindings.split("#ifdef CHAINERMN_WITH_TESTING")
+    assert "python/testing.h" not in guarded[0] and "bindTesting" not in guarded[0]
+
+
 def test_each_source_is_in_the_builds_it_belongs_to():
-    selections = {build: set(build_sources.sources(cuda=build[0], mpi=build[1])) for build in BUILDS}
+    selections = {build: set(build_sources.sources(cuda=build[0], mpi=build[1], testing=True)) for build in BUILDS}
     all_sources = csrc_sources()
     assert any(s.startswith("csrc/cuda/") for s in all_sources)
     for src in all_sources:
@@ -155,8 +172,8 @@ def test_a_colliding_tree_is_refused_and_cu_files_stay_in_csrc_cuda(tmp_path):
 def test_cli_and_compile_check_script_list_the_same_sources():
     cli = [sys.executable, str(ROOT / "tools" / "build_sources.py")]
     for cuda, mpi in BUILDS:
-        flags = ["--cuda"] * cuda + ["--mpi"] * mpi
-        expected = build_sources.sources(cuda=cuda, mpi=mpi)
+        flags = ["--cuda"] * cuda + ["--mpi"] * mpi + ["--testing"]
+        expected = build_sources.sources(cuda=cuda, mpi=mpi, testing=True)
         out = subprocess.run(cli + flags + ["--format", "cmake"], check=True,
                              capture_output=True, text=True).stdout
         assert out.strip().split(";") == expected
@@ -164,4 +181,4 @@ def test_cli_and_compile_check_script_list_the_same_sources():
                          check=True, capture_output=True, text=True,
                          env={**os.environ, "MPI": "1", "PYTHON": sys.executable}).stdout
     listed = [line.split()[2] for line in dry.splitlines() if line.startswith("would compile")]
-    assert sorted(listed) == build_sources.sources(cuda=True, mpi=True)
+    assert sorted(listed) == build_sources.sources(cuda=True, mpi=True, testing=True)

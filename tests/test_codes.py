@@ -3,7 +3,7 @@ written plainly, bit for bit, and their errors. The CUDA versions: tests/test_cu
 import pytest
 import torch
 
-from tests import compression_reference
+from tests.support import compression_reference
 from torch_chainermn.codes import decode, encode, wire_row_bytes
 
 

@@ -7,8 +7,8 @@ import functools
 
 import pytest
 
-from tests import collective_cases
-from tests.harness import run_mpiexec, run_spawn
+from tests.support import collective_cases
+from tests.support.harness import run_mpiexec, run_spawn
 
 # On one host the node's ranks share memory, so the library's own collectives (Gloo's, MPI's) are
 # checked with shared memory turned off ("-noshm").

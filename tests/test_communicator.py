@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 from torch_chainermn.communicator import Communicator, create_communicator
-from tests.harness import REPO, launcher_free_environment, run_mpiexec, run_spawn
+from tests.support.harness import REPO, launcher_free_environment, run_mpiexec, run_spawn
 
 TORCH_DTYPES = [torch.int32, torch.int64, torch.float32, torch.float64]
 EXTRA_DTYPES = [torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.complex64]

@@ -1,5 +1,5 @@
 """Gradient compression (MXNet's 2-bit, 1-bit sign): the kernels, the backend's mean, and the
-hook, communicator and optimizer on real processes, each against tests/compression_reference.py."""
+hook, communicator and optimizer on real processes, each against tests/support/compression_reference.py."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,8 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torch_chainermn
 from torch_chainermn import _C, hooks
 from torch_chainermn.compression import GradientCompression, layout_of
-from tests import compression_reference as reference
-from tests.harness import run_spawn
+from tests.support import compression_reference as reference
+from tests.support.harness import run_spawn
 
 
 def values(count: int, seed: int, scale: float = 0.4) -> torch.Tensor:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
-from tests.harness import RankFailure, run_spawn
+from tests.support.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
+from tests.support.harness import RankFailure, run_spawn
 
 pytestmark = pytest.mark.cuda
 
@@ -168,7 +168,7 @@ def test_mean_coalesced_on_cuda(config):
 
 def compression_cases():
     """Gradient compression of CUDA buffers between 2 nodes, against the CPU reference (2-bit: exact)."""
-    from tests import compression_reference as reference
+    from tests.support import compression_reference as reference
     from torch_chainermn.compression import GradientCompression
 
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -293,7 +293,7 @@ def ddp_cuda_cases():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from torch_chainermn import hooks
-    from tests.training_reference import LR, batch, make_model, max_difference, one_step_stale, parameters_of, synchronous
+    from tests.support.training_reference import LR, batch, make_model, max_difference, one_step_stale, parameters_of, synchronous
 
     steps = 5
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -1,7 +1,7 @@
 """Every collective and point-to-point op on CUDA tensors, checked against results computed on the CPU
 (marked `cuda`: skipped without a GPU, see conftest.py).
 
-The cases are tests/collective_cases.py's, built for the "cuda" device: the inputs are made on the GPU
+The cases are tests/support/collective_cases.py's, built for the "cuda" device: the inputs are made on the GPU
 and each result is compared with a reference computed on the CPU from every rank's input. Every
 reduction is tried with every op; the combinations that must be refused are called anyway and must
 raise their ValueError: AVG of bool, PREMUL_SUM of integers, bitwise ops of floats, and bitwise ops of
@@ -19,8 +19,8 @@ import functools
 import pytest
 import torch
 
-from tests import collective_cases
-from tests.harness import RankFailure
+from tests.support import collective_cases
+from tests.support.harness import RankFailure
 from tests.test_cuda import config_names, cuda_configurations, run_cuda
 
 pytestmark = pytest.mark.cuda

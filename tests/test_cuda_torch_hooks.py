@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tests.test_cuda import config_names, run_cuda
 from tests.test_torch_hooks import flat, small_model, train
-from tests.training_reference import make_model
+from tests.support.training_reference import make_model
 
 pytestmark = pytest.mark.cuda
 

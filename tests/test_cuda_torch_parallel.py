@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import fsdp_cases, local_sgd_cases
-from tests.harness import RankFailure
+from tests.support import fsdp_cases, local_sgd_cases
+from tests.support.harness import RankFailure
 from tests.test_cuda import config_names, run_cuda
 from tests.test_torch_parallel import checkpoint, fsdp2, make_model, zero
 

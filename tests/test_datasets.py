@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from torch_chainermn.communicator import Communicator
 from torch_chainermn.datasets import create_empty_dataset, scatter_dataset
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 
 SEED = 7
 OFFSET = 1000  # sample i is OFFSET + i, so samples and positions cannot be confused

@@ -1,23 +1,21 @@
 """The MNIST example, launched as users launch it: torchrun, and mpiexec with no extra environment."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, launcher_free_environment, torchrun
+from tests.support.harness import MPIEXEC, REPO, launch, launcher_free_environment, torchrun
 
 SCRIPT = REPO / "examples" / "mnist" / "train_mnist.py"
 
 
-def launch(command, tmp_path: Path, *flags, env_extra=None) -> dict:
+def run_example(command, tmp_path: Path, *flags, env_extra=None) -> dict:
     out = tmp_path / f"summary{'-'.join(flags)}.json"
     env = launcher_free_environment()
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
-    result = subprocess.run(command + [str(SCRIPT), "--out", str(out), *flags], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = launch(command + [str(SCRIPT), "--out", str(out), *flags], env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final test accuracy" in result.stdout
     return json.loads(out.read_text())
@@ -30,7 +28,7 @@ SMALL_BATCHES = ("--batchsize", "25")
 
 @pytest.fixture(scope="module")
 def plain_torchrun_run(tmp_path_factory):
-    return launch(torchrun(4), tmp_path_factory.mktemp("plain"), *SMALL_BATCHES)
+    return run_example(torchrun(4), tmp_path_factory.mktemp("plain"), *SMALL_BATCHES)
 
 
 def test_mnist_under_torchrun(plain_torchrun_run):
@@ -40,7 +38,7 @@ def test_mnist_under_torchrun(plain_torchrun_run):
 
 
 def test_mnist_fp16_double_buffering_within_a_point_of_plain(plain_torchrun_run, tmp_path):
-    summary = launch(torchrun(4), tmp_path, *SMALL_BATCHES, "--compress", "fp16", "--double-buffering")
+    summary = run_example(torchrun(4), tmp_path, *SMALL_BATCHES, "--compress", "fp16", "--double-buffering")
     assert summary["compress"] == "fp16" and summary["double_buffering"]
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
         summary["final_accuracy"], plain_torchrun_run["final_accuracy"])
@@ -49,7 +47,7 @@ def test_mnist_fp16_double_buffering_within_a_point_of_plain(plain_torchrun_run,
 def test_mnist_2bit_compression_between_two_nodes_within_a_point_of_plain(plain_torchrun_run, tmp_path):
     # 4 processes as 2 simulated nodes: the 2-bit codes cross between them. Adam's gradients here are
     # ~1e-2 and smaller, hence the threshold (0.002 lands at 0.82: +-t almost every step is noise).
-    summary = launch(torchrun(4), tmp_path, *SMALL_BATCHES, "--compression", "2bit", "--threshold", "0.01",
+    summary = run_example(torchrun(4), tmp_path, *SMALL_BATCHES, "--compression", "2bit", "--threshold", "0.01",
                      env_extra={"CHAINERMN_RANKS_PER_NODE": "2"})
     assert summary["compression"] == "2bit"
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
@@ -59,6 +57,6 @@ def test_mnist_2bit_compression_between_two_nodes_within_a_point_of_plain(plain_
 @pytest.mark.mpi
 def test_mnist_under_mpiexec(tmp_path):
     mpiexec = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable]
-    summary = launch(mpiexec, tmp_path)
+    summary = run_example(mpiexec, tmp_path)
     assert summary["world_size"] == 4 and summary["transport"] == "mpi"
     assert summary["final_accuracy"] >= 0.95, summary["final_accuracy"]

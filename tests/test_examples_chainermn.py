@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, launcher_free_environment, torchrun
+from tests.support.harness import MPIEXEC, REPO, launch, launcher_free_environment, torchrun
 
 MNIST = REPO / "examples" / "mnist" / "train_mnist_chainermn.py"
 IMAGENET = REPO / "examples" / "imagenet" / "train_imagenet.py"
@@ -18,13 +18,12 @@ IMAGENET = REPO / "examples" / "imagenet" / "train_imagenet.py"
 EPOCHS = ("--epoch", "6")
 
 
-def launch(command, script: Path, *flags, env=None) -> subprocess.CompletedProcess:
+def run_example(command, script: Path, *flags, env=None) -> subprocess.CompletedProcess:
     # No rendezvous variables (mpiexec must need none) and no CHAINERMN_* defaults from the caller.
     child_env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
     child_env["OMP_NUM_THREADS"] = "1"
     child_env.update(env or {})
-    return subprocess.run(command + [str(script), *map(str, flags)], cwd=REPO, env=child_env,
-                          capture_output=True, text=True, timeout=300)
+    return launch(command + [str(script), *map(str, flags)], child_env, timeout=300)
 
 
 def output_of(result: subprocess.CompletedProcess) -> str:
@@ -45,7 +44,7 @@ def test_mnist_chainermn_under_torchrun(tmp_path):
     # The default (hierarchical) communicator on two simulated nodes of two ranks: intra-node reduce,
     # allreduce between the node leaders, intra-node broadcast.
     checkpoints, summary = tmp_path / "checkpoints", tmp_path / "summary.json"
-    result = launch(torchrun(4), MNIST, *EPOCHS, "--batchsize", "25", "--checkpoint-dir", checkpoints,
+    result = run_example(torchrun(4), MNIST, *EPOCHS, "--batchsize", "25", "--checkpoint-dir", checkpoints,
                     "--out", summary, env={"CHAINERMN_RANKS_PER_NODE": "2"})
     run = succeeded(result, summary)
     assert "final test accuracy" in result.stdout
@@ -63,7 +62,7 @@ def test_mnist_chainermn_killed_and_restarted_resumes(tmp_path):
     flags = (*EPOCHS, "--batchsize", "50", "--communicator", "two_dimensional", "--allreduce-grad-dtype", "float16",
              "--checkpoint-dir", checkpoints, "--out", summary)
 
-    killed = launch(torchrun(2), MNIST, *flags, "--die-after-epoch", 2)
+    killed = run_example(torchrun(2), MNIST, *flags, "--die-after-epoch", 2)
     assert killed.returncode != 0, output_of(killed)
     assert "dying after epoch 2" in killed.stderr, output_of(killed)
     assert epoch_lines(killed.stdout) == [1, 2], output_of(killed)
@@ -72,7 +71,7 @@ def test_mnist_chainermn_killed_and_restarted_resumes(tmp_path):
     assert {f"mnist.{rank}.2" for rank in range(2)} <= set(left), left
     assert not any(".tmp-" in name for name in left), left
 
-    restarted = launch(torchrun(2), MNIST, *flags)
+    restarted = run_example(torchrun(2), MNIST, *flags)
     run = succeeded(restarted, summary)
     assert "resumed from epoch 2" in restarted.stdout
     assert run["resumed_from"] == 2 and epoch_lines(restarted.stdout) == [3, 4, 5, 6], output_of(restarted)
@@ -91,7 +90,7 @@ def test_mnist_chainermn_under_mpiexec_flat_double_buffering(tmp_path):
     assert MPIEXEC is not None, "mpiexec is not installed (make install sets up Open MPI)"
     checkpoints, summary = tmp_path / "checkpoints", tmp_path / "summary.json"
     mpiexec = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable]
-    result = launch(mpiexec, MNIST, "--communicator", "flat", "--double-buffering", "--batchsize", "50",
+    result = run_example(mpiexec, MNIST, "--communicator", "flat", "--double-buffering", "--batchsize", "50",
                     "--epoch", "5", "--checkpoint-dir", checkpoints, "--out", summary)
     run = succeeded(result, summary)
     assert (run["world_size"], run["transport"], run["communicator"]) == (2, "mpi", "flat")
@@ -104,7 +103,7 @@ def test_mnist_chainermn_under_mpiexec_flat_double_buffering(tmp_path):
 def test_imagenet_synthetic_mnbn_fp16_double_buffering(tmp_path):
     summary = tmp_path / "summary.json"
     iterations, batch = 4, 16
-    result = launch(torchrun(2), IMAGENET, "--synthetic", "--fp16", "--double-buffering", "--depth", "10",
+    result = run_example(torchrun(2), IMAGENET, "--synthetic", "--fp16", "--double-buffering", "--depth", "10",
                     "--epoch", "1", "--iterations", iterations, "--batchsize", batch,
                     "--synthetic-val-size", "64", "--out", summary)
     run = succeeded(result, summary)

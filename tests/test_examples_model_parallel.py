@@ -2,12 +2,11 @@
 complemented by the MPI transport): the MLP split over 2 processes, pipelined in 2 micro-batches,
 trains exactly as the same MLP on one process (--check-single trains that one on rank 0 alongside)."""
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.harness import MPIEXEC, REPO, launcher_free_environment
+from tests.support.harness import MPIEXEC, REPO, launch, launcher_free_environment
 
 SCRIPT = REPO / "examples" / "model_parallel" / "train_mnist_model_parallel.py"
 
@@ -20,7 +19,7 @@ def test_split_mlp_under_mpiexec_matches_one_process(tmp_path):
     command = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT),
                "--epoch", "3", "--unit", "100", "--lr", "0.01", "-b", "50", "--pipeline", "2", "--check-single",
                "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = launch(command, env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["world_size"] == 2 and summary["transport"] == "mpi" and summary["micro_batches"] == 2

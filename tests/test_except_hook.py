@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import torch_chainermn.global_except_hook as global_except_hook
-from tests.harness import MPIEXEC, REPO, job_environment, run_job
+from tests.support.harness import MPIEXEC, REPO, job_environment, run_job
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 JOB_TIMEOUT_S = 90  # generous for a loaded machine; the group timeout (600 s) is far beyond it

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.harness import REPO, free_port, launcher_free_environment, run_job
+from tests.support.harness import REPO, free_port, launcher_free_environment, run_job
 
 OPS = 24
 

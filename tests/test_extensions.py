@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torch_chainermn.extensions as ext
-from tests.harness import run_spawn
+from tests.support.harness import run_spawn
 
 
 class Communicator:

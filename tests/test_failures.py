@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 
 
 def missing_peer():

@@ -1,10 +1,10 @@
-"""torch_chainermn.fsdp: FSDP2 with two-hop reduce-scatter and all-gather (tests/fsdp_cases.py)."""
+"""torch_chainermn.fsdp: FSDP2 with two-hop reduce-scatter and all-gather (tests/support/fsdp_cases.py)."""
 import tempfile
 
 import pytest
 
-from tests import fsdp_cases
-from tests.harness import run_spawn
+from tests.support import fsdp_cases
+from tests.support.harness import run_spawn
 
 
 @pytest.mark.parametrize("ranks_per_node", [2, 1])

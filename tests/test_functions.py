@@ -5,7 +5,7 @@ test_model_parallel.py (model_parallel_cases.py); each test asserts on its part 
 the model-parallel example runs under mpiexec in test_examples_model_parallel.py."""
 import pytest
 
-from tests.model_parallel_cases import assert_passed
+from tests.support.model_parallel_cases import assert_passed
 
 CHECKS = ["send_recv_chain", "seed_delegate_variable", "seed_two_sends_pseudo_connect", "pseudo_connect_alone",
           "bcast", "gather", "scatter", "allgather", "ensemble_allgather", "alltoall", "function_errors"]
@@ -21,7 +21,7 @@ def test_functions_over_gloo(check):
 
 @pytest.mark.cuda
 def test_model_parallel_on_cuda():
-    from tests.model_parallel_cases import cuda_checks
+    from tests.support.model_parallel_cases import cuda_checks
     from tests.test_cuda import run_cuda
 
     assert run_cuda(cuda_checks, 2, "nccl", timeout=300, op_timeout=120) == [True, True]

@@ -2,7 +2,7 @@
 store outlives the attempts) and groups destroyed and created again never use an old instance's shared-
 memory segment or Gloo addresses.
 
-One real elastic job (tests/elastic_worker.py) covers it all, as the issue saw it: `torchrun
+One real elastic job (tests/support/elastic_worker.py) covers it all, as the issue saw it: `torchrun
 --standalone --nproc-per-node 2 --max-restarts 1` (c10d rendezvous; its agent's store outlives the
 attempts), two ranks on this host sharing memory and Gloo. Every attempt destroys and re-creates its
 groups three times; rank 1 dies in the first attempt; the second attempt trains and checkpoints.
@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from tests.harness import REPO, job_environment, run_job
+from tests.support.harness import REPO, job_environment, run_job
 
-WORKER = REPO / "tests" / "elastic_worker.py"
+WORKER = REPO / "tests" / "support" / "elastic_worker.py"
 JOB_TIMEOUT_S = 120  # about 15 s here; a hang (old keys, old addresses) ends in a failed test
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 
 
 def subgroup_operations():
@@ -111,7 +111,7 @@ def init_with(method_template: str):
 
 @pytest.mark.parametrize("scheme", ["tcp", "file"])
 def test_tcp_and_file_init_methods(scheme, tmp_path):
-    from tests.harness import free_port
+    from tests.support.harness import free_port
 
     method = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rendezvous"
     outcomes = run_spawn(init_with, 3, method, init=False, env={"MASTER_ADDR": "", "MASTER_PORT": ""})

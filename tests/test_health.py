@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 
-from tests.harness import run_spawn
+from tests.support.harness import run_spawn
 
 
 def dead_rank_on_another_node():

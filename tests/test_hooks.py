@@ -6,8 +6,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_chainermn
 from torch_chainermn import hooks
-from tests.harness import run_mpiexec, run_spawn
-from tests.training_reference import (LR, loss_of, make_model, max_difference, one_step_stale, parameters_of,
+from tests.support.harness import run_mpiexec, run_spawn
+from tests.support.training_reference import (LR, loss_of, make_model, max_difference, one_step_stale, parameters_of,
                                       synchronous)
 
 STEPS = 5

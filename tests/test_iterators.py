@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from torch_chainermn.communicator import Communicator
 from torch_chainermn.iterators import create_multi_node_iterator, create_synchronized_iterator
-from tests.harness import run_spawn
+from tests.support.harness import run_spawn
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from torch_chainermn import _C, _launch
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 
 REPO = Path(__file__).resolve().parents[1]
 SRUN_TASK = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}

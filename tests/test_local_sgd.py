@@ -1,6 +1,6 @@
-"""LocalSGD and DiLoCo (torch_chainermn.local_sgd) on real ranks: see tests/local_sgd_cases.py."""
-from tests import local_sgd_cases
-from tests.harness import run_spawn
+"""LocalSGD and DiLoCo (torch_chainermn.local_sgd) on real ranks: see tests/support/local_sgd_cases.py."""
+from tests.support import local_sgd_cases
+from tests.support.harness import run_spawn
 
 
 def test_two_ranks_as_two_nodes():

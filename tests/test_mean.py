@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 
 SHAPES = [(3, 4), (0,), (), (1000,), (7, 1, 5)]
 

@@ -4,7 +4,7 @@ data parallelism, and the forgotten delegate variable as an error instead of a h
 in the jobs of model_parallel_cases.py (shared with test_functions.py)."""
 import pytest
 
-from tests.model_parallel_cases import assert_passed
+from tests.support.model_parallel_cases import assert_passed
 
 CHAIN_CHECKS = ["split_mlp_training", "split_mlp_training_pipelined", "pipeline_schedules", "multi_node_rnn",
                 "chain_errors"]

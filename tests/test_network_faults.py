@@ -5,7 +5,7 @@ The nodes are network namespaces on one bridge (benchmarks/cluster/netns.py, bro
 module): 2 nodes, one torchrun each, Gloo between them over the node's veth, shared memory within a
 node. A link goes down as a node's port on the bridge does (`netns.set_link`): the node keeps its
 address and routes, and nothing passes, as when a switch drops it. The job is
-tests/network_fault_worker.py: a small model trained with mean_coalesced, every step's batch fixed
+tests/support/network_fault_worker.py: a small model trained with mean_coalesced, every step's batch fixed
 by (rank, step), so an unfaulted run gives the parameters every surviving run must end with.
 Needs root, as `ip netns` does (CI runs as root); without it the module fails, saying so.
 """
@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import REPO, free_port, job_environment
+from tests.support.harness import REPO, free_port, job_environment
 
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 import netns  # noqa: E402
 
-WORKER = REPO / "tests" / "network_fault_worker.py"
+WORKER = REPO / "tests" / "support" / "network_fault_worker.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS = 30
 SLACK_S = 10  # the issue's bound: every rank fails within the group timeout + this

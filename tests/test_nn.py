@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torch_chainermn.nn as mnnn
-from tests.harness import run_spawn
+from tests.support.harness import run_spawn
 
 DTYPE = torch.float64
 BATCH_NORMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}

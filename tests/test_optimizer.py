@@ -4,8 +4,8 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests.harness import run_mpiexec, run_spawn
-from tests.training_reference import LR, loss_of, make_model, max_difference, parameters_of, sgd_reference
+from tests.support.harness import run_mpiexec, run_spawn
+from tests.support.training_reference import LR, loss_of, make_model, max_difference, parameters_of, sgd_reference
 
 STEPS = 5
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.harness import REPO, job_environment, run_job, torchrun
+from tests.support.harness import REPO, job_environment, run_job, torchrun
 
 
 def run_recipe(name: str) -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 from torch_chainermn import _backend
 
 # (tag, tensor): sent in this order; received in another order of tags, so some wait aside.

@@ -1,6 +1,6 @@
 """Slurm: `srun -n N python train.py`, and sbatch scripts that run srun, need no extra environment.
 
-The jobs run on a real one-node Slurm cluster started for this module (tests/slurm_cluster.py; `make
+The jobs run on a real one-node Slurm cluster started for this module (tests/support/slurm_cluster.py; `make
 install` installs Debian's Slurm). What one node cannot show (several nodes, compact node lists) is
 checked on the variables srun sets, as srun sets them for a task of a two-node step.
 """
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import torch_chainermn
 from torch_chainermn import _launch, _slurm
-from tests.harness import run_srun
-from tests.slurm_cluster import slurm_cluster
+from tests.support.harness import run_srun
+from tests.support.slurm_cluster import slurm_cluster
 
 # What srun 22.05 set for task 3 of `srun -N 2 -n 5` on node[07-08] (3 tasks on the first node, 2 on the
 # second), less what does not matter here.

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests import strategy_cases
-from tests.harness import run_mpiexec, run_spawn
+from tests.support import strategy_cases
+from tests.support.harness import run_mpiexec, run_spawn
 
 # (name, world size, per-process env, expected (intra_size of rank 0, inter_size))
 TOPOLOGIES = {

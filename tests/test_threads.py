@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.collective_cases import reference_reduce
+from tests.support.collective_cases import reference_reduce
 from torch_chainermn._C import testing
 
 TOPOLOGIES = {
@@ -271,7 +271,7 @@ def test_helper_threads_stop_spinning_through_long_gaps_and_spin_again_when_traf
     assert all(testing.linger_decisions(pipeline + [150.0] * 30)[-10:])
 
 
-# ---- store calls on failure paths never hang (backend/store_courier.h) ----------------------------------
+# ---- store calls on failure paths never hang (runtime/store_courier.h) ----------------------------------
 
 def test_a_store_call_that_hangs_costs_its_caller_the_patience_once():
     (quick, q_ms), (hung, h_ms), (behind, b_ms), (after, _), (threw, _), (turn, t_ms) = testing.store_courier(200)

@@ -3,7 +3,7 @@ import pytest
 
 import torch_chainermn
 from torch_chainermn import _C
-from tests.harness import run_mpiexec, run_spawn
+from tests.support.harness import run_mpiexec, run_spawn
 
 
 def test_nodes_are_ordered_by_lowest_rank():

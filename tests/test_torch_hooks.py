@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from torch import nn
 
-from tests.harness import run_spawn
-from tests.training_reference import LR, batch, make_model
+from tests.support.harness import run_spawn
+from tests.support.training_reference import LR, batch, make_model
 
 STEPS = 6
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_spawn
+from tests.support.harness import run_spawn
 
 STEPS = 3
 

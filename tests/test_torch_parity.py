@@ -13,8 +13,8 @@ from torch.testing._internal.common_distributed import simple_sparse_reduce_test
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_chainermn
-from tests.collective_cases import expect_value_error
-from tests.harness import REPO, job_environment, run_job, run_spawn, torchrun
+from tests.support.collective_cases import expect_value_error
+from tests.support.harness import REPO, job_environment, run_job, run_spawn, torchrun
 
 
 def refused(fn, *words) -> bool:

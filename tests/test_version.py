@@ -8,7 +8,7 @@ import sys
 import setuptools
 
 import torch_chainermn
-from tests.harness import REPO
+from tests.support.harness import REPO
 
 # PEP 440's public versions, in short: 1.2.3, 1.2.3rc1, 1.2.3.post1, 1.2.3.dev4
 PEP_440 = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")

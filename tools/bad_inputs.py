@@ -1,4 +1,4 @@
-"""The table of bad inputs in docs/benchmarks.md: every case of tests/mismatch_cases.py on chainermn and on gloo.
+"""The table of bad inputs in docs/benchmarks.md: every case of tests/support/mismatch_cases.py on chainermn and on gloo.
 
     .venv/bin/python tools/bad_inputs.py [--ranks 2] [--out bad_inputs.md]
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.harness import RankFailure, run_spawn  # noqa: E402
-from tests.mismatch_cases import CASES, POINT_TO_POINT, run_battery  # noqa: E402
+from tests.support.harness import RankFailure, run_spawn  # noqa: E402
+from tests.support.mismatch_cases import CASES, POINT_TO_POINT, run_battery  # noqa: E402
 
 
 def gloo_case(name: str):

@@ -7,13 +7,17 @@ setup.py imports this module; CMakeLists.txt and tools/check_cuda_compile.sh run
 Which build compiles which file under csrc/:
   csrc/cuda/**         CUDA builds only (CUDA tensors, NCCL, the .cu kernels). Every .cu lives here.
   csrc/comm/mpi*.cpp   MPI builds only (mpicc found).
+  csrc/testing/**, csrc/python/testing*.cpp
+                       test builds only (CHAINERMN_TESTING=1, which `make install` sets): the
+                       in-process harnesses of torch_chainermn._C.testing. A user's install
+                       (pip install .) leaves them out.
   everything else      every build.
 
 Every source must compile to an object of its own: `object_names` derives object paths exactly as
 torch.utils.cpp_extension.BuildExtension does (with or without ninja) and refuses a list in which
 two sources map to the same object (csrc/kernels/pack.cpp and pack.cu were both pack.o once).
 
-    python3 tools/build_sources.py --cuda --mpi --format lines    # one path per line
+    python3 tools/build_sources.py --cuda --mpi --testing --format lines    # one path per line
     python3 tools/build_sources.py --format cmake                 # a CMake list (a;b;c)
     python3 tools/build_sources.py --cuda --mpi --objects         # source -> object, checked
 """
@@ -27,6 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = "csrc"
 CUDA_ONLY = "csrc/cuda/*"        # fnmatch: "*" matches "/" too, so this is the whole subtree
 MPI_ONLY = "csrc/comm/mpi*.cpp"
+TESTING_ONLY = ("csrc/testing/*", "csrc/python/testing*.cpp")
 SOURCE_SUFFIXES = (".cpp", ".cu")
 
 # What BuildExtension's compiler accepts and how it names objects: distutils' UnixCCompiler
@@ -54,20 +59,26 @@ def is_mpi_only(path):
     return fnmatch.fnmatchcase(path, MPI_ONLY)
 
 
-def selected(path, cuda, mpi):
-    """Whether the build with (cuda, mpi) compiles `path` (a root-relative POSIX path)."""
+def is_testing_only(path):
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in TESTING_ONLY)
+
+
+def selected(path, cuda, mpi, testing=False):
+    """Whether the build with (cuda, mpi, testing) compiles `path` (a root-relative POSIX path)."""
     if path.endswith(".cu") and not is_cuda_only(path):
         raise BuildSourceError(f"{path}: CUDA sources belong in csrc/cuda/ (the CPU build "
                                "compiles everything outside it)")
-    return (cuda or not is_cuda_only(path)) and (mpi or not is_mpi_only(path))
+    return ((cuda or not is_cuda_only(path)) and (mpi or not is_mpi_only(path))
+            and (testing or not is_testing_only(path)))
 
 
-def sources(cuda, mpi, root=ROOT):
-    """The sources of the build with CUDA and/or MPI, sorted, relative to the repository root.
+def sources(cuda, mpi, testing=False, root=ROOT):
+    """The sources of the build with CUDA and/or MPI (and the test harnesses with `testing`), sorted,
+    relative to the repository root.
 
     The list is checked: it raises BuildSourceError if two of them would share an object file.
     """
-    chosen = [p for p in all_sources(root) if selected(p, cuda, mpi)]
+    chosen = [p for p in all_sources(root) if selected(p, cuda, mpi, testing)]
     object_names(chosen)
     return chosen
 
@@ -107,6 +118,7 @@ def _main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cuda", action="store_true", help="the CUDA build's sources")
     parser.add_argument("--mpi", action="store_true", help="the MPI build's sources")
+    parser.add_argument("--testing", action="store_true", help="the test build's sources (the harnesses too)")
     parser.add_argument("--format", choices=("lines", "cmake"), default="lines",
                         help="one path per line, or a CMake list (a;b;c)")
     parser.add_argument("--absolute", action="store_true", help="absolute paths")
@@ -114,7 +126,7 @@ def _main(argv=None):
                         help="print 'source object' pairs (objects relative to the build directory)")
     args = parser.parse_args(argv)
     try:
-        srcs = sources(cuda=args.cuda, mpi=args.mpi)
+        srcs = sources(cuda=args.cuda, mpi=args.mpi, testing=args.testing)
     except BuildSourceError as e:
         print(f"build_sources.py: error: {e}", file=sys.stderr)
         return 1

@@ -39,7 +39,7 @@ for arg in "$@"; do
   esac
 done
 
-list_flags=(--cuda)
+list_flags=(--cuda --testing)  # every file a test build compiles
 [[ "${MPI:-0}" == 1 ]] && list_flags+=(--mpi)
 sources=$("${PYTHON:-python3}" tools/build_sources.py "${list_flags[@]}")  # fails on a clash
 mapfile -t cu < <(grep '\.cu$' <<< "$sources" || true)
@@ -67,7 +67,7 @@ find "$OUT" -name '*.log' -delete
 test -f "$TORCH_INCLUDE/c10/cuda/CUDAStream.h" || { echo "no c10/cuda headers under $TORCH_INCLUDE"; exit 2; }
 test -f "$NCCL_INCLUDE/nccl.h" || { echo "no nccl.h under $NCCL_INCLUDE"; exit 2; }
 
-defines=(-DCHAINERMN_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -D_GLIBCXX_USE_CXX11_ABI=1)
+defines=(-DCHAINERMN_WITH_CUDA=1 -DCHAINERMN_WITH_TESTING=1 -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -D_GLIBCXX_USE_CXX11_ABI=1)
 includes=(-Icsrc -I"$TORCH_INCLUDE" -I"$TORCH_INCLUDE/torch/csrc/api/include" -I"$NCCL_INCLUDE"
           -I"$CUDA_HOME/include" -I"$PYTHON_INCLUDE")
 cxxflags=(-O3 -std=c++17 -Wall -Wno-unused-parameter -fPIC)

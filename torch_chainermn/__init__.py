@@ -50,5 +50,5 @@ _launch.prepare_environment()  # torchrun's variables, else mpiexec's or srun's
 _backend.register()
 global_except_hook._install_from_environment()  # CHAINERMN_FORCE_ABORT_ON_EXCEPTION
 # Finish and stop the groups' worker threads while the interpreter can still serve them (see
-# stopWorkersAtExit in csrc/backend/worker.h). Registered last, so it runs before MPI_Finalize.
+# stopWorkersAtExit in csrc/runtime/worker.h). Registered last, so it runs before MPI_Finalize.
 atexit.register(_C.stop_workers_at_exit)

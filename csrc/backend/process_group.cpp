@@ -1,6 +1,6 @@
 #include "backend/process_group.h"
 
-#include "backend/health.h"
+#include "runtime/health.h"
 #include "backend/transports.h"
 #include "backend/reduction.h"
 #include "backend/validate.h"

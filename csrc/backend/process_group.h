@@ -12,7 +12,7 @@
 #include "backend/messages.h"
 #include "backend/options.h"
 #include "backend/transports.h"
-#include "backend/worker.h"
+#include "runtime/worker.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
 #include "topology.h"

@@ -11,7 +11,7 @@
 
 #include "backend/device_context.h"
 #include "backend/options.h"
-#include "backend/worker.h"
+#include "runtime/worker.h"
 #include "comm/transport.h"
 
 #include <c10/core/Device.h>

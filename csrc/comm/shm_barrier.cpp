@@ -110,7 +110,7 @@ void Barrier::checkPeer(
       C10_THROW_ERROR(
           DistBackendError,
           "shared memory: local rank " + std::to_string(r) + " of this node (pid " + std::to_string(pid) +
-              ") is gone");  // died or exited: the group's health (backend/health.h) tells which
+              ") is gone");  // died or exited: the group's health (runtime/health.h) tells which
     }
   }
   if (now - start > timeout_) {

@@ -2,9 +2,11 @@
 // MPI runtime helpers the launcher needs.
 #include "backend/process_group.h"
 #include "backend/transports.h"
-#include "backend/worker.h"
+#include "runtime/worker.h"
 #include "comm/gloo.h"
+#ifdef CHAINERMN_WITH_TESTING
 #include "python/testing.h"
+#endif
 #include "strategies/strategy.h"
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
@@ -216,8 +218,10 @@ PYBIND11_MODULE(_C, m) {
         return c10::make_intrusive<chainermn::BackendOptions>(o);
       });
 
+#ifdef CHAINERMN_WITH_TESTING  // a test build only (tools/build_sources.py)
   auto testing = m.def_submodule("testing", "in-process harnesses for the C++ layers (tests only)");
   chainermn::bindTesting(testing);
+#endif
 
   m.attr("cuda_built") = chainermn::cudaBuilt();
   m.attr("cuda_transports") = chainermn::cudaTransportNames();

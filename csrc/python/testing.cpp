@@ -4,7 +4,7 @@
 #include "python/testing.h"
 
 #include "backend/device_context.h"
-#include "backend/store_courier.h"
+#include "runtime/store_courier.h"
 #include "comm/waiter_pool.h"
 #include "kernels/scratch.h"
 #include "linger.h"
@@ -388,7 +388,7 @@ void bindTesting(py::module_& testing) {
         other.join();
         return seen;
       },
-      "StoreCourier (backend/store_courier.h) through a hanging call: [(returned ok, ms waited)]",
+      "StoreCourier (runtime/store_courier.h) through a hanging call: [(returned ok, ms waited)]",
       py::arg("patience_ms"), py::call_guard<py::gil_scoped_release>());
   bindTransport(testing);
   bindWorkerTesting(testing);

@@ -5,7 +5,7 @@
 // an error string it sets: what a CUDA event and ncclCommGetAsyncError report on a GPU.
 #include "python/testing.h"
 
-#include "backend/worker.h"
+#include "runtime/worker.h"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>

@@ -16,8 +16,8 @@ import torch.nn as nn
 
 import torch_chainermn
 from torch_chainermn import hooks
-from tests import compression_reference as compressed
-from tests.collective_cases import value_errors
+from tests.support import compression_reference as compressed
+from tests.support.collective_cases import value_errors
 
 STEPS = 8
 THRESHOLD = 0.004  # 2-bit's threshold: below the outer gradients of 3 AdamW steps at lr 0.01

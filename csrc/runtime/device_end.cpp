@@ -1,6 +1,6 @@
 // Device work launched off the worker (on the caller's thread, over NCCL: process_group.cpp), watched
 // by the worker's watchdog as its own device ops are, and the cross-rank checks that run beside it.
-#include "backend/worker_state.h"
+#include "runtime/worker_state.h"
 
 namespace chainermn {
 

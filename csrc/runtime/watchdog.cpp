@@ -1,6 +1,6 @@
 // The watchdog of a Worker: deadlines, transport failures, and what the group's ranks tell each
 // other about them (Monitor), so a failure on one rank reaches every rank within a couple of seconds.
-#include "backend/worker_state.h"
+#include "runtime/worker_state.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "backend/store_courier.h"
+#include "runtime/store_courier.h"
 
 #include "thread_name.h"
 

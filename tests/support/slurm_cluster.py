@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.harness import free_port
+from tests.support.harness import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 START_TIMEOUT_S = 30

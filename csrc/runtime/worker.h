@@ -18,7 +18,7 @@
 // timeouts.
 #pragma once
 
-#include "backend/work.h"
+#include "runtime/work.h"
 #include "comm/transport.h"
 
 #include <functional>
@@ -28,7 +28,7 @@
 
 namespace chainermn {
 
-// How a worker reaches its group's other ranks when something goes wrong (backend/health.h). Called
+// How a worker reaches its group's other ranks when something goes wrong (runtime/health.h). Called
 // on the watchdog and worker threads, only on slow paths; never throws.
 class Monitor {
  public:

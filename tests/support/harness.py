@@ -3,7 +3,7 @@
 Three launchers, all with real processes:
 - `run_spawn`: multiprocessing's spawn with env:// rendezvous, as torchrun does (transport: Gloo);
 - `run_mpiexec`: Open MPI's mpiexec with no rendezvous variables at all (transport: MPI);
-- `run_srun`: Slurm's srun (or sbatch), likewise with none (see tests/slurm_cluster.py).
+- `run_srun`: Slurm's srun (or sbatch), likewise with none (see tests/support/slurm_cluster.py).
 
 `fn(*args)` runs on every rank after `dist.init_process_group("chainermn")`; its return values come
 back as a list indexed by rank. A rank that raises makes the run fail with that rank's traceback. A
@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 MPIEXEC = shutil.which("mpiexec")
 
@@ -167,22 +167,31 @@ def job_environment(extra: dict | None = None) -> dict:
     return env
 
 
-def run_job(command: list, env: dict, timeout: float, cwd=REPO, what: str = "the job") -> tuple[int, str]:
-    """Run `command` in a session of its own; return its exit status and output (stdout and stderr).
+def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str = "the job",
+           merged: bool = False) -> subprocess.CompletedProcess:
+    """Run `command` in a session of its own, its output captured as text (stdout and stderr apart,
+    or `merged` into stdout).
 
     A job still running after `timeout` seconds is killed with every process it started (a launcher's
     ranks too, through the session) and raises RankFailure with the end of its output: a hang fails.
     """
-    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, errors="replace",
                             start_new_session=True)
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        out, err = proc.communicate()
         raise RankFailure(f"{what} was still running after {timeout:.0f} s and was killed. Output:\n"
-                          f"{output.decode(errors='replace')[-4000:]}") from None
-    return proc.returncode, output.decode(errors="replace")
+                          f"{(out + (err or ''))[-4000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err or "")
+
+
+def run_job(command: list, env: dict, timeout: float, cwd=REPO, what: str = "the job") -> tuple[int, str]:
+    """launch() with stdout and stderr as one output: (exit status, output)."""
+    result = launch(command, env, timeout, cwd, what, merged=True)
+    return result.returncode, result.stdout
 
 
 def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
@@ -241,7 +250,7 @@ def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=
         args_path = _write_args(tmp, args, kwargs)
         command = [
             MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(world_size),
-            sys.executable, "-m", "tests.harness",
+            sys.executable, "-m", "tests.support.harness",
             _reference(fn), args_path, str(tmp), "1" if init else "0", str(op_timeout),
         ]
         returncode, text = run_job(command, job_environment(env), timeout, what="mpiexec")
@@ -276,12 +285,12 @@ def run_srun(fn, world_size: int, *args, slurm_conf: str, srun_args=(), batch=Fa
     """Run fn under Slurm's `srun -n world_size` with no rendezvous variables: `import torch_chainermn`
     reads rank, size and the store's address from srun's SLURM_* variables.
 
-    `slurm_conf`: the cluster's configuration (tests/slurm_cluster.py); `srun_args`: more of srun's
+    `slurm_conf`: the cluster's configuration (tests/support/slurm_cluster.py); `srun_args`: more of srun's
     options (--mpi=pmix); `batch`: submit a batch script that runs that srun (sbatch) instead."""
     with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
         tmp = Path(tmp_name)
         args_path = _write_args(tmp, args, kwargs)
-        rank_command = [sys.executable, "-m", "tests.harness", _reference(fn), args_path, str(tmp), "1",
+        rank_command = [sys.executable, "-m", "tests.support.harness", _reference(fn), args_path, str(tmp), "1",
                         str(op_timeout)]
         # A rank that fails ends the step (srun's default waits for the others).
         srun = ["srun", "-n", str(world_size), "--kill-on-bad-exit=1", *srun_args, *rank_command]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
+from tests.support.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
 
 STRATEGIES = ["naive", "flat", "hierarchical", "two_dimensional", "single_node"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

@@ -18,7 +18,7 @@ import torch_chainermn
 from torch_chainermn import functions as F
 from torch_chainermn.communicator import Communicator
 
-from tests import harness
+from tests.support import harness
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -290,7 +290,7 @@ def run_checks(checks, report: dict, prefix: str = "") -> None:
 
 def battery(sizes, parts):
     """Every rank: the checks of `parts` ("functions", "model_parallel") on communicators of each size."""
-    from tests import model_parallel_chain_cases as chain_cases
+    from tests.support import model_parallel_chain_cases as chain_cases
 
     report = {}
     for size in sizes:
@@ -336,7 +336,7 @@ def assert_passed(name: str) -> None:
 def cuda_checks():
     """send/recv, a pipelined chain and two collectives with CUDA tensors on a 2-rank world, against
     the same computation on the CPU of one process."""
-    from tests import model_parallel_chain_cases as chain_cases
+    from tests.support import model_parallel_chain_cases as chain_cases
 
     comm = Communicator()
     rank, cuda = comm.rank, torch.device("cuda", 0)

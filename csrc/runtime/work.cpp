@@ -1,6 +1,6 @@
-#include "backend/work.h"
+#include "runtime/work.h"
 
-#include "backend/backoff.h"
+#include "runtime/backoff.h"
 
 #include <c10/util/Exception.h>
 

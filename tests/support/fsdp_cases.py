@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import torch_chainermn
-from tests import compression_reference
-from tests.collective_cases import value_errors
+from tests.support import compression_reference
+from tests.support.collective_cases import value_errors
 from torch_chainermn.fsdp import TwoHopAllGather, TwoHopReduceScatter
 
 STEPS = 5
@@ -244,7 +244,7 @@ def lm_validation_losses(steps: int = 40) -> dict:
 
     from torch.distributed.fsdp import fully_shard
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "cluster"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "cluster"))
     import lm
 
     corpus = lm.load_corpus(max_mb=1.0)

@@ -2,7 +2,7 @@
 // the watchdog with what it tells and asks the group's other ranks (watchdog.cpp).
 #pragma once
 
-#include "backend/worker.h"
+#include "runtime/worker.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,7 +1,7 @@
 // Store calls with a deadline, for the failure paths.
 //
 // When a group fails, its ranks ask the store who died, who waited where and whether a peer gave up
-// (backend/health.h). If the network cut this node off from the store's host, a TCPStore call does
+// (runtime/health.h). If the network cut this node off from the store's host, a TCPStore call does
 // not fail: its read waits until the kernel gives up on the connection, many minutes later, and the
 // thread making it (the watchdog, the worker, the exiting process draining the worker) would wait
 // as long. So those calls run on a thread of their own and the caller waits at most `patience`.

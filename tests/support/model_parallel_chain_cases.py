@@ -17,7 +17,7 @@ from torch_chainermn import functions as F
 from torch_chainermn.communicator import Communicator
 from torch_chainermn.messages import tensors as wire
 
-from tests.model_parallel_cases import DT, close, data, expect
+from tests.support.model_parallel_cases import DT, close, data, expect
 
 LR = 0.1
 

@@ -1,7 +1,7 @@
 // The transfers a Worker's ops leave running (point to point): finished at once when they can be,
 // else kept in flight, tested by the worker, and, for the libraries that progress in threads of
 // their own, waking it when ready (worker.h).
-#include "backend/worker_state.h"
+#include "runtime/worker_state.h"
 
 #include <algorithm>
 #include <atomic>

@@ -8,12 +8,12 @@
 // - A rank whose op has waited over a second says so, so that a rank that times out can tell which
 //   ranks waited in the op and which never reached it.
 // Store operations happen only on these slow paths, never per op, and never wait more than a couple
-// of seconds (backend/store_courier.h): a rank cut off from the store's host says so and names the
+// of seconds (runtime/store_courier.h): a rank cut off from the store's host says so and names the
 // ranks of the other nodes instead of waiting for TCP to give up.
 #pragma once
 
-#include "backend/store_courier.h"
-#include "backend/worker.h"
+#include "runtime/store_courier.h"
+#include "runtime/worker.h"
 #include "topology.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

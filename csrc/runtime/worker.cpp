@@ -1,8 +1,8 @@
-#include "backend/worker.h"
+#include "runtime/worker.h"
 
-#include "backend/backoff.h"
-#include "backend/gil_release.h"
-#include "backend/worker_state.h"
+#include "runtime/backoff.h"
+#include "runtime/gil_release.h"
+#include "runtime/worker_state.h"
 #include "linger.h"
 #include "thread_name.h"
 

@@ -1,4 +1,4 @@
-#include "backend/health.h"
+#include "runtime/health.h"
 
 #include "process.h"
 
