@@ -91,3 +91,4 @@ def test_a_timeout_says_who_waited_and_the_late_rank_fails_at_once():
     late, waited, _ = outcomes[2]
     assert "aborted" in late and "timed out" in late and "rank 2 (host" in late, late
     assert waited < 3, waited  # failed on the peers' word, before its own 3 s timeout
+

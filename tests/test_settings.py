@@ -9,7 +9,7 @@ from torch_chainermn import options, settings
 
 REPO = Path(__file__).resolve().parents[1]
 # Compile-time macros, not environment variables.
-MACROS = {"CHAINERMN_WITH_CUDA", "CHAINERMN_WITH_MPI"}
+MACROS = {"CHAINERMN_WITH_CUDA", "CHAINERMN_WITH_MPI", "CHAINERMN_WITH_TESTING"}
 
 
 def names_in_sources() -> set[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ._backend import backend_of
-from .options import _wire_dtype
+from .options import wire_dtype
+
 
 def mean_coalesced(tensors, group=None, dtype=None, async_op: bool = False):
     """Replace every tensor by its mean over `group`, in one packed allreduce.
@@ -18,7 +19,7 @@ def mean_coalesced(tensors, group=None, dtype=None, async_op: bool = False):
     Returns the Work when async_op is True, else None once the tensors hold the mean.
     """
     backend = backend_of(group, "mean_coalesced")
-    wire = _wire_dtype(dtype)
+    wire = wire_dtype(dtype)
     tensors = list(tensors)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         raise ValueError("mean_coalesced: tensors must be a list of torch.Tensor")

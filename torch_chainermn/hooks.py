@@ -27,6 +27,7 @@ from ._backend import backend_of, group_of
 from ._double_buffering import BackgroundMean, start_mean
 from .compression import GradientCompression
 from .gradients import mean_coalesced
+from .options import wire_dtype
 
 __all__ = [
     "allreduce_hook",
@@ -118,10 +119,10 @@ class DoubleBufferingState:
             process_group = self.compression.process_group
         self.process_group = group_of(process_group, "DoubleBufferingState")
         backend_of(self.process_group, "DoubleBufferingState")  # a chainermn group, or a clear error now
-        if compress is not None and compress not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError("DoubleBufferingState: compress must be None, torch.float16 or torch.bfloat16 "
-                             f"(or a wider float dtype), or a GradientCompressionState, got {compress}")
-        self.compress = compress
+        if isinstance(compress, str):
+            raise ValueError(f"DoubleBufferingState: compress must be a torch.dtype, None or a GradientCompressionState, "
+                             f"got {compress!r}")
+        self.compress = wire_dtype(compress, "DoubleBufferingState: compress (or a GradientCompressionState)")
         self.world_size = self.process_group.size()
         self.ready = False
         self.steps = 0

@@ -38,7 +38,9 @@ def environment_defaults() -> dict:
     return {field: os.environ.get(variable) or default for field, (variable, default) in ENVIRONMENT.items()}
 
 
-def _wire_dtype(value) -> torch.dtype | None:
+def wire_dtype(value, what: str = "allreduce_grad_dtype") -> torch.dtype | None:
+    """A wire dtype for gradients (a torch.dtype or its name, "torch." or not), or None; the one
+    check of them (Options, mean_coalesced, the double-buffering hook): a ValueError naming `what`."""
     if value is None or value == "":
         return None
     if isinstance(value, str):
@@ -47,8 +49,7 @@ def _wire_dtype(value) -> torch.dtype | None:
             return WIRE_DTYPES[key]
     elif isinstance(value, torch.dtype) and value.is_floating_point and value in WIRE_DTYPES.values():
         return value
-    raise ValueError(
-        f"allreduce_grad_dtype must be None or a floating dtype of {sorted(set(WIRE_DTYPES))}, got {value!r}")
+    raise ValueError(f"{what} must be None or a floating dtype of {sorted(set(WIRE_DTYPES))}, got {value!r}")
 
 
 def _choice(field: str, value, allowed: tuple[str, ...]) -> str:
@@ -102,7 +103,7 @@ class Options:
             raise ValueError(f"unknown chainermn communicator {given['communicator']!r}; "
                              f"choose from {', '.join(COMMUNICATORS)}")
         self._communicator = given["communicator"]
-        self._allreduce_grad_dtype = _wire_dtype(given["allreduce_grad_dtype"])
+        self._allreduce_grad_dtype = wire_dtype(given["allreduce_grad_dtype"])
         self._transport = _choice("transport", given["transport"], TRANSPORTS)
         self._shared_memory = _switch("shared_memory", given["shared_memory"])
         self._cuda_transport = _choice("cuda_transport", given["cuda_transport"], CUDA_TRANSPORTS)

@@ -51,6 +51,8 @@ VARIABLES: tuple[Variable, ...] = (
              "build a CUDA torch's extension without the CUDA path", "setup.py"),
     Variable("CHAINERMN_NO_MPI", "build", None, None,
              "build without MPI even where mpicc is found", "setup.py"),
+    Variable("CHAINERMN_TESTING", "build", None, None,
+             "1: a test build, with the in-process harnesses (_C.testing) the tests use; `make` sets it", "setup.py"),
 )
 
 BY_NAME = {variable.name: variable for variable in VARIABLES}

@@ -6,6 +6,7 @@
 #include "backend/validate.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 
@@ -98,6 +99,33 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::split(
                    chainermnOptions ? chainermnOptions->group : options_);
 }
 
+c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::shrink(
+    const std::vector<int64_t>& ranksToExclude,
+    int shrinkFlags,
+    const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  TORCH_CHECK(splitter_, "shrink_group: this chainermn group was not made by torch_chainermn's creator (rank ",
+              rank_, ")");
+  std::vector<int> survivors;
+  for (int r = 0; r < size_; ++r) {
+    if (std::find(ranksToExclude.begin(), ranksToExclude.end(), r) == ranksToExclude.end()) {
+      survivors.push_back(r);
+    }
+  }
+  const auto mine = std::find(survivors.begin(), survivors.end(), rank_);
+  TORCH_CHECK_VALUE(mine != survivors.end(), "shrink_group: rank ", rank_, " is among ranks_to_exclude");
+  constexpr int kShrinkAbort = 1;  // torch.distributed.SHRINK_ABORT
+  if (shrinkFlags & kShrinkAbort) {
+    worker_->abortGroup("rank " + std::to_string(rank_) + " shrank the group (shrink_group with SHRINK_ABORT)");
+  }
+  // Only the survivors meet under this prefix: the excluded ranks, dead or not, are never waited for.
+  auto store = c10::make_intrusive<c10d::PrefixStore>("chainermn/shrink/" + std::to_string(shrinks_++) + "/",
+                                                      context_->store);
+  const auto* chainermnOptions = dynamic_cast<const BackendOptions*>(opts.get());
+  const auto timeout = opts ? opts->timeout : std::chrono::milliseconds(timeoutMs_.load());
+  return splitter_(store, static_cast<int>(mine - survivors.begin()), survivors, timeout, "shrunk",
+                   chainermnOptions ? chainermnOptions->group : options_);
+}
+
 void ProcessGroupChainerMN::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_.store(timeout.count());
 }
@@ -113,6 +141,13 @@ void ProcessGroupChainerMN::shutdown() {
   } else {
     deviceComms_->abort();
   }
+}
+
+// c10d's abort: everything pending on this rank fails at once, and so does every op issued later;
+// the peers' ops fail naming this rank within about a second (their watchdogs ask the store once an
+// op has waited a second), not at their timeout. The group stays unusable (as after a timeout).
+void ProcessGroupChainerMN::abort() {
+  worker_->abortGroup("rank " + std::to_string(rank_) + " aborted the group (ProcessGroup.abort())");
 }
 
 // ---- the funnel ---------------------------------------------------------------------------------

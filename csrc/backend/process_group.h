@@ -71,6 +71,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override;
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
+  // ProcessGroup.abort() (torchft ends a failed replica's group so): see process_group.cpp.
+  void abort() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,
@@ -186,6 +188,17 @@ class ProcessGroupChainerMN : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(
       const c10::intrusive_ptr<c10d::Store>& store,
       const std::vector<int>& ranks,
+      const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
+  // torch's shrink_group: the ranks not in `ranksToExclude` (dead or not) make a new chainermn group,
+  // renumbered in order, with this group's options (or those in `opts`, as split()). Collective over
+  // the survivors. SHRINK_ABORT aborts this group first (abort()), so that its pending ops fail now
+  // and torch's destroy of this group does not wait for them.
+  bool supportsShrinking() const override {
+    return static_cast<bool>(splitter_);
+  }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude,
+      int shrinkFlags,
       const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
 
   // torch's sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker that
@@ -333,6 +346,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // waiting for it orders the caller after the window's collectives (torch's _coalescing_manager).
   c10::intrusive_ptr<WorkChainerMN> lastInWindow_;
   Splitter splitter_;  // see split()
+  int shrinks_ = 0;     // shrink()s so far: each makes its group under a key space of its own
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 

@@ -347,6 +347,16 @@ void Worker::announceLeaving() {
   }
 }
 
+void Worker::abortGroup(const std::string& reason) {
+  if (state_->monitor) {
+    state_->monitor->abort(reason);  // first: the peers may be waiting on this rank already
+  }
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  if (state_->brokenReason.empty()) {
+    state_->breakGroup(lock, reason);
+  }
+}
+
 void stopWorkersAtExit() {
   std::lock_guard<std::mutex> lock(gLiveMutex);
   for (Worker* worker : liveWorkers()) {

@@ -116,6 +116,11 @@ class Worker {
   // interpreter's exit), so that their failures say it exited rather than died.
   void announceLeaving();
 
+  // Ends the group on this rank at once (c10d's Backend::abort): `reason` goes to the peers through
+  // the monitor (their ops that wait fail with it once they ask, within about a second), and
+  // everything pending or issued later here fails with it. The device transports are aborted.
+  void abortGroup(const std::string& reason);
+
   struct State;
 
  private:

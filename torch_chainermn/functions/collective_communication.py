@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..messages.framing import check_rank
 from ..messages.objects import agree
-from ._arguments import anchor, as_communicator, check_tensor, grad_needed
+from .._arguments import anchor, as_communicator, check_tensor, grad_needed
 
 
 def _comm(op, comm, usage):

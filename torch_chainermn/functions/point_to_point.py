@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..messages import tensors as wire
-from ._arguments import (anchor, as_communicator, check_peer, check_tag, check_tensor, differentiable, grad_needed,
+from .._arguments import (anchor, as_communicator, check_peer, check_tag, check_tensor, differentiable, grad_needed,
                          is_communicator)
 
 SEND_USAGE = "send(x, communicator, rank, tag=0)"

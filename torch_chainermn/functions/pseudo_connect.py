@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._arguments import check_tensor, differentiable
+from .._arguments import check_tensor, differentiable
 
 USAGE = "pseudo_connect(delegate_variable, *actual_variables)"
 

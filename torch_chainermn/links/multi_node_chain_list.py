@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..messages import tensors as wire
-from ..functions._arguments import as_communicator, differentiable
+from .._arguments import as_communicator, differentiable
 from ..functions.point_to_point import recv, send_activation
 from ..functions.pseudo_connect import pseudo_connect
 from . import pipeline

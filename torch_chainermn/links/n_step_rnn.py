@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..functions._arguments import as_communicator
+from .._arguments import as_communicator
 from ..functions.point_to_point import recv, send
 
 USAGE = "create_multi_node_n_step_rnn(rnn, comm, rank_in=None, rank_out=None)"

@@ -1,4 +1,4 @@
-"""Argument checks shared by the model-parallel functions: communicators, ranks, tensors."""
+"""Argument checks shared by the model-parallel functions and links: communicators, ranks, tensors."""
 from __future__ import annotations
 
 import weakref
@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..messages.framing import RESERVED_TAG
-from ..communicator import Communicator
+from .messages.framing import RESERVED_TAG
+from .communicator import Communicator
 
 _wrapped: "weakref.WeakKeyDictionary[dist.ProcessGroup, Communicator]" = weakref.WeakKeyDictionary()
 
