@@ -1,7 +1,7 @@
 """FSDP2 between nodes: reduce-scatter and all-gather in two hops (ZeRO++'s layout, FSDP2's hooks).
 
     model = fully_shard(...)                     # as usual, on a chainermn group or DeviceMesh
-    torch_chainermn.fsdp.compress_between_nodes(model, gradients="2bit", weights="int8", threshold=2e-3)
+    torch_chainermn.fsdp.compress_between_nodes(model, gradients="int8", weights="int8")
     torch_chainermn.fsdp.two_hop(model)          # the same at full precision
     fsdp.state_dict(model) / load_state_dict(model, state)   # the residuals, for a checkpoint (DCP)
 
@@ -9,8 +9,10 @@ FSDP2 takes a custom ReduceScatter and AllGather per FSDP module (`set_custom_re
 `set_custom_all_gather`). These run them as two hops: full precision inside the node (shared
 memory / NCCL), and between nodes only 1/M of the bytes per rank for M ranks a node, optionally
 coded (torch_chainermn.codes): gradients as int8 blocks, MXNet's 2-bit or 1-bit, with error
-feedback (ZeRO++'s qgZ), weights as int8 blocks (qwZ); see reduce_scatter.py and all_gather.py. hpZ is FSDP2's own `reshard_after_forward=<ranks per node>`,
-whose post-forward all-gather stays in the node (these objects pass it to the group's all-gather).
+feedback (ZeRO++'s qgZ), weights as int8 blocks (qwZ); see reduce_scatter.py and all_gather.py.
+With AdamW use int8 gradients: 2-bit and 1-bit, made for SGD, do not train the benchmark's language
+model with it (docs/fsdp.md). hpZ is FSDP2's own `reshard_after_forward=<ranks per node>`, whose
+post-forward all-gather stays in the node (these objects pass it to the group's all-gather).
 """
 from __future__ import annotations
 
