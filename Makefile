@@ -14,8 +14,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 # tqdm: the examples' progress bars. expecttest: torch.testing._internal (the upstream test cases) needs it.
-# lightning, accelerate: the tested recipes (examples/recipes/).
-PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate
+# lightning, accelerate: the tested recipes (examples/recipes/). torchft: torch_chainermn.torchft's tests
+# (it takes the installed torch: torch>=2.7).
+PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate torchft==0.2.0
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked
