@@ -29,6 +29,7 @@ def replica_groups(wrapper_name: str):
     outcome = {"sums": sums, "name": pg.getBackendName()}
     if wrapper_name != "ProcessGroupChainerMN":
         return outcome
+    outcome["errored before"] = pg.errored()
     if rank == 1:
         time.sleep(0.5)
         pg.abort()
@@ -38,17 +39,21 @@ def replica_groups(wrapper_name: str):
             outcome["after abort"] = "completed"
         except Exception as error:  # noqa: BLE001  torchft passes the backend's error on
             outcome["after abort"] = str(error)
+        outcome["errored after"] = str(pg.errored())
     return outcome
 
 
 def test_torchft_process_groups_on_chainermn():
     """ProcessGroupChainerMN: two quorums, each all_reduce right; replica 1's abort fails replica 0's
-    pending all_reduce with the abort's reason (its timeout is 30 s). ProcessGroupBabyChainerMN (the
+    pending all_reduce with the abort's reason (its timeout is 30 s), and errored() then says it
+    (None before). ProcessGroupBabyChainerMN (the
     group in a subprocess): two quorums, each all_reduce right."""
     outcomes = run_spawn(replica_groups, 2, "ProcessGroupChainerMN", init=False, timeout=120)
     for outcome in outcomes:
         assert outcome["sums"] == [3.0, 3.0] and outcome["name"] == "torchft-chainermn", outcome
-    assert "rank 1 aborted the group (ProcessGroup.abort())" in outcomes[0]["after abort"], outcomes[0]
+    said = "rank 1 aborted the group (ProcessGroup.abort())"
+    assert said in outcomes[0]["after abort"] and said in outcomes[0]["errored after"], outcomes[0]
+    assert outcomes[0]["errored before"] is None and outcomes[1]["errored before"] is None, outcomes
     babies = run_spawn(replica_groups, 2, "ProcessGroupBabyChainerMN", init=False, timeout=120)
     for outcome in babies:
         assert outcome["sums"] == [3.0, 3.0] and outcome["name"] == "torchft-baby-chainermn", outcome

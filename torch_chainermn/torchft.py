@@ -40,6 +40,14 @@ def _chainermn_process_group(store, rank: int, world_size: int, timeout: timedel
     return pg
 
 
+def _broken(pg) -> Exception | None:
+    """The chainermn group's failure as an exception (torchft's errored()), or None while it works."""
+    if pg is None:
+        return None
+    reason = pg._get_backend(torch.device("cpu")).broken_reason()
+    return RuntimeError(f"chainermn: {reason}") if reason else None
+
+
 class ProcessGroupChainerMN(ProcessGroupWrapper):
     """torchft's reconfigurable process group on chainermn: every `configure()` (each quorum) makes
     a new chainermn group with `options` (torch_chainermn.Options; the environment's by default)."""
@@ -54,6 +62,11 @@ class ProcessGroupChainerMN(ProcessGroupWrapper):
     def _create_pg(self, store, rank: int, world_size: int) -> BaseProcessGroup:
         return _chainermn_process_group(store, rank, world_size, self._timeout, self._options or Options(),
                                         f"torchft_quorum_{self._quorum_id}")
+
+    def errored(self) -> Exception | None:
+        """The group's failure (a timeout, a dead or aborting peer), which torchft's Manager checks
+        before it commits a step, or None."""
+        return _broken(self._pg)
 
     def getBackendName(self) -> str:
         return "torchft-chainermn"

@@ -73,6 +73,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
   void shutdown() override;
   // ProcessGroup.abort() (torchft ends a failed replica's group so): see process_group.cpp.
   void abort() override;
+  // Why the group is unusable ("" while it is not): a timeout, a dead or aborting peer, an abort here.
+  std::string brokenReason() const {
+    return worker_->brokenReason();
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,

@@ -195,6 +195,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("result_dtype"),
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes)
+      .def("broken_reason", &ProcessGroupChainerMN::brokenReason,
+           "why the group is unusable (a timeout, a dead or aborting peer, abort()), or \"\" while it is not")
       .def(
           "_set_splitter",
           [](ProcessGroupChainerMN& pg, py::function split) {
