@@ -175,7 +175,9 @@ def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str
     A job still running after `timeout` seconds is killed with every process it started (a launcher's
     ranks too, through the session) and raises RankFailure with the end of its output: a hang fails.
     """
-    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE,
+    # stdin from /dev/null: a job never reads the test's input, and mpiexec then forwards none to
+    # rank 0 (its forwarding of an open stdin is one more thing that can keep it alive at the end).
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, errors="replace",
                             start_new_session=True)
     try:
