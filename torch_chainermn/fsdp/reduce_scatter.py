@@ -44,6 +44,7 @@ class TwoHopReduceScatter(ReduceScatter):
         self.residual: torch.Tensor | None = None
         self._sent = self._received = None  # ... the codes it sends and receives ([N, row bytes])
         self._as_float32 = None              # the node sums or the output, where FSDP reduces in another dtype
+        self._made_for = None                # (nodes, shard, device) the residual and wire buffers fit
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -104,6 +105,8 @@ class TwoHopReduceScatter(ReduceScatter):
 
     def _prepare(self, nodes: int, shard: int, device: torch.device) -> None:
         """The residual and the wire buffers for `nodes` x `shard` values (made once)."""
+        if self._sent is not None and self._made_for == (nodes, shard, device):
+            return  # every step after the first: nothing to look up
         if self.residual is None or self.residual.device != device or (
                 self.residual.shape != (nodes, shard) and not self.residual.any()):
             self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
@@ -114,6 +117,7 @@ class TwoHopReduceScatter(ReduceScatter):
         if self._sent is None or self._sent.shape != (nodes, row) or self._sent.device != device:
             self._sent = torch.empty(nodes, row, dtype=torch.uint8, device=device)
             self._received = torch.empty_like(self._sent)
+        self._made_for = (nodes, shard, device)
 
 
 def _reused(buffer, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
