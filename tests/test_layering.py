@@ -6,15 +6,15 @@ Layers, top to bottom (a file may include its own folder and any folder below it
     strategies/, cuda/, runtime/  allreduce algorithms; everything CUDA: the device unit (cuda/device.h),
                                   the CUDA transports and kernels; the engine that runs ops (Work, the
                                   worker, the watchdog; device-agnostic: it and cuda/ never meet)
-    comm/                         transports
-    kernels/                      packing, casting, reduction, staging buffers
+    comm/, buffers/               transports; a device's staging buffers and how bytes move there (Scratch)
+    kernels/                      packing, casting, reduction, the codes
     types.h, topology.h           the vocabulary every layer shares
 """
 import re
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-LEVEL = {"": 0, "kernels": 1, "comm": 2, "strategies": 3, "cuda": 3, "runtime": 3, "backend": 4, "testing": 4,
+LEVEL = {"": 0, "kernels": 1, "comm": 2, "buffers": 2, "strategies": 3, "cuda": 3, "runtime": 3, "backend": 4, "testing": 4,
          "python": 5}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 LINE_LIMIT = 700  # files are cut by what they do; this only guards against one file growing into many
@@ -73,3 +73,34 @@ def test_only_the_test_harnesses_include_them():
             continue
         wrong += [f"{here} includes {included}" for included in INCLUDE.findall(path.read_text()) if harness(included)]
     assert wrong == []
+
+
+def test_no_two_units_include_each_other():
+    """A unit is a header and the .cpp of the same name: device_context.cpp including transports.h while
+    transports.h included device_context.h was a cycle no folder rule sees. A header that only .cpp
+    files include (worker_state.h, the worker's private state) is part of what includes it: a .cpp's
+    include of it is no edge."""
+    def unit(path: str) -> str:
+        return str(Path(path).with_suffix(""))
+
+    includes = {str(p.relative_to(CSRC)): INCLUDE.findall(p.read_text()) for p in sources()}
+    public = {i for path, found in includes.items() if path.endswith(".h") for i in found}
+    edges = {}
+    for path, found in includes.items():
+        edges.setdefault(unit(path), set()).update(
+            unit(i) for i in found if unit(i) != unit(path) and (path.endswith(".h") or i in public))
+    cycles, state = [], {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []

@@ -28,7 +28,7 @@ from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3
                  create_mnbn_model)
 from .optimizers import create_multi_node_optimizer
 from .options import Options
-from .topology import node_group, topology
+from ._topology import node_group, topology
 
 __all__ = [
     "AllreducePersistent", "Communicator", "DiLoCo", "LocalSGD", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",

@@ -28,7 +28,7 @@ from ._backend import backend_of
 from .compression import compression_from, layout_of
 from .gradients import mean_coalesced
 from .options import Options
-from .topology import topology
+from ._topology import topology
 
 from .messages.arrays import (array_spec, as_plain, check_alike, describe, nbytes, plain_array, scatter_pieces,
                               spec_of, torch_dtype_of)

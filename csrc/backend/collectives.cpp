@@ -1,4 +1,4 @@
-// The collectives beyond the allreduce family: each validates its arguments (validate.h) and posts
+// The collectives other than the allreduce family (allreduce.cpp): each validates its arguments (validate.h) and posts
 // a body written against the transports and scratch of its tensors' device, so every one of them
 // runs on CPU and CUDA tensors alike. Packing goes through Scratch (memcpy or one kernel launch).
 #include "backend/process_group.h"
@@ -81,7 +81,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce(
     at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
     checkRank(op, "dst", opts.rootRank, size_);
     const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
-    checkDeviceReduction(op, plan, tensor, cudaBitwise_);
+    checkDeviceReduction(op, plan, tensor, plan_.cuda.bitwise);
     const int root = static_cast<int>(opts.rootRank);
     const bool isRoot = rank_ == root;
     return post({c10d::OpType::REDUCE, op, {tensor}, {}, opts.timeout, withReduce(withRoot(agreeOn({tensor}), "dst", root), opts.reduceOp)}, [tensor, plan, root, isRoot](DeviceContext& on) {
@@ -268,7 +268,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter(
       checkSameKind(op, "input_list", input, output);
     }
     const Reduction plan = planReduction(op, opts.reduceOp, output.scalar_type(), size_);
-    checkDeviceReduction(op, plan, output, cudaBitwise_);
+    checkDeviceReduction(op, plan, output, plan_.cuda.bitwise);
     const int size = size_;
     return post(
         {c10d::OpType::REDUCE_SCATTER, op, {output}, inputs, opts.timeout, withReduce(agreeOn({output}), opts.reduceOp)}, [output, inputs, plan, size](DeviceContext& on) {
@@ -293,7 +293,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_reduce_scatter_base(
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     checkWorldBlocks(op, "input", inputBuffer, "output", outputBuffer, size_);
     const Reduction plan = planReduction(op, opts.reduceOp, outputBuffer.scalar_type(), size_);
-    checkDeviceReduction(op, plan, outputBuffer, cudaBitwise_);
+    checkDeviceReduction(op, plan, outputBuffer, plan_.cuda.bitwise);
     at::Tensor output = outputBuffer, input = inputBuffer;
     return post(
         {c10d::OpType::_REDUCE_SCATTER_BASE, op, {output}, {input}, opts.timeout, withReduce(agreeOn({output}), opts.reduceOp)}, [output, input, plan](DeviceContext& on) {
@@ -318,7 +318,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter_tensor_coal
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkWorldBlocks(op, "input", inputs[i], "output", outputs[i], size_, static_cast<int>(i));
       plans.push_back(planReduction(op, opts.reduceOp, outputs[i].scalar_type(), size_));
-      checkDeviceReduction(op, plans.back(), outputs[i], cudaBitwise_);
+      checkDeviceReduction(op, plans.back(), outputs[i], plan_.cuda.bitwise);
     }
     return post({c10d::OpType::COALESCED, op, outputs, inputs, opts.timeout, withReduce(agreeOn(outputs), opts.reduceOp)}, [outputs, inputs, plans](DeviceContext& on) {
       for (size_t i = 0; i < inputs.size(); ++i) {
@@ -390,6 +390,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall(
           on.scratch.unpack(received, dtype, flatParts(outputs), 1.0);
           return RequestPtr();
         });
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  const char* op = "broadcast";
+  return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
+    at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
+    checkRank(op, "src", opts.rootRank, size_);
+    const int root = static_cast<int>(opts.rootRank);
+    return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout, withRoot(agreeOn({tensor}), "src", root)}, [tensor, root](DeviceContext& on) {
+      if (tensor.numel() > 0) {
+        on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
+      }
+      return RequestPtr();
+    });
   });
 }
 

@@ -1,7 +1,5 @@
 #include "backend/device_context.h"
 
-#include "backend/transports.h"
-
 #include <c10/util/Exception.h>
 
 #ifdef CHAINERMN_WITH_CUDA
@@ -20,7 +18,7 @@ bool cudaBuilt() {
 }
 
 CudaTransportsBuilder cudaTransportsBuilder(
-    const GroupSetup&, const std::string&, const TransportSet&, std::shared_ptr<WatchedTransports>) {
+    const GroupSetup&, const CudaPlan&, const TransportSet&, std::shared_ptr<WatchedTransports>) {
   return nullptr;
 }
 
@@ -80,14 +78,13 @@ bool cudaBuilt() {
 
 CudaTransportsBuilder cudaTransportsBuilder(
     const GroupSetup& setup,
-    const std::string& cudaTransport,
+    const CudaPlan& plan,
     const TransportSet& host,
     std::shared_ptr<WatchedTransports> watched) {
   // Not the host factory, which may hold Python objects.
-  return [store = setup.store, topology = setup.topology, timeout = setup.timeout, cudaTransport, host, watched](
-             c10::DeviceIndex device, void* stream) {
-    const std::string kind = cudaTransportsAllNccl(cudaTransport, topology) ? "nccl" : cudaTransport;
-    TransportSet set = cuda::buildTransports(*store, topology, timeout, kind, host, device, stream);
+  return [store = setup.store, topology = setup.topology, timeout = setup.timeout, carriers = plan.carriers, host,
+          watched](c10::DeviceIndex device, void* stream) {
+    TransportSet set = cuda::buildTransports(*store, topology, timeout, carriers, host, device, stream);
     watched->watch(set);
     return set;
   };

@@ -1,7 +1,7 @@
 // The transports and staging buffers of one device of a group, as an op's body sees them, and the
 // stream ordering of CUDA work. The CPU context is built with the group; the CUDA one at the group's
 // first CUDA operation (collective: every rank issues its ops in the same order), by a builder the
-// group keeps (backend/transports.h), on the thread that launches the group's CUDA work.
+// group keeps (cudaTransportsBuilder below), on the thread that launches the group's CUDA work.
 //
 // Where CUDA work is launched (process_group.h): over NCCL alone, on the caller's thread, as
 // ProcessGroupNCCL does, under the device's launch lock; through host transports (staged), on the
@@ -13,8 +13,11 @@
 // before anything is queued.
 #pragma once
 
+#include "backend/options.h"
+#include "backend/transport_plan.h"
+#include "backend/watched_transports.h"
 #include "comm/transport.h"
-#include "kernels/scratch.h"
+#include "buffers/scratch.h"
 #include "strategies/strategy.h"
 
 #include <ATen/ATen.h>
@@ -39,6 +42,16 @@ struct DeviceContext {
 
 // Makes a CUDA device's transports, given the device and the group's stream there (a cudaStream_t).
 using CudaTransportsBuilder = std::function<TransportSet(c10::DeviceIndex device, void* stream)>;
+
+// The builder of a group's CUDA transports (collective over the group, at its first CUDA op, on
+// the thread that launches its CUDA work), each level carried as `plan` says: `host` is the group's
+// CPU transports (what staging goes through); what it builds is added to `watched`. Null in a build
+// without CUDA.
+CudaTransportsBuilder cudaTransportsBuilder(
+    const GroupSetup& setup,
+    const CudaPlan& plan,
+    const TransportSet& host,
+    std::shared_ptr<WatchedTransports> watched);
 
 // True when this build handles CUDA tensors (compiled with CHAINERMN_WITH_CUDA).
 bool cudaBuilt();

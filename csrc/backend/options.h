@@ -64,6 +64,7 @@ struct GroupSetup {
   std::string name;
   Topology topology;
   TransportFactory makeHost;  // the host library every rank agreed on (MPI or Gloo), one level at a time
+  const char* hostLibrary = "";  // its name, "mpi" or "gloo" (set with makeHost)
   size_t shmChunkBytes = shm::kDefaultChunkBytes;  // the shared-memory collectives' chunk (CHAINERMN_SHM_CHUNK_BYTES)
 };
 

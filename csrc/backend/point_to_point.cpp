@@ -1,10 +1,10 @@
 // Point to point, barrier and monitored barrier. A send or receive body only starts its transfer
 // and returns the Request; the worker starts transfers in issue order and completes them later
 // (worker.h), so a send and a receive issued in order never wait for each other (batch_isend_irecv).
-// Messages carry a header (messages.h).
+// Messages carry a header (checked_transfers.h).
 #include "backend/process_group.h"
 
-#include "backend/messages.h"
+#include "backend/checked_transfers.h"
 #include "backend/validate.h"
 
 #include <utility>
@@ -101,7 +101,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
           }
           return world.startAll(transfers);
         }
-        // Host transfers progress independently: started in order, each with its header (messages.h).
+        // Host transfers progress independently: started in order, each with its header (checked_transfers.h).
         std::vector<RequestPtr> requests;
         for (size_t i = 0; i < batch.tensors.size(); ++i) {
           const auto& t = batch.tensors[i];
@@ -217,7 +217,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
   at::Tensor tensor = single(op, "tensor", tensors);
   checkTag(op, tag);
   TORCH_CHECK_VALUE(
-      !(tensor.is_cuda() && launchOnCaller_),
+      !(tensor.is_cuda() && plan_.cuda.allNccl),
       op,
       ": a receive from any source is not available for CUDA tensors over NCCL, which needs the "
       "source rank (CHAINERMN_CUDA_TRANSPORT=staged has it)");
@@ -231,7 +231,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
 // device has run it (and everything the group queued before it).
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::BarrierOptions& opts) {
   const int device = cudaDevice_.load();
-  if (device < 0 || !launchOnCaller_) {
+  if (device < 0 || !plan_.cuda.allNccl) {
     return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout}, [](DeviceContext& on) {
       on.transports.world->barrier();
       return RequestPtr();

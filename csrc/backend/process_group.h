@@ -2,16 +2,17 @@
 //
 // The c10d surface: every call is validated on the caller's thread (validate.h), described, and
 // posted through one funnel to the group's FIFO worker, which runs it on the transports of its
-// tensors' device (transports.h). The caller gets a WorkChainerMN at once; its Future completes
+// tensors' device (transport_plan.h). The caller gets a WorkChainerMN at once; its Future completes
 // with the output tensors. Collectives' bodies are in collectives.cpp and point to point in
 // point_to_point.cpp; the allreduce family is here.
 #pragma once
 
 #include "backend/agreement.h"
 #include "backend/device_context.h"
-#include "backend/messages.h"
+#include "backend/group_context.h"
 #include "backend/options.h"
-#include "backend/transports.h"
+#include "backend/transport_plan.h"
+#include "backend/watched_transports.h"
 #include "runtime/worker.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
@@ -27,28 +28,6 @@
 
 namespace chainermn {
 
-// What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
-// it outlives the ProcessGroup if a transport call is still running when the group goes away.
-struct GroupContext {
-  std::unique_ptr<Strategy> strategy;  // how all_reduce runs, on every device
-  std::unique_ptr<DeviceContext> cpu;   // built with the group
-  std::unique_ptr<DeviceContext> cuda;  // built by the first CUDA op (see device_context.h)
-  CudaTransportsBuilder buildCuda;
-
-  c10::intrusive_ptr<c10d::Store> store;  // refusals' reasons (agreement.h)
-  int rank = 0;
-  CheckLevel checks = CheckLevel::Info;
-  bool checkThroughLevels = false;  // several nodes of equal size: agreeThroughLevels (agreement.h)
-  FingerprintExchange fingerprints;  // worker thread only
-  uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
-  MessageOrder messages;        // worker thread only: point-to-point numbering (messages.h)
-
-  // Worker thread, before a collective's body: numbers it and, unless checks are off, compares its
-  // fingerprint with every rank's; throws the same ValueError on every rank when they differ.
-  // `refusal` is this rank's reason for refusing the call (empty: not refused).
-  void agree(const char* op, const Agreement& agreement, const std::string& refusal = "");
-};
-
 // An op as the funnel sees it: what it is, what it returns, and what it reads.
 struct OpSpec {
   c10d::OpType type;
@@ -61,7 +40,7 @@ struct OpSpec {
 
 class ProcessGroupChainerMN : public c10d::Backend {
  public:
-  // Collective over the group: builds its CPU transports (backend/transports.h).
+  // Collective over the group: plans its transports and builds the CPU ones (transport_plan.h).
   ProcessGroupChainerMN(const GroupSetup& setup, GroupOptions options);
   ~ProcessGroupChainerMN() override;
 
@@ -238,14 +217,17 @@ class ProcessGroupChainerMN : public c10d::Backend {
   }
   // The library between ranks ("mpi" or "gloo"), whether or not shared memory serves the node.
   const char* transport() const {
-    return transport_;
+    return plan_.hostLibrary;
   }
   bool sharedMemory() const {
-    return sharedMemory_;
+    return plan_.sharedMemory;
   }
-  // How CUDA tensors travel: "nccl", "nccl_intra" or "staged" (see transports.h).
+  // How CUDA tensors travel: "nccl", "nccl_intra" or "staged" (see transport_plan.h).
   const char* cudaTransport() const {
-    return cudaTransport_;
+    return plan_.cuda.name;
+  }
+  const TransportPlan& transportPlan() const {
+    return plan_;
   }
   const GroupOptions& options() const {
     return options_;
@@ -324,15 +306,11 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::shared_ptr<GroupContext> context_;
   std::shared_ptr<WatchedTransports> deviceComms_;  // the CUDA transports, once built
   std::unique_ptr<Worker> worker_;
-  // CUDA work is launched on the caller's thread (all NCCL) or by the worker (staged): transports.h.
-  bool launchOnCaller_ = false;
   at::Tensor barrierToken_;  // the one int a barrier over NCCL all-reduces
   Topology topology_;
   GroupOptions options_;
-  bool cudaBitwise_ = false;  // whether the CUDA transports reduce with bitwise ops
-  const char* transport_ = "";  // a library's static name, so Works may outlive the group
-  const char* cudaTransport_ = "";  // how CUDA buffers travel (a static name too)
-  bool sharedMemory_ = false;
+  // Which transports carry the group's ops; its names are static, so Works may outlive the group.
+  TransportPlan plan_;
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};     // collectives posted (torch's sequence number)
   std::atomic<uint64_t> p2pSequence_{0};  // sends and receives posted

@@ -297,7 +297,7 @@ class MailboxRequest : public Request {
       }
     }
     if (status_->mismatch) {
-      C10_THROW_ERROR(ValueError, status_->error);  // as messages.cpp: the caller's error, the pair still usable
+      C10_THROW_ERROR(ValueError, status_->error);  // as checked_transfers.cpp: the caller's error, the pair still usable
     }
     if (!status_->error.empty()) {
       C10_THROW_ERROR(DistBackendError, status_->error);

@@ -92,7 +92,7 @@ struct Mailboxes::State {
   void finish(Status& status, std::string error);
   // Under the lock.
   void refuse(Status& status, std::string error);
-  // As messages.cpp words it for the transports that need its headers.
+  // As checked_transfers.cpp words it for the transports that need its headers.
   std::string mismatch(int source, const Posted& expected, const FrameHeader& sent) const;
 
   // Whether a message is what a receive expects (count and dtype; any, for a receive of any size).

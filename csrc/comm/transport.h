@@ -105,7 +105,7 @@ class Transport {
       c10::ScalarType dtype) = 0;
   // Whether a message carries its count and dtype, so that a receive expecting others fails naming
   // both (its buffer untouched) and the pair stays usable. Transports that do not need the header
-  // messages of backend/messages.h in front of every message.
+  // messages of backend/checked_transfers.h in front of every message.
   virtual bool checksMessages() const {
     return false;
   }
@@ -122,7 +122,7 @@ class Transport {
   virtual RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) = 0;
   // A receive of whatever message comes from `peer` on `tag`: it lands in `allocate(count, dtype)`,
   // called once the message's count and dtype are known. Only where checksMessages() (the message
-  // carries them); backend/messages.h reads them from its headers on the other transports.
+  // carries them); backend/checked_transfers.h reads them from its headers on the other transports.
   using Allocate = std::function<void*(int64_t count, c10::ScalarType dtype)>;
   virtual RequestPtr recvAnySize(int peer, int tag, Allocate allocate);
   virtual void barrier() = 0;

@@ -1,4 +1,4 @@
-// A CUDA Scratch's moves (kernels/scratch.h): on the current stream of its device, which is the
+// A CUDA Scratch's moves (buffers/scratch.h): on the current stream of its device, which is the
 // group's inside an op's scope (cuda/device.h), so they are ordered with the op's transport calls.
 #include "cuda/pack_kernels.h"
 #include "cuda/quantize_kernels.h"

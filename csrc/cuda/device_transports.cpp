@@ -9,7 +9,7 @@ TransportSet buildTransports(
     c10d::Store& store,
     const Topology& topology,
     std::chrono::milliseconds timeout,
-    const std::string& cudaTransport,
+    const LevelCarriers& carriers,
     const TransportSet& host,
     c10::DeviceIndex device,
     void* stream) {
@@ -17,20 +17,20 @@ TransportSet buildTransports(
     return nccl::createTransport(store, level.key, level.index, static_cast<int>(level.ranks.size()), device, stream, timeout);
   };
   auto staged = [&](const TransportPtr& hostLevel) { return staged::createTransport(hostLevel, device, stream); };
-  if (cudaTransport == "nccl") {
+  if (carriers.world == Carrier::Nccl && carriers.intra == Carrier::Nccl && carriers.inter == Carrier::Nccl) {
     return makeTransportSet(topology, nccl);
   }
+  // A staged level that spans the whole group is the world's, as the host library's is.
   TransportSet set;
-  if (cudaTransport == "staged") {
-    set.world = staged(host.world);
-    set.intra = host.intra == host.world ? set.world : staged(host.intra);
-    set.inter = host.inter == host.world ? set.world : staged(host.inter);
-    return set;
-  }
-  // nccl_intra across nodes (on one node it is "nccl"): NCCL within the node, staged between nodes.
   set.world = staged(host.world);
-  set.intra = nccl(intraLevel(topology));
-  set.inter = topology.interSize == topology.size ? set.world : staged(host.inter);
+  auto level = [&](Carrier carrier, const Level& ranks, const TransportPtr& hostLevel) {
+    if (carrier == Carrier::Nccl) {
+      return nccl(ranks);
+    }
+    return hostLevel == host.world ? set.world : staged(hostLevel);
+  };
+  set.intra = level(carriers.intra, intraLevel(topology), host.intra);
+  set.inter = level(carriers.inter, interLevel(topology), host.inter);
   return set;
 }
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "kernels/pack.h"
-#include "kernels/scratch.h"
+#include "buffers/scratch.h"
 
 #include <c10/core/Device.h>
 

@@ -1,7 +1,7 @@
 // torch_chainermn._C: the backend class for torch.distributed, its transports' factories, and the
 // MPI runtime helpers the launcher needs.
 #include "backend/process_group.h"
-#include "backend/transports.h"
+#include "backend/transport_plan.h"
 #include "runtime/worker.h"
 #include "comm/gloo.h"
 #ifdef CHAINERMN_WITH_TESTING
@@ -73,6 +73,30 @@ PYBIND11_MODULE(_C, m) {
             ", inter_rank=" + std::to_string(t.interRank) + ", inter_size=" + std::to_string(t.interSize) + ")";
       });
 
+  // A group's transport plan (transport_plan.h), for options on a topology: what a group would carry
+  // its ops on, in words.
+  m.def(
+      "plan_transports",
+      [](const GroupOptions& options, const Topology& topology, const std::string& hostLibrary) {
+        TORCH_CHECK_VALUE(hostLibrary == "mpi" || hostLibrary == "gloo",
+                          "plan_transports: host_library must be 'mpi' or 'gloo', got '", hostLibrary, "'");
+        const auto plan = chainermn::planTransports(options, topology, hostLibrary == "mpi" ? "mpi" : "gloo");
+        auto carrier = [](chainermn::cuda::Carrier c) { return c == chainermn::cuda::Carrier::Nccl ? "nccl" : "staged"; };
+        const auto& cuda = plan.cuda;
+        py::dict plain;
+        plain["host_library"] = plan.hostLibrary;
+        plain["shared_memory"] = plan.sharedMemory;
+        plain["cuda_transport"] = cuda.name;
+        plain["cuda_carriers"] = py::make_tuple(carrier(cuda.carriers.world), carrier(cuda.carriers.intra),
+                                                carrier(cuda.carriers.inter));
+        plain["cuda_launch_on_caller"] = cuda.allNccl;
+        plain["cuda_launch_lock"] = cuda.someNccl;
+        plain["cuda_bitwise"] = cuda.bitwise;
+        return plain;
+      },
+      py::arg("options"),
+      py::arg("topology"),
+      py::arg("host_library"));
   m.def("topology_from_names", &chainermn::topologyFromNames, py::arg("names"), py::arg("rank"));
   m.def("stop_workers_at_exit", &chainermn::stopWorkersAtExit, py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -118,7 +142,10 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shm_chunk_bytes", &GroupSetup::shmChunkBytes, "the shared-memory collectives' chunk in bytes")
       .def(
           "use_gloo",
-          [](GroupSetup& setup, py::function make) { setup.makeHost = glooFactory(std::move(make)); },
+          [](GroupSetup& setup, py::function make) {
+            setup.makeHost = glooFactory(std::move(make));
+            setup.hostLibrary = "gloo";
+          },
           py::arg("make_gloo"),
           "between ranks, Gloo groups made by make_gloo(key, rank, size)")
 #ifdef CHAINERMN_WITH_MPI
@@ -128,6 +155,7 @@ PYBIND11_MODULE(_C, m) {
             setup.makeHost = [worldRanks](const Level& level) {
               return chainermn::mpi::createTransport(worldRanks, level);
             };
+            setup.hostLibrary = "mpi";
           },
           py::arg("world_ranks"),
           "between ranks, MPI over these MPI_COMM_WORLD ranks (group rank r is world_ranks[r])")

@@ -6,7 +6,7 @@
 #include "backend/device_context.h"
 #include "runtime/store_courier.h"
 #include "comm/waiter_pool.h"
-#include "kernels/scratch.h"
+#include "buffers/scratch.h"
 #include "linger.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"

@@ -16,7 +16,7 @@
 
 #include "comm/transport.h"
 #include "kernels/quantize.h"
-#include "kernels/scratch.h"
+#include "buffers/scratch.h"
 #include "topology.h"
 #include "types.h"
 

@@ -8,7 +8,7 @@
 // and it moves bytes only through the Scratch (memcpy on the CPU, the group's stream on CUDA).
 #pragma once
 
-#include "kernels/scratch.h"
+#include "buffers/scratch.h"
 #include "comm/transport.h"
 #include "kernels/pack.h"
 #include "topology.h"

@@ -31,7 +31,7 @@ void runRanks(
       });
       const Topology& t = group.topology;
       if (options.sharedMemory && t.intraSize > 1) {
-        const bool wholeGroup = t.interSize == 1;  // as backend/transports.cpp
+        const bool wholeGroup = t.interSize == 1;  // as backend/host_transports.cpp
         auto shared = shm::createTransport(
             *store, "chainermn/shm/" + std::to_string(t.interRank), group.transports.intra, options.timeout, wholeGroup,
             options.shmChunkBytes);

@@ -1,4 +1,4 @@
-#include "kernels/scratch.h"
+#include "buffers/scratch.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>

@@ -1,4 +1,4 @@
-#include "backend/messages.h"
+#include "backend/checked_transfers.h"
 
 #include "backend/validate.h"
 

@@ -1,0 +1,179 @@
+// The funnel every op goes through (process_group.h, post()): numbered in issue order, its device
+// found, then queued on the group's worker, or launched on the caller's thread when the transport
+// plan says every CUDA level is NCCL; and the fingerprint every collective's ranks agree on.
+#include "backend/process_group.h"
+
+#include "backend/validate.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace chainermn {
+
+void ProcessGroupChainerMN::setSequenceNumberForGroup() {}  // numbered from the group's creation
+
+uint64_t ProcessGroupChainerMN::getSequenceNumberForGroup() {
+  return sequence_.load();
+}
+
+c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, at::Device device) {
+  const uint64_t sequence = spec.agree.collective ? ++sequence_ : ++p2pSequence_;
+  auto timeout = spec.timeout;
+  if (timeout == c10d::kUnsetTimeout) {
+    timeout = std::chrono::milliseconds(timeoutMs_.load());
+  }
+  std::vector<c10::Device> devices;
+  if (device.is_cuda()) {
+    devices.push_back(device);
+  }
+  return c10::make_intrusive<WorkChainerMN>(
+      spec.type,
+      WorkChainerMN::Label{spec.name, device.is_cuda() ? plan_.cuda.name : plan_.hostLibrary, rank_, size_, timeout},
+      sequence,
+      std::move(spec.outputs),
+      Clock::now() + timeout,
+      std::move(devices));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work) {
+  std::vector<at::Tensor> used = spec.inputs;
+  used.insert(used.end(), spec.outputs.begin(), spec.outputs.end());
+  checkSameDevice(spec.name, used);
+  const at::Device device = used.empty() ? at::Device(at::kCPU) : used.front().device();
+  if (!used.empty()) {
+    checkGroupDevice(spec.name, cudaDevice_, used.front());
+  }
+  if (!work) {
+    work = makeWork(spec, device);
+  }
+  if (batch_) {
+    lastInWindow_ = work;  // what an empty coalescing window returns (endCoalescing)
+  }
+  if (device.is_cpu()) {
+    worker_->enqueue(work, [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
+      if (agreement.collective) {
+        context->agree(op, agreement);
+      }
+      return body(*context->cpu);
+    });
+    return work;
+  }
+  if (plan_.cuda.allNccl) {
+    launch(spec, body, work, device, used);
+    return work;
+  }
+  // Staged through the host transports: on the worker, in the group's order. The caller's current
+  // stream is marked now, on the caller's thread; the worker orders the group's stream after it.
+  const bool nccl = plan_.cuda.someNccl;
+  auto mark = markCallerStream(used.front());
+  worker_->enqueue(
+      work,
+      [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used),
+       op = spec.name, agreement = std::move(spec.agree), nccl]() {
+        if (agreement.collective) {
+          context->agree(op, agreement);  // over the host transports: this body uses them anyway
+        }
+        std::unique_lock<std::mutex> launching;
+        if (nccl) {
+          launching = lockDeviceLaunches(device);  // NCCL within the node: one submitter per device
+        }
+        std::shared_ptr<DeviceScope> scope = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
+        DeviceContext& cuda = *context->cuda;
+        keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
+        RequestPtr request = body(cuda);
+        if (request) {
+          return Pending(std::move(request));  // point to point: the Work completes with the transfer
+        }
+        // A collective: done once queued, but the watchdog watches its kernels end (worker.h).
+        Pending queued(markDeviceEnd(cuda));
+        queued.onDevice = true;
+        queued.scope = std::move(scope);  // the Work completes on the group's stream
+        return queued;
+      });
+  if (nccl) {
+    // Its NCCL kernels are submitted by the worker: the caller goes on once they are, so that this
+    // process submits to the device in its program's order.
+    work->waitQueued();
+  }
+  return work;
+}
+
+// Over NCCL alone: on the caller's thread, at once, as ProcessGroupNCCL does. The cross-rank check
+// runs beside the kernels, on the worker; the Work completes once both the device and the check are
+// through (worker.h).
+void ProcessGroupChainerMN::launch(
+    OpSpec& spec,
+    const Body& body,
+    const c10::intrusive_ptr<WorkChainerMN>& work,
+    at::Device device,
+    const std::vector<at::Tensor>& used) {
+  const bool check = spec.agree.collective && context_->checks != CheckLevel::Off;
+  const std::string broken = worker_->brokenReason();
+  if (!broken.empty()) {
+    work->fail(backendError("chainermn " + work->description() + ": not run, " + broken));
+    return;
+  }
+  // The launch and the check's place in the worker's queue under one lock: ops posted from several
+  // threads keep one order for both.
+  auto launching = lockDeviceLaunches(device);
+  try {
+    auto scope = enterCuda(context_->cuda, *context_->strategy, context_->buildCuda, device, markCallerStream(used.front()));
+    DeviceContext& cuda = *context_->cuda;
+    keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
+    (void)body(cuda);  // NCCL's sends and receives are over once queued, as its collectives are
+    RequestPtr end = markDeviceEnd(cuda);
+    work->completeQueued();  // inside the scope: the future's event is on the group's stream
+    worker_->watchOnDevice(work, std::move(end), check);
+  } catch (const std::exception& error) {
+    worker_->launchFailed(work, error);
+  }
+  if (check) {
+    // Numbered like every collective's check, so the ranks stay in step even if this launch failed.
+    const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(work->deadline() - work->issued());
+    auto checkWork = c10::make_intrusive<WorkChainerMN>(
+        spec.type,
+        WorkChainerMN::Label{spec.name, plan_.hostLibrary, rank_, size_, timeout},
+        work->getSequencenumber(),
+        std::vector<at::Tensor>{},
+        work->deadline());
+    worker_->enqueueCheck(checkWork, work, [context = context_, op = spec.name, agreement = std::move(spec.agree)] {
+      context->agree(op, agreement);
+    });
+  }
+}
+
+Agreement ProcessGroupChainerMN::agreeOn(const std::vector<at::Tensor>& tensors) const {
+  Agreement agreement;
+  agreement.tensors = static_cast<int64_t>(tensors.size());
+  agreement.count = 0;
+  for (const auto& tensor : tensors) {
+    agreement.count += tensor.numel();
+  }
+  if (!tensors.empty()) {
+    agreement.dtype = tensors.front().scalar_type();
+  }
+  const bool detail = options_.checks == CheckLevel::Detail;
+  const bool denseLayout =
+      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+        return t.layout() == at::kStrided && !t.is_contiguous();
+      });
+  if (tensors.size() > 1 || detail || denseLayout) {
+    agreement.layout = layoutOf(tensors, detail);
+  }
+  return agreement;
+}
+
+void ProcessGroupChainerMN::postRefusal(const char* op, const std::string& reason) {
+  if (context_->checks == CheckLevel::Off) {
+    return;  // the peers do not compare fingerprints: they would not read a refusal either
+  }
+  OpSpec spec{c10d::OpType::UNKNOWN, op, {}, {}};
+  auto work = makeWork(spec, at::Device(at::kCPU));
+  worker_->enqueue(work, [context = context_, op, reason]() {
+    context->agree(op, Agreement{}, reason);  // throws: every rank fails this op
+    return RequestPtr();
+  });
+}
+
+} // namespace chainermn

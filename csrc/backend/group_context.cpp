@@ -1,0 +1,41 @@
+// What every rank checks before a collective runs (GroupContext::agree, group_context.h): the
+// fingerprints of the op, through the levels where that is cheaper, and the splits of an all_to_all.
+#include "backend/group_context.h"
+
+#include <c10/util/Exception.h>
+
+namespace chainermn {
+
+namespace {
+void checkSplitsIfAny(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {
+  if (!agreement.sendCounts.empty() && world.size() > 1) {
+    checkSplits(world, op, sequence, agreement);
+  }
+}
+} // namespace
+
+void GroupContext::agree(const char* op, const Agreement& agreement, const std::string& refusal) {
+  const uint64_t sequence = ++collectivesRun;
+  Transport& world = *cpu->transports.world;
+  if (checks != CheckLevel::Off) {
+    Fingerprint mine = makeFingerprint(sequence, op, agreement);
+    if (!refusal.empty()) {
+      store->set(refusalKey(sequence, rank), std::vector<uint8_t>(refusal.begin(), refusal.end()));
+      mine.refused = 1;
+    }
+    // Between nodes the levels are cheaper; only a disagreement (rare) needs every fingerprint to
+    // say which ranks differ, and then every rank knows to ask.
+    if (checkThroughLevels && fingerprints.agreeThroughLevels(cpu->transports, mine)) {
+      checkSplitsIfAny(world, op, sequence, agreement);
+      return;
+    }
+    const std::string problem = disagreement(fingerprints.all(world, mine), [&](int r) {
+      const auto reason = store->get(refusalKey(sequence, r));
+      return std::string(reason.begin(), reason.end());
+    });
+    TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
+  }
+  checkSplitsIfAny(world, op, sequence, agreement);
+}
+
+} // namespace chainermn

@@ -1,0 +1,40 @@
+// GroupContext: what the operations of one group share on the worker thread, and the cross-rank
+// agreement every collective runs first (group_context.cpp).
+#pragma once
+
+#include "backend/agreement.h"
+#include "backend/device_context.h"
+#include "backend/checked_transfers.h"
+#include "backend/options.h"
+#include "strategies/strategy.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <string>
+
+namespace chainermn {
+
+// What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
+// it outlives the ProcessGroup if a transport call is still running when the group goes away.
+struct GroupContext {
+  std::unique_ptr<Strategy> strategy;  // how all_reduce runs, on every device
+  std::unique_ptr<DeviceContext> cpu;   // built with the group
+  std::unique_ptr<DeviceContext> cuda;  // built by the first CUDA op (see device_context.h)
+  CudaTransportsBuilder buildCuda;
+
+  c10::intrusive_ptr<c10d::Store> store;  // refusals' reasons (agreement.h)
+  int rank = 0;
+  CheckLevel checks = CheckLevel::Info;
+  bool checkThroughLevels = false;  // several nodes of equal size: agreeThroughLevels (agreement.h)
+  FingerprintExchange fingerprints;  // worker thread only
+  uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
+  MessageOrder messages;        // worker thread only: point-to-point numbering (checked_transfers.h)
+
+  // Worker thread, before a collective's body: numbers it and, unless checks are off, compares its
+  // fingerprint with every rank's; throws the same ValueError on every rank when they differ.
+  // `refusal` is this rank's reason for refusing the call (empty: not refused).
+  void agree(const char* op, const Agreement& agreement, const std::string& refusal = "");
+};
+
+} // namespace chainermn

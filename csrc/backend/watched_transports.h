@@ -1,0 +1,28 @@
+// A group's device transports as the watchdog sees them (DeviceComms, runtime/worker.h): the CUDA
+// transports are added when the group's first CUDA op builds them; asked and aborted from the
+// watchdog's thread.
+#pragma once
+
+#include "comm/transport.h"
+#include "runtime/worker.h"
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace chainermn {
+
+class WatchedTransports : public DeviceComms {
+ public:
+  void watch(const TransportSet& set);
+  std::string asyncError() override;
+  void abort() override;
+  // Each once their work is done (Transport::close), from the thread shutting the group down.
+  void close();
+
+ private:
+  std::mutex mutex_;
+  std::vector<TransportPtr> transports_;  // each once, though levels may share one
+};
+
+} // namespace chainermn
