@@ -38,6 +38,24 @@ and memcpy is a device-to-device copy.
                          for an all-reduce between processes of one host.
 Each time includes the Python call of its API, as a training script would pay it.
 
+Two more cases, off by default:
+  --isolated   Besides the back-to-back loops above, one all-reduce at a time, the way DDP issues a
+               bucket's all-reduce between pieces of backward computation: a barrier on a gloo group,
+               then one all-reduce alone, timed on every rank; the time of an op is the largest over
+               the ranks (an all-reduce MAX on the gloo group), and the figure is the median over
+               --isolated-repeats such ops. The contenders take turns op by op (one op of each per
+               repeat, the first one rotating), so a drift of the machine reaches them all alike. A
+               back-to-back loop keeps every helper thread hot; an isolated op also pays for waking
+               them, which is what a busy machine makes expensive. (memcpy has no isolated row.)
+  --busy N     N busy processes (a Python `while True` loop each) spin beside the ranks for the whole
+               measurement. The rank with local rank 0 on each host starts them after joining the
+               group, with an affinity of every core (not that rank's binding under mpiexec), and
+               stops them when it leaves, on an error or Ctrl-C too; each spinner also watches its
+               parent and ends by itself within milliseconds if its rank dies (even killed -9). The
+               driver (--launch) passes --busy on to every launch, so direct runs and driven ones
+               start them the same way, and they never run during a launch's start-up.
+With neither option the measurement, output and files are exactly as described above.
+
 Run it
 ------
     # one launch; chainermn uses MPI, mpi4py row present (as root: --allow-run-as-root)
@@ -46,12 +64,15 @@ Run it
     .venv/bin/torchrun --nproc-per-node 2 benchmarks/allreduce.py
     # both launches for every configuration: 2 ranks, 4 ranks, 4 ranks as 2 simulated nodes of 2
     .venv/bin/python benchmarks/allreduce.py --launch both --configs 2 4 2x2 --plot benchmarks/results/allreduce.png
+    # back-to-back and isolated ops, with one busy process beside the 2 ranks
+    .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/allreduce.py --isolated --busy 1
 
 A configuration "N" is N ranks on one node; "KxM" is K nodes of M ranks, simulated on this host with
 CHAINERMN_RANKS_PER_NODE=M (the strategies see K nodes; the bytes still move through this host).
 Each launch prints its rows on rank 0; with --json PATH rank 0 also writes them to PATH. The driver
 (--launch) writes benchmarks/results/allreduce-<config>-<launcher>.json for each launch and
-allreduce.md with one table per launch.
+allreduce.md with one table per launch (with --isolated a second table per launch, the isolated
+ops; with --busy N the files are named allreduce-<config>-<launcher>-busyN.json and allreduce-busyN.md).
 """
 from __future__ import annotations
 
@@ -100,9 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="rank 0 writes the rows here (a launch)")
     parser.add_argument("--launch", choices=("none",) + LAUNCHERS + ("both",), default="none",
                         help="none: this process is a rank; otherwise start the launch(es) as subprocesses")
-    parser.add_argument("--configs", nargs="+", default=["2"], type=parse_config, metavar="N|KxM",
+    parser.add_argument("--configs", nargs="+", type=parse_config, metavar="N|KxM",
                         help="--launch only: one launch per configuration and launcher; N ranks on one node, "
-                             "or K simulated nodes of M ranks")
+                             "or K simulated nodes of M ranks (default: 2)")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES + ("pure_nccl",),
                         help="chainermn communicators to measure (default: every CPU one; with --device cuda "
                              "pure_nccl too)")
@@ -112,13 +133,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checks-off-too", action="store_true",
                         help="also measure each strategy with its cross-rank checks off (Options(checks='off')), "
                              "to show what the checks cost")
+    parser.add_argument("--isolated", action="store_true",
+                        help="also time one all-reduce at a time after a gloo barrier (DDP's pattern), the "
+                             "contenders taking turns op by op; a second table, dotted lines in the plot")
+    parser.add_argument("--isolated-repeats", type=int, default=20,
+                        help="--isolated: ops per (contender, size); the median of their slowest-rank times")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="N busy (spinning) processes beside the ranks during the measurement, started "
+                             "and stopped by local rank 0 of each host")
     parser.add_argument("--plot", type=Path, help="write a log-log PNG of busbw vs message size here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed (--launch only)")
     args = parser.parse_args(argv)
     if not 0 < args.min_bytes <= args.max_bytes:
         parser.error("need 0 < --min-bytes <= --max-bytes")
-    if args.repeats < 1 or args.warmup < 1:
-        parser.error("--repeats and --warmup must be >= 1")
+    if args.repeats < 1 or args.warmup < 1 or args.isolated_repeats < 1:
+        parser.error("--repeats, --warmup and --isolated-repeats must be >= 1")
+    if args.busy < 0:
+        parser.error("--busy must be >= 0")
+    if args.configs is None:
+        args.configs = [parse_config("2")]  # argparse would not pass a list default through parse_config
     if args.strategies is None:
         args.strategies = list(STRATEGIES) + (["pure_nccl"] if args.device == "cuda" else [])
     return args
@@ -193,6 +226,78 @@ def launcher_name() -> str:
     return "env://"
 
 
+# ------------------------------------------------------------------------------------ busy processes
+
+# One busy process (--busy): `while True` spinning on any core. sys.argv[1] is the pid of the process
+# that started it: once that process is gone (its parent changes) the spinner ends by itself, so not
+# even a rank killed with SIGKILL leaves one behind. The check costs nothing next to the spinning
+# (every ~100k loop iterations, a few milliseconds). "spinning" on stdout says it has started.
+SPINNER_CODE = """\
+# chainermn benchmark --busy: spins until its parent stops it or is gone
+import os, sys
+parent = int(sys.argv[1])
+try:
+    os.sched_setaffinity(0, range(os.cpu_count()))  # any core, not the binding of the rank that started it
+except (AttributeError, OSError):
+    pass
+sys.stdout.write("spinning\\n")
+sys.stdout.flush()
+try:
+    while True:
+        for _ in range(100000):
+            pass
+        if os.getppid() != parent:
+            break
+except KeyboardInterrupt:  # Ctrl-C reaches the whole foreground process group: end quietly
+    pass
+"""
+
+
+class BusyProcesses:
+    """A context manager: `n` spinning processes while inside it, stopped on the way out (also on an
+    error or KeyboardInterrupt). Entering returns once every spinner runs."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> "BusyProcesses":
+        try:
+            for _ in range(self.n):
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", SPINNER_CODE, str(os.getpid())],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE))
+            for proc in self.procs:
+                if proc.stdout.readline() != b"spinning\n":
+                    raise RuntimeError(f"busy process {proc.pid} did not start (exit status {proc.poll()})")
+                proc.stdout.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
+
+
+def busy_processes(n: int, local_rank: int | None, rank: int) -> BusyProcesses:
+    """--busy n for this rank: the spinners where this is local rank 0 of its host (rank 0 where the
+    launcher does not say), none elsewhere, so a host gets n whatever its number of ranks."""
+    first_here = local_rank == 0 if local_rank is not None else rank == 0
+    return BusyProcesses(n if first_here else 0)
+
+
 # -------------------------------------------------------------------------------------------- timing
 
 def no_wait() -> None:
@@ -240,6 +345,31 @@ def estimate_seconds(op, barrier, slowest, per_loop: float, finish=no_wait) -> f
         if elapsed >= per_loop / 10 or iters >= MAX_ITERS:
             return max(elapsed, 1e-9) / iters
         iters = min(MAX_ITERS, iters * 4)
+
+
+ISOLATED_WARMUP_ROUNDS = 3  # untimed rounds of isolated ops (every contender once) before the timed ones
+
+
+def time_isolated(op, barrier, slowest, finish=no_wait) -> float:
+    """Seconds of one op started right after `barrier`, alone, from the slowest rank."""
+    barrier()
+    start = time.perf_counter()
+    op()
+    finish()
+    return slowest(time.perf_counter() - start)
+
+
+def measure_isolated(ops: list, barrier, slowest, repeats: int, finish=no_wait) -> list[float]:
+    """The median seconds of one isolated op (time_isolated) for each of `ops`, which take turns op by
+    op: every round runs each op once, starting one further along the list each time."""
+    times: list[list[float]] = [[] for _ in ops]
+    for round_ in range(ISOLATED_WARMUP_ROUNDS + repeats):
+        for k in range(len(ops)):
+            i = (round_ + k) % len(ops)
+            seconds = time_isolated(ops[i], barrier, slowest, finish)
+            if round_ >= ISOLATED_WARMUP_ROUNDS:
+                times[i].append(seconds)
+    return [statistics.median(t) for t in times]
 
 
 # --------------------------------------------------------------------------------------- contenders
@@ -300,7 +430,7 @@ def check_allreduce(contender: Contender, buf, rank: int, world: int) -> str:
             f"e.g. [{first}] = {float(buf[first])}, expected {expected}")
 
 
-def row(launcher, contender, kind, ranks, nbytes, seconds, iters, repeats, error="") -> dict:
+def row(launcher, contender, kind, ranks, nbytes, seconds, iters, repeats, error="", mode="back-to-back") -> dict:
     algbw = nbytes / seconds / GB
     # memcpy is not an all-reduce: its "busbw" is plainly bytes / time (one rank, no 2(n-1)/n).
     busbw = algbw * 2 * (ranks - 1) / ranks if kind == "allreduce" else algbw
@@ -308,7 +438,13 @@ def row(launcher, contender, kind, ranks, nbytes, seconds, iters, repeats, error
         "launcher": launcher, "contender": contender, "kind": kind, "ranks": ranks, "bytes": nbytes,
         "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
         "iters": iters, "repeats": repeats, "error": error,
+        # "back-to-back": loops of `iters` ops; "isolated" (--isolated): single ops after a barrier.
+        "mode": mode,
     }
+
+
+def mode_of(r: dict) -> str:
+    return r.get("mode", "back-to-back")  # files written before --isolated existed have no "mode"
 
 
 # ------------------------------------------------------------------------------------------- a rank
@@ -349,9 +485,29 @@ def run_rank(args) -> None:
     meta = describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport)
     meta["skipped"] = skipped
     meta["device"] = args.device
+    meta["busy"] = args.busy
+    meta["isolated_repeats"] = args.isolated_repeats if args.isolated else None
     if rank == 0:
         print_header(meta)
 
+    # The spinners (--busy) run from here until this rank leaves the loop below, however it leaves.
+    with busy_processes(args.busy, torch_chainermn._launch.record().local_rank, rank):
+        rows = measure_sizes(torch, dist, contenders, control, slowest, launcher, rank, world, args, finish)
+
+    if rank == 0:
+        meta["loadavg_end"] = os.getloadavg()[0]
+        print_notes(meta)
+        if args.json:
+            write_json(args.json, {"meta": meta, "rows": rows})
+            print(f"rows written to {args.json}")
+        if args.plot:
+            plot([{"meta": meta, "rows": rows}], args.plot)
+    dist.barrier(group=control)  # rank 0 hosts the store: nobody leaves while others may still use it
+    dist.destroy_process_group()
+
+
+def measure_sizes(torch, dist, contenders, control, slowest, launcher, rank, world, args, finish) -> list[dict]:
+    """Every size, every contender (and memcpy on rank 0): the rows, printed by rank 0 as they come."""
     rows = []
     for nbytes in message_sizes(args.min_bytes, args.max_bytes):
         # One buffer per size, used by every contender (mpi4py through .numpy()).
@@ -372,23 +528,27 @@ def run_rank(args) -> None:
             rows.append(row(launcher, contender.label, "allreduce", world, nbytes, seconds, iters, args.repeats, error))
             if rank == 0:
                 print_row(rows[-1], flush=True)
+        errors = [r["error"] for r in rows[-len(contenders):]]
         if rank == 0:
             seconds, iters = measure_memcpy(torch, buf, nbytes, args, finish)
             rows.append(row(launcher, "memcpy", "memcpy", 1, nbytes, seconds, iters, args.repeats))
             print_row(rows[-1], flush=True)
         dist.barrier(group=control)  # the other ranks wait here (sleeping in Gloo) while rank 0 copies
+        if args.isolated:
+            buf.zero_()
+            # The barrier is the control group's (gloo) for every contender, as DDP's ops follow
+            # computation rather than a barrier of their own group.
+            times = measure_isolated([lambda c=c: c.allreduce(buf) for c in contenders],
+                                     lambda: dist.barrier(group=control), slowest, args.isolated_repeats, finish)
+            # One buffer for all: a non-zero sum afterwards cannot be pinned on one of them.
+            late = "non-zero values after the isolated all-reduces of zeros" if slowest(float(bool(buf.any()))) else ""
+            for contender, seconds, error in zip(contenders, times, errors):
+                rows.append(row(launcher, contender.label, "allreduce", world, nbytes, seconds, 1,
+                                args.isolated_repeats, error or late, mode="isolated"))
+                if rank == 0:
+                    print_row(rows[-1], flush=True)
         del buf
-
-    if rank == 0:
-        meta["loadavg_end"] = os.getloadavg()[0]
-        print_notes(meta)
-        if args.json:
-            write_json(args.json, {"meta": meta, "rows": rows})
-            print(f"rows written to {args.json}")
-        if args.plot:
-            plot([{"meta": meta, "rows": rows}], args.plot)
-    dist.barrier(group=control)  # rank 0 hosts the store: nobody leaves while others may still use it
-    dist.destroy_process_group()
+    return rows
 
 
 def measure_memcpy(torch, src, nbytes: int, args, finish) -> tuple[float, int]:
@@ -458,12 +618,18 @@ def print_header(meta: dict) -> None:
         print(f"# mpi4py {meta['mpi4py']} on {meta['mpi_library']}")
     else:
         print(f"# MPI (mpi4py) row skipped: {meta['mpi_skipped']}")
+    if meta.get("busy"):
+        print(f"# {meta['busy']} busy process(es) spinning beside the ranks of each host (--busy)")
+    if meta.get("isolated_repeats"):
+        print(f"# rows marked 'isolated': one all-reduce after a gloo barrier, slowest rank, median of "
+              f"{meta['isolated_repeats']} (--isolated)")
     print(ROW_HEADER)
     print(ROW_RULE, flush=True)
 
 
 def print_row(r: dict, flush=False) -> None:
     label = r["contender"] + (" (1 rank, upper-bound reference)" if r["kind"] == "memcpy" else "")
+    label += ", isolated" if mode_of(r) == "isolated" else ""
     wrong = f" WRONG: {r['error']}" if r["error"] else ""
     print(f"| {human_bytes(r['bytes'])} | {label}{wrong} | {format_us(r['time_us'])} | {r['algbw_GBps']:.3f} "
           f"| {r['busbw_GBps']:.3f} | {r['iters']} x {r['repeats']} |", flush=flush)
@@ -488,28 +654,44 @@ def launch_title(meta: dict) -> str:
     where = (f"{meta['ranks']} ranks on one node" if meta["nodes"] == 1 else
              f"{meta['ranks']} ranks as {meta['nodes']} simulated nodes of {meta['ranks_per_node']}")
     tensors = ", CUDA tensors" if meta.get("device") == "cuda" else ""
-    return f"{where}, {meta['launcher']}{tensors}"
+    busy = f", {meta['busy']} busy process(es)" if meta.get("busy") else ""
+    return f"{where}, {meta['launcher']}{tensors}{busy}"
 
 
-def columns_of(result: dict) -> dict[str, list[dict]]:
-    """One launch's rows by contender, in measuring order (the strategies, gloo, mpi4py, memcpy)."""
+def columns_of(result: dict, mode: str = "back-to-back") -> dict[str, list[dict]]:
+    """One launch's rows of one mode by contender, in measuring order (the strategies, gloo, mpi4py,
+    memcpy)."""
     columns: dict[str, list[dict]] = {}
     for r in result["rows"]:
-        name = "memcpy (1 rank)" if r["kind"] == "memcpy" else r["contender"]
-        columns.setdefault(name, []).append(r)
+        if mode_of(r) == mode:
+            name = "memcpy (1 rank)" if r["kind"] == "memcpy" else r["contender"]
+            columns.setdefault(name, []).append(r)
     return columns
 
 
-def launch_table(result: dict) -> list[str]:
-    """A markdown table for one launch: a row per size, a column per contender, cells 'busbw (time)'."""
-    meta, columns = result["meta"], columns_of(result)
+def modes_of(result: dict) -> list[str]:
+    """'back-to-back', then 'isolated' if the launch measured it (--isolated)."""
+    return ["back-to-back"] + (["isolated"] if any(mode_of(r) == "isolated" for r in result["rows"]) else [])
+
+
+def launch_table(result: dict, mode: str = "back-to-back") -> list[str]:
+    """A markdown table for one launch and mode: a row per size, a column per contender, cells
+    'busbw (time)'."""
+    meta, columns = result["meta"], columns_of(result, mode)
     sizes = sorted({r["bytes"] for rows in columns.values() for r in rows})
     mpi = (f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"]
            else f"no MPI row: {meta['mpi_skipped']}")
+    if mode == "isolated":
+        title = (f"**{launch_title(meta)}, isolated**: one all-reduce after a gloo barrier, slowest rank, "
+                 f"median of {meta.get('isolated_repeats')} (the contenders in turns)")
+    else:
+        title = (f"**{launch_title(meta)}** (transport {meta['chainermn_transport']}; torch {meta['torch']}; {mpi}; "
+                 f"load average {meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}"
+                 + "".join(f"; skipped {reason}" for reason in meta.get("skipped", [])) + ")")
+        if len(modes_of(result)) > 1:
+            title += ", back-to-back loops"
     lines = [
-        f"**{launch_title(meta)}** (transport {meta['chainermn_transport']}; torch {meta['torch']}; {mpi}; "
-        f"load average {meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}"
-        + "".join(f"; skipped {reason}" for reason in meta.get("skipped", [])) + ")",
+        title,
         "",
         "| size | " + " | ".join(columns) + " |",
         "|---:|" + "---:|" * len(columns),
@@ -530,14 +712,18 @@ def launch_table(result: dict) -> list[str]:
 def combined_tables(results: list[dict]) -> str:
     lines = ["all_reduce of float32: busbw in GB/s (time per all-reduce in us)", ""]
     for result in results:
-        lines += launch_table(result) + [""]
+        for mode in modes_of(result):
+            lines += launch_table(result, mode) + [""]
     lines.append("busbw = bytes / time * 2(n-1)/n as in nccl-tests. memcpy is one rank's `dst.copy_(src)` "
                  "(bytes / time), an upper bound for comparison, not an all-reduce.")
+    if any(len(modes_of(result)) > 1 for result in results):
+        lines.append("Back-to-back: loops of all-reduces, each loop after a barrier; isolated: each all-reduce "
+                     "alone after a gloo barrier, as DDP issues them.")
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> None:
-    """One log-log panel of busbw against size per launch."""
+    """One log-log panel of busbw against size per launch; isolated ops (--isolated) dotted."""
     try:
         import matplotlib
     except ImportError:
@@ -550,14 +736,16 @@ def plot(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 4.5 * len(results)), squeeze=False)
     for ax, result in zip(axes[:, 0], results):
         sizes = set()
-        for name, rows in columns_of(result).items():
-            rows = sorted(rows, key=lambda r: r["bytes"])
-            xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
-            sizes.update(xs)
-            base = name.split("/")[0]
-            style = (dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy"
-                     else dict(linestyle="-", color=COLORS.get(base)))
-            ax.loglog(xs, ys, marker="o", label=name, **style)
+        for mode in modes_of(result):
+            for name, rows in columns_of(result, mode).items():
+                rows = sorted(rows, key=lambda r: r["bytes"])
+                xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
+                sizes.update(xs)
+                base = name.split("/")[0]
+                style = (dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy"
+                         else dict(linestyle=":" if mode == "isolated" else "-", color=COLORS.get(base)))
+                label = f"{name}, isolated" if mode == "isolated" else name
+                ax.loglog(xs, ys, marker="o" if mode != "isolated" else "s", label=label, **style)
         ticks = sorted(sizes)
         ax.set_xticks(ticks, [human_bytes(s) for s in ticks])
         ax.minorticks_off()
@@ -584,6 +772,10 @@ def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str
               "--strategies", *args.strategies, "--device", args.device]
     if args.checks_off_too:
         script.append("--checks-off-too")
+    if args.isolated:
+        script += ["--isolated", "--isolated-repeats", str(args.isolated_repeats)]
+    if args.busy:
+        script += ["--busy", str(args.busy)]  # the ranks start them (local rank 0), see BusyProcesses
     if launcher == "mpiexec":
         mpiexec = shutil.which("mpiexec")
         if mpiexec is None:
@@ -597,30 +789,44 @@ def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str
             "--nproc-per-node", str(ranks), *script]
 
 
-def run_launch(command: list[str], per_node: int, timeout: float) -> int:
+def run_launch(command: list[str], per_node: int, timeout: float, omp_threads: int = 1) -> int:
     """Run one launch in its own process group, so a hang can be killed as a whole; its exit status."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", CHAINERMN_RANKS_PER_NODE=str(per_node))
+    env = dict(os.environ, OMP_NUM_THREADS=str(omp_threads), CHAINERMN_RANKS_PER_NODE=str(per_node))
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"launch still running after {timeout:.0f} s: killing it", file=sys.stderr)
+        stop_launch(proc)
+        return -1
+    except BaseException:
+        # Ctrl-C: in its own session the launch did not get the signal; stop it before leaving.
+        stop_launch(proc)
+        raise
+
+
+def stop_launch(proc: subprocess.Popen) -> None:
+    """SIGTERM to the launch's process group (torchrun passes it on to its ranks, which have sessions
+    of their own; mpiexec to its ranks), SIGKILL after 10 s."""
+    try:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        return -1
+    except ProcessLookupError:
+        pass  # already gone
+    proc.wait()
 
 
 def drive(args) -> int:
     start = time.perf_counter()
     launchers = LAUNCHERS if args.launch == "both" else (args.launch,)
     results, failures = [], []
+    busy = f"-busy{args.busy}" if args.busy else ""  # files of a busy run never replace an idle run's
     for ranks, per_node in args.configs:
         for launcher in launchers:
-            name = f"{config_name(ranks, per_node)}-{launcher}"
+            name = f"{config_name(ranks, per_node)}-{launcher}{busy}"
             json_path = args.out_dir / f"allreduce-{name}.json"
             json_path.unlink(missing_ok=True)  # a stale file must not pass for this run's results
             try:
@@ -639,7 +845,7 @@ def drive(args) -> int:
 
     if results:
         table = combined_tables(results)
-        md_path = args.out_dir / "allreduce.md"
+        md_path = args.out_dir / f"allreduce{busy}.md"
         md_path.write_text(table + "\n")
         print("\n" + table + f"\n\n(table written to {md_path})")
         if args.plot:

@@ -634,6 +634,8 @@ def summarize_allreduce(result: dict, torch_name: str) -> dict:
     """busbw by size and contender, each chainermn strategy's ratio to torch's, and the 4 KiB times."""
     by_size: dict[int, dict[str, dict]] = {}
     for r in result["rows"]:
+        if allreduce_benchmark.mode_of(r) != "back-to-back":
+            continue  # isolated ops (allreduce.py --isolated), not asked for here
         # allreduce.py labels chainermn's rows "<strategy>/<host transport>"; the strategy is what differs.
         name = "memcpy" if r["kind"] == "memcpy" else r["contender"].split("/")[0]
         by_size.setdefault(r["bytes"], {})[name] = {"busbw": r["busbw_GBps"], "us": r["time_us"], "error": r["error"]}

@@ -12,7 +12,7 @@ The time reported is the median round's. Every received buffer is checked (the l
 
 Contenders:
   chainermn   dist.send / dist.recv on the chainermn default group: within a node through the
-              shared-memory rings (comm/shm_mailbox.h), each message with its header (messages.h)
+              shared-memory rings (comm/shm_mailbox.h), each message with its header (checked_transfers.h)
   functions   torch_chainermn.functions.send / recv (model parallelism: ChainerMN's API, the message
               says its shapes and dtypes; messages/tensors.py), what MultiNodeChainList's stages use
   gloo        the same calls on dist.new_group(backend="gloo") (TCP over loopback)

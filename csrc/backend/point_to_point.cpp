@@ -205,7 +205,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(
     OpSpec spec{c10d::OpType::SEND, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
     auto work = makeWork(spec, at::Device(at::kCPU));
     // The pieces are read (or copied) before sendGathered returns: the body holds none of them.
-    if (worker_->runIfIdle(work, [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); })) {
+    Worker::Body send = [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); };
+    if (worker_->runIfIdle(work, send)) {
       return c10::intrusive_ptr<c10d::Work>(work);
     }
     return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag, work);

@@ -3,6 +3,8 @@
 // callers re-check the word.
 #pragma once
 
+#include "spin.h"  // cpuRelax: the spin hint
+
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -17,15 +19,6 @@ namespace chainermn::shm {
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "words shared between processes must be lock-free");
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
-
-// A hint to the core that this is a spin-wait (lets the sibling hyperthread run).
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 // Sleeps while *word == expected, at most `timeout`.
 inline void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::microseconds timeout) {

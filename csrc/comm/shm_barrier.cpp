@@ -33,11 +33,11 @@ inline bool reached(uint32_t sequence, uint32_t target) {
 }
 
 // How a rank waits for a peer at a barrier. Peers usually arrive within microseconds (they run the
-// same copies), so it spins first; ranks may outnumber cores, so then it yields; and a peer may be
-// busy for seconds (a node leader inside an inter-node allreduce on a slow network), so in the end
-// it sleeps on the peer's futex rather than burn a core the leader's network stack needs.
-constexpr int kSpins = 256;
-constexpr auto kYieldFor = std::chrono::microseconds(500);
+// same copies), so it spins first, unless the machine is busy (spin.h); then, or once the spin is
+// over, it sleeps on the peer's futex: a peer may be busy for seconds (a node leader inside an
+// inter-node allreduce on a slow network), and its wake-up gets a core at once where a spinning or
+// yielding rank would wait a scheduler slice for one.
+constexpr auto kSpinFor = std::chrono::microseconds(100);
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);  // re-check liveness and the timeout this often
 
 } // namespace
@@ -70,12 +70,12 @@ void Barrier::sync() {
 
 void Barrier::waitFor(int r, uint32_t target) {
   Flag& peer = flags_[r];
-  for (int spin = 0; spin < kSpins; ++spin) {
+  Spin spin(kSpinFor, Awaited::Peer);
+  do {
     if (reached(peer.sequence.load(std::memory_order_acquire), target)) {
       return;
     }
-    cpuRelax();
-  }
+  } while (spin.again());
   const auto start = std::chrono::steady_clock::now();
   while (true) {
     const uint32_t seen = peer.sequence.load(std::memory_order_acquire);
@@ -84,10 +84,6 @@ void Barrier::waitFor(int r, uint32_t target) {
     }
     const auto now = std::chrono::steady_clock::now();
     checkPeer(r, target, start, now);
-    if (now - start < kYieldFor) {
-      sched_yield();
-      continue;
-    }
     peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (!reached(peer.sequence.load(std::memory_order_seq_cst), target)) {
       futexWait(&peer.sequence, seen, kSleepSlice);

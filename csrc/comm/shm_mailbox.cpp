@@ -1,4 +1,5 @@
 #include "comm/shm_mailbox.h"
+#include "spin.h"
 
 #include "comm/shm_mailbox_state.h"
 #include "linger.h"
@@ -265,9 +266,9 @@ void Mailboxes::State::progressLoop() {
     const uint32_t seen = rings.doorbellCount();
     progress(/*onlyIfFree=*/false);
     const auto idleSince = std::chrono::steady_clock::now();
-    const auto lingerUntil = idleSince + linger.linger();
-    while (rings.doorbellCount() == seen && std::chrono::steady_clock::now() < lingerUntil) {
-      std::this_thread::yield();
+    // Not on a busy machine, nor on a rank bound to one CPU, which this thread shares with the caller.
+    Spin spin(linger.linger(), Awaited::OwnThread);
+    while (rings.doorbellCount() == seen && spin.again()) {
     }
     if (rings.doorbellCount() == seen && !stopping.load(std::memory_order_acquire)) {
       rings.sleepUntilRung(seen, kSleepSlice);

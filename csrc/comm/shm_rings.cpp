@@ -42,18 +42,16 @@ size_t doorbellBytes(int size) {
   return roundUp(sizeof(Doorbell) * size, kPage);
 }
 
-// Spins a little for available(counter) to turn non-zero, and returns it (0 if it did not).
+// Spins a little for available(counter) to turn non-zero, and returns it (0 if it did not, or the
+// machine is too busy to spin: spin.h).
 template <typename Available>
 uint64_t awaitPeer(const std::atomic<uint64_t>& counter, Available available) {
-  const auto until = std::chrono::steady_clock::now() + kAwaitPeer;
+  Spin spin(kAwaitPeer, Awaited::Peer);
   do {
-    for (int spin = 0; spin < 64; ++spin) {
-      if (const uint64_t n = available(counter.load(std::memory_order_acquire))) {
-        return n;
-      }
-      cpuRelax();
+    if (const uint64_t n = available(counter.load(std::memory_order_acquire))) {
+      return n;
     }
-  } while (std::chrono::steady_clock::now() < until);
+  } while (spin.again());
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #include "runtime/work.h"
 
 #include "runtime/backoff.h"
+#include "spin.h"
 
 #include <c10/util/Exception.h>
 
@@ -11,9 +12,9 @@ namespace chainermn {
 namespace {
 // How long wait() lingers past the deadline for the watchdog's verdict before giving its own.
 constexpr auto kWatchdogGrace = std::chrono::seconds(2);
-// How long wait() polls before it sleeps: a small collective is over in microseconds, and being
-// woken from a condition variable costs about as much again. Polling yields the core, since the
-// worker that runs the op may share it (mpiexec binds a rank's threads to one core).
+// How long wait() spins before it sleeps: a small collective is over in microseconds, and being
+// woken from a condition variable costs about as much again. Not on a busy machine, nor when the
+// worker that runs the op shares the caller's one CPU (mpiexec binds a rank to a core): spin.h.
 constexpr auto kPollBeforeSleeping = std::chrono::microseconds(50);
 thread_local Progressor* tlsProgressor = nullptr;  // set on a group's worker thread
 } // namespace
@@ -105,9 +106,8 @@ void WorkChainerMN::waitQueued() {
 }
 
 bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
-  const auto pollUntil = Clock::now() + kPollBeforeSleeping;
-  while (!done_.load(std::memory_order_acquire) && !queued_.load(std::memory_order_acquire) && Clock::now() < pollUntil) {
-    std::this_thread::yield();
+  Spin spin(kPollBeforeSleeping, Awaited::OwnThread);
+  while (!done_.load(std::memory_order_acquire) && !queued_.load(std::memory_order_acquire) && spin.again()) {
   }
   const auto limit = timeout == ::kNoTimeout ? deadline_ + kWatchdogGrace : Clock::now() + timeout;
   if (tlsProgressor != nullptr) {

@@ -4,6 +4,7 @@
 #include "runtime/gil_release.h"
 #include "runtime/worker_state.h"
 #include "linger.h"
+#include "spin.h"
 #include "thread_name.h"
 
 #include <c10/util/Exception.h>
@@ -140,13 +141,12 @@ void Worker::State::workerLoop() {
         } else {
           const bool transfers = !inFlight.empty();
           lock.unlock();
-          const auto lingerUntil = *idleSince + spin;
-          while (!hasQueued.load(std::memory_order_acquire) && Clock::now() < lingerUntil) {
+          Spin spinning(spin, Awaited::OwnThread);  // none on a busy machine (spin.h)
+          while (!hasQueued.load(std::memory_order_acquire) && spinning.again()) {
             if (transfers && progressInFlight()) {
               moved = true;
               break;
             }
-            std::this_thread::yield();
           }
           lock.lock();
           if (moved) {
@@ -174,6 +174,7 @@ void Worker::State::workerLoop() {
         op.emplace(std::move(queue.front()));
         queue.pop_front();
         hasQueued.store(!queue.empty(), std::memory_order_release);
+        workerRunning = true;
       } else if (stopping) {
         return;
       }
@@ -181,6 +182,11 @@ void Worker::State::workerLoop() {
     if (op) {
       workCame();
       run(*op);
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        workerRunning = false;
+      }
+      idle.notify_all();
       backoff.reset();
     }
     requestReady.store(false, std::memory_order_release);  // before testing: a later wake stays seen
@@ -272,11 +278,17 @@ void Worker::stop() {
 }
 
 void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
-  if (std::this_thread::get_id() == state_->workerThread) {
-    // Posted by a completion callback (a then() callback runs where its Work completes: here). The
-    // callback may wait for this op (torch's PowerSGD hook does), and this thread is the one that
-    // must run it, so it runs now, nested in the op that completed. Every rank completes its ops in
-    // issue order, so every rank runs the callback's ops at the same point of its sequence.
+  bool nested = std::this_thread::get_id() == state_->workerThread;
+  if (!nested) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    nested = state_->callerRunning && state_->callerThread == std::this_thread::get_id();
+  }
+  if (nested) {
+    // Posted by a completion callback (a then() callback runs where its Work completes: here, on the
+    // worker or on a caller running an op for it). The callback may wait for this op (torch's
+    // PowerSGD hook does), and this thread is the one that must run it, so it runs now, nested in
+    // the op that completed. Every rank completes its ops in issue order, so every rank runs the
+    // callback's ops at the same point of its sequence.
     QueuedOp op{std::move(work), std::move(body)};
     // A transfer is left in flight: a wait() for it here keeps the transfers moving (progress()).
     state_->run(op);
@@ -301,27 +313,38 @@ void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
   state_->wakeWorker.notify_one();
 }
 
-bool Worker::runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body body) {
+bool Worker::runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body& body) {
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (std::this_thread::get_id() == state_->workerThread || state_->closed || !state_->queue.empty() ||
-        state_->current || state_->callerRunning) {
+        state_->current || state_->callerRunning || state_->workerRunning) {
       return false;
     }
     state_->callerRunning = true;
+    state_->callerThread = std::this_thread::get_id();
   }
   QueuedOp op{work, std::move(body)};
-  state_->run(op);  // never throws: a failing body fails the Work
-  bool queued = false;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->callerRunning = false;
-    queued = !state_->queue.empty();
-  }
-  if (queued) {
-    state_->wakeWorker.notify_one();  // an op another thread posted meanwhile
-  }
+  state_->runOnCaller(op);
   return true;
+}
+
+void Worker::State::runOnCaller(QueuedOp& op) {
+  run(op);  // never throws: a failing body fails the Work
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    callerRunning = false;
+    callerThread = std::thread::id();
+    // An op another thread posted meanwhile; or a transfer the op left in flight, which the worker
+    // moves on from now (it may be asleep with nothing to poll).
+    if (!inFlight.empty()) {
+      requestReady.store(true, std::memory_order_release);
+    }
+    wake = !queue.empty() || !inFlight.empty();
+  }
+  if (wake) {
+    wakeWorker.notify_one();
+  }
 }
 
 void Worker::drain() {
@@ -331,8 +354,9 @@ void Worker::drain() {
     if (state_->stopping) {
       return true;  // stopped: nothing will finish any more
     }
-    if (!state_->queue.empty() || (state_->current && !state_->current->isCompleted()) ||
-        !state_->onDevice.empty()) {
+    // workerRunning without `current`: the worker took an op and is about to run it.
+    if (!state_->queue.empty() || (state_->workerRunning && !state_->current) ||
+        (state_->current && !state_->current->isCompleted()) || !state_->onDevice.empty()) {
       return false;
     }
     return std::all_of(state_->inFlight.begin(), state_->inFlight.end(), [](const InFlight& entry) {

@@ -83,10 +83,11 @@ class Worker {
 
   void enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body);
   // Runs `body` for `work` now, on the calling thread, when the worker has nothing queued or running
-  // (so the op keeps its place in the issue order); returns false, running nothing, otherwise. The
-  // worker takes no op meanwhile. What the body leaves in flight is the worker's, as for an op it
-  // ran. For the transfers that need no thread hop (Transport::sendsGathered).
-  bool runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body body);
+  // (so the op keeps its place in the issue order); returns false, running nothing and leaving
+  // `body` as it was, otherwise. The worker takes no op meanwhile. What the body leaves in flight is
+  // the worker's, as for an op it ran. For the ops that gain nothing from a thread hop: small
+  // collectives, and the transfers that need none (Transport::sendsGathered).
+  bool runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body& body);
 
   // CUDA work launched off the worker (on the caller's thread: process_group.cpp), already queued on
   // the device, its Work completed when queued: the watchdog watches `end` as for the worker's own

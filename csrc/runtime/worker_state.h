@@ -60,6 +60,10 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   std::deque<QueuedOp> queue;
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
   bool callerRunning = false;  // an op runs on its caller's thread (runIfIdle): take none meanwhile
+  std::thread::id callerThread;  // that thread, while callerRunning
+  // The worker took an op from the queue and has not finished it (from before `current` is set):
+  // no caller may run one meanwhile.
+  bool workerRunning = false;
   std::vector<InFlight> inFlight;
   std::vector<std::pair<Request*, WorkChainerMN*>> testing;  // worker only: progressInFlight's snapshot
   std::deque<OnDevice> onDevice;  // in stream order: the watchdog watches them end (watchdog.cpp)
@@ -73,6 +77,8 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   bool stopping = false;  // the threads should leave
 
   void workerLoop();
+  // Runs `op` on the calling thread, which set callerRunning: then lets the worker take ops again.
+  void runOnCaller(QueuedOp& op);
   void watchdogLoop();
   // Whether `work`, just started, needs the watchdog before it next wakes by itself (its deadline,
   // or the time to ask the peers about it, comes sooner). Lock held. Most ops do not: the watchdog

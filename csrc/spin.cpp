@@ -1,0 +1,73 @@
+#include "spin.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace chainermn {
+
+namespace {
+// When a wait of this process last found its thread descheduled (steady clock, nanoseconds).
+std::atomic<Spin::Clock::rep> gContendedAt{0};  // 0: never
+// The last look at the machine's run queues: when, and whether more threads were runnable than it
+// has CPUs.
+std::atomic<Spin::Clock::rep> gLookedAt{0};
+std::atomic<bool> gOversubscribed{false};
+constexpr auto kLookEvery = std::chrono::milliseconds(10);
+
+// The number of threads runnable on the machine now, this one included (/proc/loadavg's fourth
+// field, "running/total"); 0 if it cannot be read.
+int runnableThreads() {
+  const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return 0;
+  }
+  char text[128] = {};
+  const ssize_t n = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (n <= 0) {
+    return 0;
+  }
+  // "0.50 0.40 0.30 3/250 12345": skip three fields.
+  const char* at = text;
+  for (int field = 0; field < 3 && at != nullptr; ++field) {
+    at = std::strchr(at, ' ');
+    at = at != nullptr ? at + 1 : nullptr;
+  }
+  return at != nullptr ? std::atoi(at) : 0;
+}
+
+// More threads runnable than the machine has CPUs, as last seen (looked at again every kLookEvery:
+// the read costs a few microseconds).
+bool oversubscribed(Spin::Clock::time_point now) {
+  const auto looked = gLookedAt.load(std::memory_order_relaxed);
+  if (now.time_since_epoch().count() - looked > std::chrono::duration_cast<Spin::Clock::duration>(kLookEvery).count()) {
+    gLookedAt.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+    static const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    gOversubscribed.store(runnableThreads() > cpus, std::memory_order_relaxed);
+  }
+  return gOversubscribed.load(std::memory_order_relaxed);
+}
+} // namespace
+
+bool Spin::severalCpus() {
+  static const bool several = [] {
+    cpu_set_t set;
+    return sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) > 1;
+  }();
+  return several;
+}
+
+bool Spin::allowed(Clock::time_point now) {
+  const Clock::rep contendedAt = gContendedAt.load(std::memory_order_relaxed);
+  return (contendedAt == 0 || now - Clock::time_point(Clock::duration(contendedAt)) > kCalm) && !oversubscribed(now);
+}
+
+void Spin::sawContention(Clock::time_point now) {
+  gContendedAt.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+}
+
+} // namespace chainermn

@@ -1,0 +1,81 @@
+// How a thread spins while it waits for another thread or process, and when it must not.
+//
+// Spinning pays on an idle machine: a peer that arrives within microseconds is seen at once, where a
+// futex or condition-variable wake-up costs as much again. On a busy machine (every core computing:
+// torch's intra-op threads, data loaders, other jobs) it costs dearly: a thread that spins or yields
+// stays runnable, so once it yields or its slice ends, the computation on its core runs for a whole
+// scheduler slice (about 1.5 ms on 2 cores) before the thread runs again, and the peer it waits for
+// is as likely to be the one waiting for a core. A thread that sleeps is woken by its peer and, having
+// slept, runs at once (the scheduler's wake-up preemption): that is how Gloo's threads wait, in the
+// kernel. So a wait spins only while the machine shows no contention, and never calls sched_yield.
+//
+// Contention is measured, not configured: a spinning thread that sees a gap between two of its polls
+// longer than kDescheduled was taken off its core, and every wait of the process then sleeps at once
+// for kCalm, after which one spins again (and so measures again); and a wait spins only while no more
+// threads are runnable on the machine than it has CPUs (looked at every few milliseconds). A thread
+// that waits for another thread of its process never spins when the process may run on one CPU only
+// (mpiexec --bind-to core): they share that CPU, and spinning would keep the other off it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+
+namespace chainermn {
+
+// A hint to the core that this is a spin-wait (lets the sibling hyperthread run).
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// What a wait is for: a peer process (on a CPU of its own), or another thread of this process.
+enum class Awaited { Peer, OwnThread };
+
+class Spin {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // A thread off its core this long between two polls was descheduled: the machine is busy.
+  static constexpr auto kDescheduled = std::chrono::microseconds(200);
+  // How long the process sleeps at once in its waits after it saw contention.
+  static constexpr auto kCalm = std::chrono::milliseconds(250);
+
+  // A spin of at most `budget` for `awaited`; none when spinning is not allowed now.
+  Spin(std::chrono::microseconds budget, Awaited awaited)
+      : last_(Clock::now()),
+        until_(allowed(last_) && (awaited == Awaited::Peer || severalCpus()) ? last_ + budget : last_) {}
+
+  // Between two polls of what the caller waits for: pauses the core briefly, and says whether the
+  // spin may go on (false once the budget is spent, or the thread was found descheduled).
+  bool again() {
+    if (last_ >= until_) {
+      return false;
+    }
+    for (int i = 0; i < kPausesPerPoll; ++i) {
+      cpuRelax();
+    }
+    const auto now = Clock::now();
+    if (now - last_ > kDescheduled) {
+      sawContention(now);
+      return false;
+    }
+    last_ = now;
+    return now < until_;
+  }
+
+  // Whether waits may spin at `now`: no contention seen of late, no more runnable threads than CPUs.
+  static bool allowed(Clock::time_point now);
+  // Whether this process may run on more than one CPU.
+  static bool severalCpus();
+
+ private:
+  static constexpr int kPausesPerPoll = 8;
+  static void sawContention(Clock::time_point now);
+
+  Clock::time_point last_;
+  Clock::time_point until_;
+};
+
+} // namespace chainermn
