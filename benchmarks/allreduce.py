@@ -722,16 +722,25 @@ def combined_tables(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """One log-log panel of busbw against size per launch; isolated ops (--isolated) dotted."""
+def import_pyplot(path: Path):
+    """matplotlib.pyplot on the Agg backend (no display needed), or None, after saying that no plot
+    was written to `path`, when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
         print(f"matplotlib is not installed, so no plot was written to {path} "
               f"(pip install matplotlib into this Python: {sys.executable})")
-        return
+        return None
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """One log-log panel of busbw against size per launch; isolated ops (--isolated) dotted."""
+    plt = import_pyplot(path)
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 4.5 * len(results)), squeeze=False)
     for ax, result in zip(axes[:, 0], results):

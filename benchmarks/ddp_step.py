@@ -3,7 +3,7 @@
 
 What is measured
 ----------------
-A ResNet-18 (torchvision's layout, defined here: a 7x7/2 stem and a 3x3/2 max-pool, four stages of
+A ResNet-18 (torchvision's layout, gpu.py's resnet18: a 7x7/2 stem and a 3x3/2 max-pool, four stages of
 two BasicBlocks 64-128-256-512 wide, global average pool, a linear layer; 11.2M parameters, 62
 tensors, 45 MB of float32 gradients per step) is trained with SGD (momentum 0.9) under
 DistributedDataParallel on synthetic data: batches of --batch 3x--image-size x--image-size images
@@ -64,7 +64,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # allreduce.py: busy processes, launches, JSON
-from allreduce import busy_processes, launcher_name, run_launch, write_json  # noqa: E402
+from allreduce import busy_processes, import_pyplot, launcher_name, run_launch, write_json  # noqa: E402
 
 DEFAULT_OUT_DIR = BENCHMARKS / "results"
 BACKENDS = ("chainermn", "gloo")
@@ -111,46 +111,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -------------------------------------------------------------------------------------------- model
 
 def build_model(args):
-    """ResNet-18's layout with `args.width` channels in its first stage (torchvision's, so no
-    torchvision needed); the same weights in every process for the same --seed."""
+    """ResNet-18's layout with `args.width` channels in its first stage (gpu.py's ResNet, torchvision's
+    layout, so no torchvision needed); the same weights in every process for the same --seed."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
-    class BasicBlock(nn.Module):
-        def __init__(self, inplanes: int, planes: int, stride: int):
-            super().__init__()
-            self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(planes)
-            self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(planes)
-            self.downsample = (nn.Identity() if stride == 1 and inplanes == planes else
-                               nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)))
-
-        def forward(self, x):
-            out = F.relu(self.bn1(self.conv1(x)))
-            return F.relu(self.bn2(self.conv2(out)) + self.downsample(x))
-
-    class ResNet18(nn.Module):
-        def __init__(self, width: int, num_classes: int):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
-            self.bn1 = nn.BatchNorm2d(width)
-            stages, inplanes = [], width
-            for i in range(4):
-                planes = width * 2**i
-                stages.append(nn.Sequential(BasicBlock(inplanes, planes, 1 if i == 0 else 2),
-                                            BasicBlock(planes, planes, 1)))
-                inplanes = planes
-            self.layers = nn.Sequential(*stages)
-            self.fc = nn.Linear(inplanes, num_classes)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(x), 1), 1))
+    from gpu import resnet18  # imported here, as torch: the driver (--launch) needs neither
 
     torch.manual_seed(args.seed)
-    return ResNet18(args.width, args.classes)
+    return resnet18(args.width, args.classes)
 
 
 # ------------------------------------------------------------------------------------------- a rank
@@ -295,14 +263,9 @@ def report(results: list[dict]) -> str:
 
 def plot(results: list[dict], path: Path) -> None:
     """Bars of the median step time per (threads, busy) and backend, with the range as error bars."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed, so no plot was written to {path} "
-              f"(pip install matplotlib into this Python: {sys.executable})")
+    plt = import_pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(results) + 2), 4.5))
     xs = range(len(results))

@@ -370,6 +370,10 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def resnet18(width: int = 64, num_classes: int = 1000) -> nn.Module:
+    return ResNet(BasicBlock, [2, 2, 2, 2], width, num_classes)
+
+
 def resnet50(width: int = 64, num_classes: int = 1000) -> nn.Module:
     return ResNet(Bottleneck, [3, 4, 6, 3], width, num_classes)
 

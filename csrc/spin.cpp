@@ -40,14 +40,16 @@ int runnableThreads() {
   return at != nullptr ? std::atoi(at) : 0;
 }
 
-// More threads runnable than the machine has CPUs, as last seen (looked at again every kLookEvery:
-// the read costs a few microseconds).
+// More threads runnable than the machine has CPUs and one more, as last seen (looked at again every
+// kLookEvery: the read costs a few microseconds). The one more: a rank's own threads count too, and
+// two of them may be runnable at once (a caller that waits, a worker that runs its op) on a machine
+// that is otherwise idle.
 bool oversubscribed(Spin::Clock::time_point now) {
   const auto looked = gLookedAt.load(std::memory_order_relaxed);
   if (now.time_since_epoch().count() - looked > std::chrono::duration_cast<Spin::Clock::duration>(kLookEvery).count()) {
     gLookedAt.store(now.time_since_epoch().count(), std::memory_order_relaxed);
     static const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    gOversubscribed.store(runnableThreads() > cpus, std::memory_order_relaxed);
+    gOversubscribed.store(runnableThreads() > cpus + 1, std::memory_order_relaxed);
   }
   return gOversubscribed.load(std::memory_order_relaxed);
 }
@@ -64,6 +66,10 @@ bool Spin::severalCpus() {
 bool Spin::allowed(Clock::time_point now) {
   const Clock::rep contendedAt = gContendedAt.load(std::memory_order_relaxed);
   return (contendedAt == 0 || now - Clock::time_point(Clock::duration(contendedAt)) > kCalm) && !oversubscribed(now);
+}
+
+void Spin::yieldCpu() {
+  sched_yield();
 }
 
 void Spin::sawContention(Clock::time_point now) {

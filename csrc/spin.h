@@ -7,14 +7,15 @@
 // scheduler slice (about 1.5 ms on 2 cores) before the thread runs again, and the peer it waits for
 // is as likely to be the one waiting for a core. A thread that sleeps is woken by its peer and, having
 // slept, runs at once (the scheduler's wake-up preemption): that is how Gloo's threads wait, in the
-// kernel. So a wait spins only while the machine shows no contention, and never calls sched_yield.
+// kernel. So a wait spins (or yields) only while the machine shows no contention.
 //
 // Contention is measured, not configured: a spinning thread that sees a gap between two of its polls
 // longer than kDescheduled was taken off its core, and every wait of the process then sleeps at once
 // for kCalm, after which one spins again (and so measures again); and a wait spins only while no more
-// threads are runnable on the machine than it has CPUs (looked at every few milliseconds). A thread
-// that waits for another thread of its process never spins when the process may run on one CPU only
-// (mpiexec --bind-to core): they share that CPU, and spinning would keep the other off it.
+// threads are runnable on the machine than it has CPUs, and one (looked at every few milliseconds). A thread
+// that waits for another thread of its process, when the process may run on one CPU only (mpiexec
+// --bind-to core), yields instead of pausing: they share that CPU, and on a machine that is not busy
+// the yield hands it straight to the thread it waits for.
 #pragma once
 
 #include <atomic>
@@ -37,21 +38,28 @@ enum class Awaited { Peer, OwnThread };
 class Spin {
  public:
   using Clock = std::chrono::steady_clock;
-  // A thread off its core this long between two polls was descheduled: the machine is busy.
-  static constexpr auto kDescheduled = std::chrono::microseconds(200);
+  // A thread off its core this long between two polls was descheduled: the machine is busy. (A
+  // scheduler slice is longer; a virtual machine's own hiccups are mostly shorter.)
+  static constexpr auto kDescheduled = std::chrono::microseconds(1000);
   // How long the process sleeps at once in its waits after it saw contention.
   static constexpr auto kCalm = std::chrono::milliseconds(250);
 
   // A spin of at most `budget` for `awaited`; none when spinning is not allowed now.
   Spin(std::chrono::microseconds budget, Awaited awaited)
       : last_(Clock::now()),
-        until_(allowed(last_) && (awaited == Awaited::Peer || severalCpus()) ? last_ + budget : last_) {}
+        until_(allowed(last_) ? last_ + budget : last_),
+        yields_(awaited == Awaited::OwnThread && !severalCpus()) {}
 
   // Between two polls of what the caller waits for: pauses the core briefly, and says whether the
   // spin may go on (false once the budget is spent, or the thread was found descheduled).
   bool again() {
     if (last_ >= until_) {
       return false;
+    }
+    if (yields_) {
+      yieldCpu();  // the awaited thread may run meanwhile: a long gap is its work, not contention
+      last_ = Clock::now();
+      return last_ < until_;
     }
     for (int i = 0; i < kPausesPerPoll; ++i) {
       cpuRelax();
@@ -73,9 +81,11 @@ class Spin {
  private:
   static constexpr int kPausesPerPoll = 8;
   static void sawContention(Clock::time_point now);
+  static void yieldCpu();
 
   Clock::time_point last_;
   Clock::time_point until_;
+  bool yields_;  // an own thread's wait on one CPU
 };
 
 } // namespace chainermn

@@ -33,11 +33,13 @@ inline bool reached(uint32_t sequence, uint32_t target) {
 }
 
 // How a rank waits for a peer at a barrier. Peers usually arrive within microseconds (they run the
-// same copies), so it spins first, unless the machine is busy (spin.h); then, or once the spin is
-// over, it sleeps on the peer's futex: a peer may be busy for seconds (a node leader inside an
-// inter-node allreduce on a slow network), and its wake-up gets a core at once where a spinning or
-// yielding rank would wait a scheduler slice for one.
-constexpr auto kSpinFor = std::chrono::microseconds(100);
+// same copies), so it spins first; ranks may outnumber cores, so then it yields; and a peer may be
+// busy for seconds (a node leader inside an inter-node allreduce on a slow network), so in the end
+// it sleeps on the peer's futex rather than burn a core the leader's network stack needs. On a busy
+// machine (spin.h) it sleeps at once: the peer's wake-up then gets a core at once, where a spinning
+// or yielding rank would wait a scheduler slice for one.
+constexpr auto kSpinFor = std::chrono::microseconds(20);
+constexpr auto kYieldFor = std::chrono::microseconds(500);
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);  // re-check liveness and the timeout this often
 
 } // namespace
@@ -77,6 +79,7 @@ void Barrier::waitFor(int r, uint32_t target) {
     }
   } while (spin.again());
   const auto start = std::chrono::steady_clock::now();
+  const bool yields = Spin::allowed(start);
   while (true) {
     const uint32_t seen = peer.sequence.load(std::memory_order_acquire);
     if (reached(seen, target)) {
@@ -84,6 +87,10 @@ void Barrier::waitFor(int r, uint32_t target) {
     }
     const auto now = std::chrono::steady_clock::now();
     checkPeer(r, target, start, now);
+    if (yields && now - start < kYieldFor) {
+      sched_yield();
+      continue;
+    }
     peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (!reached(peer.sequence.load(std::memory_order_seq_cst), target)) {
       futexWait(&peer.sequence, seen, kSleepSlice);

@@ -266,7 +266,7 @@ void Mailboxes::State::progressLoop() {
     const uint32_t seen = rings.doorbellCount();
     progress(/*onlyIfFree=*/false);
     const auto idleSince = std::chrono::steady_clock::now();
-    // Not on a busy machine, nor on a rank bound to one CPU, which this thread shares with the caller.
+    // Not on a busy machine; on a rank bound to one CPU, which this thread shares with the caller, it yields.
     Spin spin(linger.linger(), Awaited::OwnThread);
     while (rings.doorbellCount() == seen && spin.again()) {
     }

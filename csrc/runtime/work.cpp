@@ -13,8 +13,8 @@ namespace {
 // How long wait() lingers past the deadline for the watchdog's verdict before giving its own.
 constexpr auto kWatchdogGrace = std::chrono::seconds(2);
 // How long wait() spins before it sleeps: a small collective is over in microseconds, and being
-// woken from a condition variable costs about as much again. Not on a busy machine, nor when the
-// worker that runs the op shares the caller's one CPU (mpiexec binds a rank to a core): spin.h.
+// woken from a condition variable costs about as much again. Not on a busy machine; yielding, when
+// the worker that runs the op shares the caller's one CPU (mpiexec binds a rank to a core): spin.h.
 constexpr auto kPollBeforeSleeping = std::chrono::microseconds(50);
 thread_local Progressor* tlsProgressor = nullptr;  // set on a group's worker thread
 } // namespace
