@@ -278,12 +278,8 @@ void Worker::stop() {
 }
 
 void Worker::enqueue(c10::intrusive_ptr<WorkChainerMN> work, Body body) {
-  bool nested = std::this_thread::get_id() == state_->workerThread;
-  if (!nested) {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    nested = state_->callerRunning && state_->callerThread == std::this_thread::get_id();
-  }
-  if (nested) {
+  const auto self = std::this_thread::get_id();
+  if (self == state_->workerThread || self == state_->callerThread.load(std::memory_order_relaxed)) {
     // Posted by a completion callback (a then() callback runs where its Work completes: here, on the
     // worker or on a caller running an op for it). The callback may wait for this op (torch's
     // PowerSGD hook does), and this thread is the one that must run it, so it runs now, nested in
@@ -321,7 +317,7 @@ bool Worker::runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body& body
       return false;
     }
     state_->callerRunning = true;
-    state_->callerThread = std::this_thread::get_id();
+    state_->callerThread.store(std::this_thread::get_id(), std::memory_order_relaxed);
   }
   QueuedOp op{work, std::move(body)};
   state_->runOnCaller(op);
@@ -334,7 +330,7 @@ void Worker::State::runOnCaller(QueuedOp& op) {
   {
     std::lock_guard<std::mutex> lock(mutex);
     callerRunning = false;
-    callerThread = std::thread::id();
+    callerThread.store(std::thread::id(), std::memory_order_relaxed);
     // An op another thread posted meanwhile; or a transfer the op left in flight, which the worker
     // moves on from now (it may be asleep with nothing to poll).
     if (!inFlight.empty()) {

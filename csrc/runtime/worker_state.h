@@ -60,7 +60,8 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   std::deque<QueuedOp> queue;
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
   bool callerRunning = false;  // an op runs on its caller's thread (runIfIdle): take none meanwhile
-  std::thread::id callerThread;  // that thread, while callerRunning
+  // That thread, while callerRunning: read without the mutex by enqueue(), whose thread it may be.
+  std::atomic<std::thread::id> callerThread{};
   // The worker took an op from the queue and has not finished it (from before `current` is set):
   // no caller may run one meanwhile.
   bool workerRunning = false;
