@@ -12,7 +12,7 @@
 // Contention is measured, not configured: a spinning thread that sees a gap between two of its polls
 // longer than kDescheduled was taken off its core, and every wait of the process then sleeps at once
 // for kCalm, after which one spins again (and so measures again); and a wait spins only while no more
-// threads are runnable on the machine than its CPUs and one (looked at every few milliseconds). A
+// threads are runnable on the machine than twice its CPUs (looked at every few milliseconds). A
 // thread that waits for another thread of its process, when the process may run on one CPU only
 // (mpiexec --bind-to core), yields instead of pausing: they share that CPU, and on a machine that is
 // not busy the yield hands it straight to the thread it waits for.
@@ -73,8 +73,8 @@ class Spin {
     return now < until_;
   }
 
-  // Whether waits may spin at `now`: no contention seen of late, no more runnable threads than the
-  // CPUs and one.
+  // Whether waits may spin at `now`: no contention seen of late, no more runnable threads than twice
+  // the CPUs.
   static bool allowed(Clock::time_point now);
   // Whether this process may run on more than one CPU.
   static bool severalCpus();
