@@ -409,6 +409,78 @@ def test_a_hung_cuda_collective_is_aborted_and_named(config):
     assert outcome["default_group_after"] == 2.0
 
 
+# ---- a lost rank on CUDA: the survivors shrink and go on; an abort reaches a pending op -------------
+
+def shrink_and_abort_on_cuda():
+    """3 ranks all_reduce CUDA tensors once (so the device transports exist), then rank 2 is SIGKILLed
+    while ranks 0 and 1 wait in a CUDA all_reduce, which must fail naming it; they shrink without it
+    (SHRINK_ABORT: NCCL's communicators of the old group are aborted) and all_reduce CUDA tensors on
+    the new group. Then rank 1 aborts a new group of both while rank 0 waits in a CUDA all_reduce on
+    it (over NCCL: a kernel already queued, which only the abort relayed through the store ends)."""
+    import datetime
+    import os
+    import signal
+    import time
+
+    rank = dist.get_rank()
+    tensor = torch.ones(1 << 16, device="cuda")
+    dist.all_reduce(tensor)
+    torch.cuda.synchronize()
+    outcome = {"joined": tensor[0].item()}
+    if rank == 2:
+        time.sleep(1.0)  # the others are in their all_reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        work = dist.all_reduce(tensor, async_op=True)
+        work.wait()
+        torch.cuda.synchronize()
+        work.wait()  # over NCCL the first wait returns once queued: this one reports the failure
+        outcome["killed"] = "completed"
+    except dist.DistBackendError as error:
+        outcome["killed"] = str(error)
+    group = dist.shrink_group([2], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+    value = torch.full((1 << 16,), float(rank + 1), device="cuda")
+    dist.all_reduce(value)
+    torch.cuda.synchronize()
+    outcome.update(resumed_after=time.monotonic() - start, rank=group.rank(), size=group.size(),
+                   sum=value[0].item())
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    dist.all_reduce(value, group=pair)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(1.0)
+        pair.abort()
+    else:
+        start = time.monotonic()
+        try:
+            work = dist.all_reduce(value, group=pair, async_op=True)
+            work.wait()
+            torch.cuda.synchronize()
+            work.wait()
+            outcome["aborted"] = "completed"
+        except dist.DistBackendError as error:
+            outcome["aborted"] = str(error)
+        outcome["abort_seconds"] = time.monotonic() - start  # reported, not asserted
+    dist.barrier()  # the shrunk default group is untouched by the pair's abort
+    return outcome
+
+
+@pytest.mark.parametrize("config", config_names())
+def test_a_lost_rank_on_cuda_shrink_and_abort(config):
+    """The survivors' CUDA all_reduce fails naming the killed rank (not at the 60 s timeout), the
+    shrunk group's CUDA all_reduce is right on ranks 0 and 1 of 2, and rank 1's abort fails rank 0's
+    pending CUDA all_reduce with its reason."""
+    outcomes = run_cuda(shrink_and_abort_on_cuda, 3, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=180,
+                        op_timeout=60, may_exit=(2,))
+    for rank in (0, 1):
+        got = outcomes[rank]
+        assert got["joined"] == 3.0 and "rank 2" in got["killed"] and "timed out" not in got["killed"], got
+        assert (got["rank"], got["size"], got["sum"]) == (rank, 2, 3.0), got
+    said = "rank 1 aborted the group (ProcessGroup.abort())"
+    assert said in outcomes[0]["aborted"] and "timed out" not in outcomes[0]["aborted"], outcomes[0]
+
+
 # ---- what a first GPU run would have hit (issue 21) ---------------------------------------------------
 
 def nccl_readiness_cases():

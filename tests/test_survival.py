@@ -5,76 +5,183 @@ import datetime
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.harness import run_spawn
+import torch_chainermn
+from torch_chainermn import _backend
+from tests.support.harness import run_mpiexec, run_spawn
 
 
-def aborted_by_one_rank():
-    """Rank 1 aborts the group (ProcessGroup.abort(), as torchft does to a failed replica) while rank 0
-    waits in an all_reduce on it; then each issues another op on the group."""
+def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
+    """Rank 1 leaves a new group of both ranks (`how`: "abort", ProcessGroup.abort(), as torchft
+    does to a failed replica; "destroy", destroy_process_group(group), whose shutdown() tells the
+    peers) while rank 0 waits in an all_reduce on it; what rank 0's all_reduce said goes to outcome."""
     group = dist.new_group([0, 1], backend="chainermn", timeout=datetime.timedelta(seconds=60))
     dist.barrier(group=group)
-    outcome = {}
     if dist.get_rank() == 1:
         time.sleep(0.5)  # rank 0 is in its all_reduce by now
-        group.abort()
+        group.abort() if how == "abort" else dist.destroy_process_group(group)
     else:
         try:
             dist.all_reduce(torch.ones(10), group=group)
-            outcome["pending"] = "completed"
+            outcome[key] = "completed"
         except dist.DistBackendError as error:
-            outcome["pending"] = str(error)
+            outcome[key] = str(error)
+    return group
+
+
+def aborted_by_one_rank():
+    """A group aborted by rank 1 while rank 0 waits in it, then another op on it on each rank; a group
+    destroyed by rank 1 (its process alive) while rank 0 waits in it."""
+    outcome = {}
+    group = left_by_one_rank("abort", outcome, "pending")
     try:
         dist.all_reduce(torch.ones(10), group=group)
         outcome["later"] = "completed"
     except dist.DistBackendError as error:
         outcome["later"] = str(error)
+    left_by_one_rank("destroy", outcome, "destroyed")
     return outcome
 
 
-def test_an_abort_reaches_the_peers_at_once_named():
+def test_an_abort_or_a_shutdown_reaches_the_peers_at_once_named():
     """A group aborted on one rank fails the op its peer waits in with the abort's reason (within
     about a second, where the timeout is 60 s: the message says so, not "timed out"), and every later
-    op on either rank fails with it too."""
+    op on either rank fails with it too. A group that rank 1 destroys (shutdown()) while rank 0 waits
+    in it fails rank 0's op naming rank 1 as exited, also within about a second."""
     aborter, waiter = run_spawn(aborted_by_one_rank, 2, timeout=120)[::-1]
     said = "rank 1 aborted the group (ProcessGroup.abort())"
     assert said in waiter["pending"] and "timed out" not in waiter["pending"], waiter
+    assert "rank 1 (host" in waiter["destroyed"] and "exited" in waiter["destroyed"], waiter
+    assert "timed out" not in waiter["destroyed"], waiter
     assert said in waiter["later"], waiter
     assert said in aborter["later"] and "not run" in aborter["later"], aborter
 
 
-def survivors_shrink(abort_first: bool):
-    """Rank 2 of 3 dies; the survivors' all_reduce fails naming it; they shrink the default group
-    without it (SHRINK_ABORT or not) and train on: the new group's ranks, size and an all_reduce."""
-    rank = dist.get_rank()
+def shrink_without_the_last_rank(state: str):
+    """The last rank leaves in `state` and the others shrink the default group without it:
+    - "idle": it stays alive and never joins; the survivors shrink at once. torch refuses the calls
+      that make no sense (an empty list, a rank out of range: ValueError; the excluded rank itself:
+      RuntimeError) on the rank that makes them, before the backend is asked.
+    - "exited": it destroys its groups (shutdown()) and exits while the survivors wait in an
+      all_reduce, which must fail naming it as exited.
+    - "killed": it is SIGKILLed while the survivors wait in an all_reduce, which must fail naming it.
+    The survivors then shrink (SHRINK_ABORT after a kill, the default flags otherwise) and all_reduce
+    and all_gather on the new group. "resumed_after": seconds from the
+    rank's end to the survivors' first all_reduce done on the new group."""
+    import signal
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    last = size - 1
+    store = dist.distributed_c10d._get_default_store()
     dist.barrier()
-    if rank == 2:
-        os._exit(0)
     outcome = {}
-    try:
-        dist.all_reduce(torch.ones(10))
-        outcome["failed"] = "completed"
-    except dist.DistBackendError as error:
-        outcome["failed"] = str(error)
-    flags = dist.distributed_c10d.SHRINK_ABORT if abort_first else dist.distributed_c10d.SHRINK_DEFAULT
-    group = dist.shrink_group([2], shrink_flags=flags)
+    if state == "idle":
+        if rank == last:
+            try:
+                dist.shrink_group([last])
+            except RuntimeError as error:
+                outcome["refused"] = str(error)
+            store.wait(["survivors done"], datetime.timedelta(seconds=60))
+            dist.destroy_process_group()  # its old group: the survivors' default group is another now
+            return outcome
+        for bad in ([], [size]):
+            try:
+                dist.shrink_group(bad)
+            except ValueError as error:
+                outcome.setdefault("bad lists", []).append(str(error))
+        ended = time.time()
+    elif rank == last:
+        time.sleep(0.5)  # the survivors are in their all_reduce by now
+        store.set("ended at", repr(time.time()))
+        if state == "exited":
+            dist.destroy_process_group()
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        try:
+            dist.all_reduce(torch.ones(10))
+            outcome["failed"] = "completed"
+        except dist.DistBackendError as error:
+            outcome["failed"] = str(error)
+        ended = float(store.get("ended at"))
+    # SHRINK_ABORT where an op may still be pending on the old group; without it, shrinking must not
+    # wait for the excluded rank either.
+    flags = dist.distributed_c10d.SHRINK_ABORT if state == "killed" else dist.distributed_c10d.SHRINK_DEFAULT
+    group = dist.shrink_group([last], shrink_flags=flags)
     value = torch.full((10,), float(rank + 1))
     dist.all_reduce(value)  # the new default group
-    outcome.update(rank=group.rank(), size=group.size(), world=dist.get_world_size(), sum=value[0].item(),
-                   backend=dist.get_backend(group))
+    outcome["resumed_after"] = time.time() - ended
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
+    dist.all_gather(gathered, torch.tensor([group.rank()]))
+    outcome.update(rank=group.rank(), size=group.size(), sum=value[0].item(), backend=dist.get_backend(group),
+                   gathered=[t.item() for t in gathered], transport=torch_chainermn.transport(),
+                   shared_memory=_backend.backend_of(group).shared_memory,
+                   cuda=type(group._get_backend(torch.device("cuda"))).__name__)
+    dist.barrier()
+    if rank == 0:
+        store.set("survivors done", "1")
     return outcome
 
 
-def test_survivors_shrink_the_group_and_go_on():
-    """dist.shrink_group([dead rank]) on a chainermn group: the survivors get a group of their own
-    (renumbered, the default group, chainermn again) whose collectives work, with and without
-    SHRINK_ABORT."""
-    for abort_first in (False, True):
-        outcomes = run_spawn(survivors_shrink, 3, abort_first, timeout=120, op_timeout=60, may_exit=(2,))
-        for rank in (0, 1):
-            got = outcomes[rank]
-            assert "rank 2" in got["failed"], got
-            assert (got["rank"], got["size"], got["world"]) == (rank, 2, 2), got
-            assert got["sum"] == 3.0 and got["backend"] == "chainermn", got
+SHRINK_CASES = [("shm", 4, "idle"), ("shm", 4, "killed"), ("gloo", 4, "exited"), ("gloo", 3, "killed")]
+
+
+@pytest.mark.parametrize("transport,world_size,state", SHRINK_CASES, ids=["-".join(map(str, c)) for c in SHRINK_CASES])
+def test_shrink_without_a_rank_idle_exited_or_killed(transport, world_size, state):
+    """The survivors of every case get a group of world_size - 1 ranks, renumbered in order, with the
+    old group's transports (Gloo, with shared memory on or off) made anew among them, whose all_reduce and all_gather are right;
+    a rank that exited is named as exited and a killed one as the rank at fault, not a timeout."""
+    env = {"CHAINERMN_SHM": "1" if transport == "shm" else "0"}
+    last = world_size - 1
+    outcomes = run_spawn(shrink_without_the_last_rank, world_size, state, env=env, timeout=120, op_timeout=60,
+                         may_exit=(last,) if state != "idle" else ())
+    survivors = world_size - 1
+    for rank in range(survivors):
+        got = outcomes[rank]
+        assert (got["rank"], got["size"], got["backend"]) == (rank, survivors, "chainermn"), got
+        assert got["sum"] == survivors * (survivors + 1) / 2 and got["gathered"] == list(range(survivors)), got
+        assert (got["transport"], got["shared_memory"]) == ("gloo", transport == "shm"), got
+        assert got["cuda"] == "ProcessGroupChainerMN", got  # torch registers one device type; it serves both
+        if state == "idle":
+            assert len(got["bad lists"]) == 2 and "cannot be empty" in got["bad lists"][0], got
+            assert "out of bounds" in got["bad lists"][1], got
+        else:
+            assert f"rank {last}" in got["failed"] and "timed out" not in got["failed"], got
+            if state == "exited":
+                assert "exited" in got["failed"], got
+    if state == "idle":
+        assert "is in the exclusion list" in outcomes[last]["refused"], outcomes[last]
+
+
+def shrink_under_mpiexec():
+    """3 ranks under mpiexec (MPI between ranks, shared memory off): rank 2 is excluded alive and idle
+    until the others are done; ranks 0 and 1 shrink without it and all_reduce on the new group's MPI
+    communicator."""
+    rank = dist.get_rank()
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 2:
+        store.wait(["survivors done"], datetime.timedelta(seconds=60))
+        dist.destroy_process_group()
+        return {}
+    group = dist.shrink_group([2])
+    value = torch.full((10,), float(rank + 1))
+    dist.all_reduce(value)
+    outcome = {"rank": group.rank(), "size": group.size(), "sum": value[0].item(),
+               "transport": torch_chainermn.transport()}
+    dist.barrier()
+    if rank == 0:
+        store.set("survivors done", "1")
+    return outcome
+
+
+@pytest.mark.mpi
+def test_shrink_under_mpiexec_makes_an_mpi_group_of_the_survivors():
+    """Under mpiexec the survivors' new group talks MPI among themselves alone (a killed rank ends an
+    mpiexec job: Open MPI's launcher aborts the others, so only a live excluded rank is tried)."""
+    outcomes = run_mpiexec(shrink_under_mpiexec, 3, env={"CHAINERMN_SHM": "0"}, timeout=120)
+    for rank in (0, 1):
+        assert outcomes[rank] == {"rank": rank, "size": 2, "sum": 3.0, "transport": "mpi"}, outcomes

@@ -115,3 +115,88 @@ def test_torchft_manager_trains_ddp_replicas_on_chainermn():
     for outcome in outcomes:
         assert outcome["step"] >= 5 and outcome["moved"] > 1e-3, outcome
     assert all(torch.equal(a, b) for a, b in zip(outcomes[0]["parameters"], outcomes[1]["parameters"]))
+
+
+def test_torchft_replica_killed_and_restarted_on_chainermn(tmp_path):
+    """A real kill: 2 replica groups of 2 ranks (tests/support/torchft_replicas.py: each replica group
+    has its own chainermn group, and torchft's ProcessGroupChainerMN joins rank r of both replicas;
+    all of them on this machine, through shared memory), torchft's Manager, DDP and OptimizerWrapper,
+    a lighthouse with min_replicas=1 (heartbeat timeout 2 s). Replica 1's two processes are SIGKILLed
+    from outside in the middle of a step (held after its forward, so that replica 0 waits for it in
+    that step's allreduce); replica 0's step fails and does not commit, and it trains on alone;
+    replica 1 is started again (new processes, same replica id), fetches the weights and optimizer
+    state from replica 0 and rejoins; both stop 3 steps later.
+
+    Every rank of both replicas ends with the same parameters, bit for bit, and they are those of a
+    plain replay of the committed steps (no step lost or applied twice, the optimizer state fetched
+    too); replica 0's step count advanced while replica 1 was dead; the restarted replica's first
+    commit is past replica 0's step when it was restarted (it caught up rather than starting over);
+    the killed processes died of SIGKILL and every other one exited 0 within its join's time."""
+    import signal
+
+    from tests.support.torchft_replicas import MODEL, ReplicaGroups, replay
+
+    started = time.monotonic()
+    groups = ReplicaGroups(tmp_path, "chainermn", replicas=2, ranks=2, heartbeat_timeout_ms=2000, timeout_s=10,
+                           deadline_s=150)
+    try:
+        groups.start(0)
+        groups.start(1)
+        # Both replicas in one quorum for a few steps; then kill replica 1 in the middle of a step.
+        groups.wait_for(lambda: groups.step(1) >= 3 and groups.commits(1)[-1]["participants"] == 2, 90,
+                        "both replicas training in one quorum")
+        groups.hold(1)
+        time.sleep(0.3)  # replica 0 now waits for replica 1 in the step's allreduce
+        killed_at = groups.kill(1)
+        step_at_kill = groups.step(0)
+
+        def alone():
+            solo = [c for c in groups.commits(0) if c["t"] > killed_at and c["participants"] == 1]
+            return solo if len(solo) >= 3 else None
+
+        solo = groups.wait_for(alone, 30, "replica 0 committing 3 steps alone after the kill")
+        step_at_restart = groups.step(0)
+        restarted_at = time.time()
+        groups.start(1)
+        first = groups.wait_for(lambda: groups.commits(1), 60, "the restarted replica's first commit")[0]
+        stop = max(groups.step(0), groups.step(1)) + 3
+        groups.stop_at(stop)
+        ended = groups.join(30)
+        errors = groups.errors()
+    finally:
+        groups.close()
+    assert not errors, errors
+    assert not ended["hung"], ended
+    for (replica, incarnation, rank), code in ended["codes"].items():
+        expected = -signal.SIGKILL if (replica, incarnation) == (1, 0) else 0
+        assert code == expected, (replica, incarnation, rank, ended)
+
+    # The survivor trained on while replica 1 was dead: consecutive steps, in quorums of itself alone.
+    during = [c for c in groups.commits(0, 0) if killed_at < c["t"] < restarted_at]
+    assert len(during) >= 3 and step_at_restart > step_at_kill, (during, step_at_kill, step_at_restart)
+    assert [c["step"] for c in during] == list(range(during[0]["step"], during[0]["step"] + len(during))), during
+    # Its step in flight, whose allreduce waited for the held replica 1, failed when replica 1 died (not
+    # at the group timeout), and did not commit; then it trained alone (after the lighthouse's heartbeat
+    # timeout). The times are printed below and measured by benchmarks/torchft_kills.py.
+    failed = [r for r in groups.progress(0, 0) if r["t"] > killed_at and not r["committed"]]
+    assert failed and failed[0]["error"] and "timed out" not in failed[0]["error"], (failed, killed_at)
+    assert failed[0]["t"] < solo[0]["t"], (failed[0], solo[0], killed_at)
+    # The restarted replica fetched the survivor's state (its first commit is past where it restarted)
+    # and ended with the survivor at the stop step.
+    assert first["before"] == 0 and first["step"] > step_at_restart, (first, step_at_restart)
+    assert any(c["step"] == first["step"] for c in groups.commits(0, 0)), first  # the same step as replica 0
+    finals = [groups.final(replica, groups.incarnation[replica], rank) for replica in (0, 1) for rank in (0, 1)]
+    assert [f["step"] for f in finals] == [stop] * 4, [f["step"] for f in finals]
+    for f in finals:  # both chainermn groups of every rank ran through shared memory, 2 ranks each
+        assert f["shared_memory"] == {"replica_group": (True, 2, 2), "torchft_group": (True, 2, 2)}, f
+    reference = finals[0]["params"]
+    for f in finals[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(reference, f["params"])), "ranks' parameters differ"
+    expected = replay(MODEL, stop, 2)
+    assert all(torch.equal(a, b) for a, b in zip(reference, expected)), "not the replay of the committed steps"
+    initial = replay(MODEL, 0, 2)
+    assert max((a - b).abs().max().item() for a, b in zip(reference, initial)) > 1e-3
+    print(f"kill test: {time.monotonic() - started:.1f} s; killed at step {step_at_kill}, "
+          f"its step failed {failed[0]['t'] - killed_at:.2f} s after the kill, {len(during)} solo steps, the first "
+          f"{solo[0]['t'] - killed_at:.2f} s after the kill, restarted "
+          f"replica's first commit (step {first['step']}) {first['t'] - restarted_at:.2f} s after its start")

@@ -1,4 +1,5 @@
 """The `chainermn` backend's creator, called by torch.distributed for every group that uses it."""
+import functools
 import types
 
 import torch
@@ -87,8 +88,35 @@ def wire_dtype_of(group=None, op: str = "chainermn"):
     return backend_of(group, op).group_options.allreduce_grad_dtype
 
 
+def _serving_every_device(create_shrunk):
+    """torch's shrink_group puts the new backend in a ProcessGroup for one device type only (the
+    group's bound device, else the CPU: an NCCL group serves one); a chainermn group serves CPU and
+    CUDA tensors alike, as the group it was shrunk from did. Wraps torch's `_create_shrunk_process_group`
+    so that a chainermn backend is registered for both; other backends' groups are left as torch made
+    them."""
+    @functools.wraps(create_shrunk)
+    def create(new_backend, *args, **kwargs):
+        group = create_shrunk(new_backend, *args, **kwargs)
+        if isinstance(new_backend, _C.ProcessGroupChainerMN):
+            for device in map(torch.device, _DEVICES):
+                try:
+                    group._get_backend(device)
+                except RuntimeError:  # not registered for this device type
+                    group._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, new_backend)
+        return group
+    create.serves_every_device = True
+    return create
+
+
+_DEVICES = ["cpu", "cuda"]
+
+
 def register() -> None:
-    dist.Backend.register_backend("chainermn", create_backend, extended_api=True, devices=["cpu", "cuda"])
+    dist.Backend.register_backend("chainermn", create_backend, extended_api=True, devices=_DEVICES)
+    c10d = dist.distributed_c10d
+    create_shrunk = getattr(c10d, "_create_shrunk_process_group", None)
+    if create_shrunk is not None and not getattr(create_shrunk, "serves_every_device", False):
+        c10d._create_shrunk_process_group = _serving_every_device(create_shrunk)
 
 
 def backend_of(group=None, op: str = "chainermn"):

@@ -29,7 +29,8 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
   }
   return c10::make_intrusive<WorkChainerMN>(
       spec.type,
-      WorkChainerMN::Label{spec.name, device.is_cuda() ? plan_.cuda.name : plan_.hostLibrary, rank_, size_, timeout},
+      WorkChainerMN::Label{spec.name, device.is_cuda() ? plan_.cuda.name : plan_.hostLibrary, rank_, size_, timeout,
+                           spec.agree.collective},
       sequence,
       std::move(spec.outputs),
       Clock::now() + timeout,
@@ -133,7 +134,7 @@ void ProcessGroupChainerMN::launch(
     const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(work->deadline() - work->issued());
     auto checkWork = c10::make_intrusive<WorkChainerMN>(
         spec.type,
-        WorkChainerMN::Label{spec.name, plan_.hostLibrary, rank_, size_, timeout},
+        WorkChainerMN::Label{spec.name, plan_.hostLibrary, rank_, size_, timeout, true},
         work->getSequencenumber(),
         std::vector<at::Tensor>{},
         work->deadline());

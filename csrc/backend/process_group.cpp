@@ -47,7 +47,7 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   context_->buildCuda = cudaTransportsBuilder(setup, plan_.cuda, host, deviceComms_);
   std::shared_ptr<Monitor> health;
   if (size_ > 1) {
-    health = std::make_shared<GroupHealth>(setup.store, topology_);
+    health = std::make_shared<GroupHealth>(setup.store, topology_, [this] { return sequence_.load(); });
   }
   worker_ = std::make_unique<Worker>(setup.name, std::move(health), deviceComms_);
 }

@@ -142,7 +142,7 @@ class DeviceQueue {
   c10::intrusive_ptr<WorkChainerMN> makeWork(int index, const char* transport) const {
     return c10::make_intrusive<WorkChainerMN>(
         c10d::OpType::ALLREDUCE,
-        WorkChainerMN::Label{"all_reduce", transport, 0, 1, timeout_},
+        WorkChainerMN::Label{"all_reduce", transport, 0, 1, timeout_, true},
         static_cast<uint64_t>(index + 1),
         std::vector<at::Tensor>{},
         Clock::now() + timeout_);

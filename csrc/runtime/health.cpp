@@ -33,12 +33,14 @@ std::vector<uint8_t> bytes(const std::string& text) {
 
 } // namespace
 
-GroupHealth::GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology)
+GroupHealth::GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology,
+                         std::function<uint64_t()> collectivesIssued)
     : store_(std::move(store)),
       rank_(topology.rank),
       size_(topology.size),
       host_(hostName()),
-      courier_(kStorePatience) {
+      courier_(kStorePatience),
+      collectivesIssued_(std::move(collectivesIssued)) {
   for (int r = 0; r < size_; ++r) {
     nodeOfRank_.push_back(topology.nodeNames[topology.nodeOfRank[r]]);
   }
@@ -108,9 +110,35 @@ std::string GroupHealth::byNode(const std::vector<int>& ranks) const {
   return text;
 }
 
-std::string GroupHealth::peerAbort() {
-  const auto values = read({kAbort});
-  return values ? (*values)[0] : "";
+// One read of the store: the abort, then every rank's who and gone values.
+std::string GroupHealth::peerAbort(const WorkChainerMN& waiter) {
+  std::vector<std::string> keys{kAbort};
+  if (waiter.isCollective()) {
+    const auto whoAndGone = whoAndGoneKeys();
+    keys.insert(keys.end(), whoAndGone.begin(), whoAndGone.end());
+  }
+  const auto values = read(std::move(keys));
+  if (!values || !(*values)[0].empty() || !waiter.isCollective()) {
+    return values ? (*values)[0] : "";
+  }
+  return leftBefore(std::vector<std::string>(values->begin() + 1, values->end()), waiter);
+}
+
+std::string GroupHealth::leftBefore(const std::vector<std::string>& whoAndGone, const WorkChainerMN& waiter) const {
+  for (int r = 0; r < size_; ++r) {
+    const std::string& gone = whoAndGone[size_ + r];
+    const auto space = gone.rfind(' ');
+    if (r == rank_ || gone.empty() || space == std::string::npos) {
+      continue;
+    }
+    const uint64_t taken = std::strtoull(gone.c_str() + space + 1, nullptr, 10);
+    if (taken < waiter.getSequencenumber()) {
+      return who(r, whoAndGone[r]) + " exited the group after its collective " + std::to_string(taken) +
+          " (it destroyed the group, or its process ended), so it will never take part in " + waiter.opName() +
+          " seq " + std::to_string(waiter.getSequencenumber());
+    }
+  }
+  return "";
 }
 
 void GroupHealth::abort(const std::string& reason) {
@@ -125,7 +153,8 @@ void GroupHealth::waiting(const WorkChainerMN& work) {
 }
 
 void GroupHealth::leaving() {
-  courier_.run([store = store_, key = goneKey(rank_)] { store->set(key, bytes("exited")); });
+  const std::string value = "exited after collective " + std::to_string(collectivesIssued_());
+  courier_.run([store = store_, key = goneKey(rank_), value] { store->set(key, bytes(value)); });
 }
 
 std::string GroupHealth::deadAmong(const std::vector<std::string>& whoAndGone) const {

@@ -7,6 +7,9 @@
 //   (twice a second) and fails with it, and the group becomes unusable everywhere at once.
 // - A rank whose op has waited over a second says so, so that a rank that times out can tell which
 //   ranks waited in the op and which never reached it.
+// - A rank that leaves the group on purpose (shutdown(), the interpreter's exit) says how many
+//   collectives it issued on it: a peer waiting over a second in a later one fails at once, naming it,
+//   while the collectives it did take part in still complete.
 // Store operations happen only on these slow paths, never per op, and never wait more than a couple
 // of seconds (runtime/store_courier.h): a rank cut off from the store's host says so and names the
 // ranks of the other nodes instead of waiting for TCP to give up.
@@ -18,6 +21,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,10 +30,12 @@ namespace chainermn {
 
 class GroupHealth : public Monitor {
  public:
-  // Publishes this rank's host and pid.
-  GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology);
+  // Publishes this rank's host and pid. `collectivesIssued`: how many collectives this rank has
+  // issued on the group so far (what leaving() tells the peers); called only while the group lives.
+  GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology,
+              std::function<uint64_t()> collectivesIssued);
 
-  std::string peerAbort() override;
+  std::string peerAbort(const WorkChainerMN& waiter) override;
   void abort(const std::string& reason) override;
   void waiting(const WorkChainerMN& work) override;
   std::string whoIsWhere(const WorkChainerMN& work) override;
@@ -53,6 +59,9 @@ class GroupHealth : public Monitor {
   std::string deadAmong(const std::vector<std::string>& whoAndGone) const;
   // "ranks 2,3 (host b)": ranks grouped by node.
   std::string byNode(const std::vector<int>& ranks) const;
+  // From the values of whoAndGoneKeys(): the first peer that left the group before `waiter` (a
+  // collective) was issued, said as the reason it will never complete, or "".
+  std::string leftBefore(const std::vector<std::string>& whoAndGone, const WorkChainerMN& waiter) const;
 
   c10::intrusive_ptr<c10d::Store> store_;
   const int rank_;
@@ -60,6 +69,7 @@ class GroupHealth : public Monitor {
   const std::string host_;                // this machine's host name: processes are checked here only
   std::vector<std::string> nodeOfRank_;   // the node names ranks are known by (topology.h)
   StoreCourier courier_;
+  std::function<uint64_t()> collectivesIssued_;
 };
 
 } // namespace chainermn

@@ -59,7 +59,8 @@ std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::e
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (brokenReason.empty()) {
-      brokenReason = "the group is unusable after " + work.description() + " failed";
+      // The whole message: what asks errored() (torchft) learns which peer failed, not only which op.
+      brokenReason = "the group is unusable after " + message;
     }
   }
   if (device) {
@@ -136,7 +137,7 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
   if (tell) {
     monitor->waiting(*waiter);
   }
-  const std::string reason = monitor->peerAbort();
+  const std::string reason = monitor->peerAbort(*waiter);
   lock.lock();
   nextCheck = std::min(nextCheck, Clock::now() + kAskPeersEvery);
   if (reason.empty() || !brokenReason.empty()) {

@@ -25,6 +25,9 @@ class WorkChainerMN : public c10d::Work {
     int rank;
     int size;
     std::chrono::milliseconds timeout;
+    // Numbered in the group's sequence of collectives (every rank takes part in each), not point to
+    // point's: a peer that left the group after fewer collectives will never join this one.
+    bool collective;
   };
 
   WorkChainerMN(
@@ -77,6 +80,9 @@ class WorkChainerMN : public c10d::Work {
   }
   std::string opName() const {
     return label_.op;
+  }
+  bool isCollective() const {
+    return label_.collective;
   }
   // Whether the op's tensors are on a GPU.
   bool onDevice() const {

@@ -33,8 +33,9 @@ namespace chainermn {
 class Monitor {
  public:
   virtual ~Monitor() = default;
-  // A peer's reason for aborting the group, or "".
-  virtual std::string peerAbort() = 0;
+  // Why `waiter` will never complete, as the peers told it: a peer's reason for aborting the group,
+  // or, for a collective, a peer that left the group before it; else "".
+  virtual std::string peerAbort(const WorkChainerMN& waiter) = 0;
   // Tells the peers this rank's reason for aborting the group (the first reason published stays).
   virtual void abort(const std::string& reason) = 0;
   // Tells the peers that this rank has waited a while in `work`.
@@ -44,7 +45,8 @@ class Monitor {
   // After a transport failure: the ranks that left ("rank 1 (host a, pid 7) exited") or are found
   // dead ("... died"), or "".
   virtual std::string deadRanks() = 0;
-  // This rank leaves the group on purpose (it says so before its transports close).
+  // This rank leaves the group on purpose (it says so before its transports close), with the
+  // collectives it issued on it: the peers fail the later ones at once.
   virtual void leaving() = 0;
 };
 
