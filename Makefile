@@ -14,9 +14,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 # tqdm: the examples' progress bars. expecttest: torch.testing._internal (the upstream test cases) needs it.
-# lightning, accelerate: the tested recipes (examples/recipes/). torchft: torch_chainermn.torchft's tests
-# (it takes the installed torch: torch>=2.7).
-PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate torchft==0.2.0
+# lightning, accelerate, transformers (its Trainer), deepspeed (ZeRO): the tested recipes (examples/recipes/).
+# torchft: torch_chainermn.torchft's tests (it takes the installed torch: torch>=2.7). deepspeed comes as an
+# sdist only: it builds in pip's usual isolation (its setup.py does without torch there) and pre-compiles
+# no op (DS_BUILD_OPS is 0 on Linux by default), so it needs no flags here; see the deps rule for its op.
+PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate torchft==0.2.0 \
+	transformers==5.24.0 deepspeed==0.19.8
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked
@@ -34,9 +37,13 @@ install: $(EXTENSION_STAMP) $(SLURM_STAMP) $(IPROUTE_STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# On CPU every DeepSpeed process group compiles DeepSpeed's shared-memory op (deepspeed_shm_comm, which only its
+# inference all_reduce uses) the first time, into ~/.cache/torch_extensions: about 100 s of CPU (torch's headers),
+# which would fall on the first DeepSpeed test. Compiled here instead, once (a no-op when cached).
 $(DEPS_STAMP): $(PY) Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PY_PACKAGES)
+	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 	touch $@
 
 # Open MPI: the MPI transport is built only when mpicc is there at build time.

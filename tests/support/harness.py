@@ -14,6 +14,7 @@ what a whole job does.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -167,6 +168,21 @@ def job_environment(extra: dict | None = None) -> dict:
     return env
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc, whatever session they are in."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str = "the job",
            merged: bool = False) -> subprocess.CompletedProcess:
     """Run `command` in a session of its own, its output captured as text (stdout and stderr apart,
@@ -183,7 +199,11 @@ def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun starts each rank in a session of its own: killing the launcher's session alone would
+        # leave them holding the output pipe open, and communicate() would wait for them forever.
+        for pid in [proc.pid] + _descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise RankFailure(f"{what} was still running after {timeout:.0f} s and was killed. Output:\n"
                           f"{(out + (err or ''))[-4000:]}") from None
