@@ -15,11 +15,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 # tqdm: the examples' progress bars. expecttest: torch.testing._internal (the upstream test cases) needs it.
 # lightning, accelerate, transformers (its Trainer), deepspeed (ZeRO): the tested recipes (examples/recipes/).
-# torchft: torch_chainermn.torchft's tests (it takes the installed torch: torch>=2.7). deepspeed comes as an
+# torchft: torch_chainermn.torchft's tests (it takes the installed torch: torch>=2.7); parameterized: torchft's own
+# test modules, which tests/test_torchft_upstream.py runs on chainermn, need it. deepspeed comes as an
 # sdist only: it builds in pip's usual isolation (its setup.py does without torch there) and pre-compiles
 # no op (DS_BUILD_OPS is 0 on Linux by default), so it needs no flags here; see the deps rule for its op.
 PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate torchft==0.2.0 \
-	transformers==5.24.0 deepspeed==0.19.8
+	parameterized==0.9.0 transformers==5.24.0 deepspeed==0.19.8
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
 EXTENSION_STAMP := $(VENV)/.extension-built
 MPI_STAMP := $(VENV)/.mpi-checked

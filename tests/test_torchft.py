@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tests.support.harness import run_spawn
 
 
-def replica_groups(wrapper_name: str):
+def replica_groups():
     """Each rank a replica: two quorums' groups (torchft's configure, as its Manager calls it on each
     quorum), an all_reduce in each; then replica 1 aborts (torchft's way to end a failed replica's
     group) while replica 0 waits in an all_reduce."""
@@ -19,17 +19,14 @@ def replica_groups(wrapper_name: str):
 
     rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)  # noqa: F841
-    pg = getattr(ft, wrapper_name)(timeout=timedelta(seconds=30))
+    pg = ft.ProcessGroupChainerMN(timeout=timedelta(seconds=30))
     sums = []
     for quorum in (1, 2):
         pg.configure(f"127.0.0.1:{port}/torchft/{quorum}", f"replica_{rank}", rank, 2)
         value = torch.full((100,), float(rank + 1))
         pg.allreduce([value], dist.ReduceOp.SUM).wait()
         sums.append(value[0].item())
-    outcome = {"sums": sums, "name": pg.getBackendName()}
-    if wrapper_name != "ProcessGroupChainerMN":
-        return outcome
-    outcome["errored before"] = pg.errored()
+    outcome = {"sums": sums, "name": pg.getBackendName(), "errored before": pg.errored()}
     if rank == 1:
         time.sleep(0.5)
         pg.abort()
@@ -46,17 +43,13 @@ def replica_groups(wrapper_name: str):
 def test_torchft_process_groups_on_chainermn():
     """ProcessGroupChainerMN: two quorums, each all_reduce right; replica 1's abort fails replica 0's
     pending all_reduce with the abort's reason (its timeout is 30 s), and errored() then says it
-    (None before). ProcessGroupBabyChainerMN (the
-    group in a subprocess): two quorums, each all_reduce right."""
-    outcomes = run_spawn(replica_groups, 2, "ProcessGroupChainerMN", init=False, timeout=120)
+    (None before). ProcessGroupBabyChainerMN runs torchft's own cases (tests/test_torchft_upstream.py)."""
+    outcomes = run_spawn(replica_groups, 2, init=False, timeout=120)
     for outcome in outcomes:
         assert outcome["sums"] == [3.0, 3.0] and outcome["name"] == "torchft-chainermn", outcome
     said = "rank 1 aborted the group (ProcessGroup.abort())"
     assert said in outcomes[0]["after abort"] and said in outcomes[0]["errored after"], outcomes[0]
     assert outcomes[0]["errored before"] is None and outcomes[1]["errored before"] is None, outcomes
-    babies = run_spawn(replica_groups, 2, "ProcessGroupBabyChainerMN", init=False, timeout=120)
-    for outcome in babies:
-        assert outcome["sums"] == [3.0, 3.0] and outcome["name"] == "torchft-baby-chainermn", outcome
 
 
 def managed_ddp_replica(lighthouse: str):

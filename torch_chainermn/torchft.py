@@ -68,6 +68,13 @@ class ProcessGroupChainerMN(ProcessGroupWrapper):
         before it commits a step, or None."""
         return _broken(self._pg)
 
+    def shutdown(self) -> None:
+        """Leaves the group: aborts it, so that the peers' pending and later ops fail within about a
+        second naming this rank. torchft's wrapper only drops the group ("TODO: abort PG if
+        possible"); a chainermn group dropped so tells no one, and its peers would wait out the
+        group timeout."""
+        self.abort(errored=False)
+
     def getBackendName(self) -> str:
         return "torchft-chainermn"
 
