@@ -37,7 +37,7 @@ import pytest
 pytest.importorskip("torchft", reason="torchft is not installed (`pip install torchft`; `make install` does)")
 
 # torchft's test modules, from the installed package (they need `parameterized`, torchft's test
-# dependency: the Makefile must install it). Imported as modules, so that pytest collects only our
+# dependency, which the Makefile installs). Imported as modules, so that pytest collects only our
 # subclasses of their TestCases, not theirs.
 from torchft import local_sgd_integ_test, manager_integ_test, process_group_test  # noqa: E402
 from torchft._test import diloco_trainer  # noqa: E402  (builds the DiLoCo cases' groups)
@@ -48,9 +48,12 @@ from tests.support import torchft_upstream as upstream  # noqa: E402
 @pytest.fixture(scope="module", autouse=True)
 def torchft_tests_on_chainermn():
     """chainermn's groups in torchft's test modules while this module's tests run, and only then (a
-    module-scoped fixture is set up before the classes' setUpClass, which makes their groups)."""
+    module-scoped fixture is set up before the classes' setUpClass, which makes their groups). At
+    the end, the workers the resiliency cases left in their ops are let finish (see
+    wait_for_abandoned_workers; the cases after those take most of that time)."""
     with upstream.on_chainermn(process_group_test, manager_integ_test, local_sgd_integ_test, diloco_trainer):
         yield
+    upstream.wait_for_abandoned_workers(limit_s=40)
 
 
 @upstream.only(r"test_collective_\d+_.+", r"test_collective_with_resiliency_\d+_.+")

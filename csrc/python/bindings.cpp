@@ -167,11 +167,14 @@ PYBIND11_MODULE(_C, m) {
       .def(
           py::init([](const GroupSetup& setup, GroupOptions options) {
             TORCH_CHECK(setup.makeHost, "chainermn: GroupSetup needs use_gloo() or use_mpi() first");
+            // The GIL is released for the construction only (it waits for the peers): pybind11
+            // registers the new instance after the factory returns, and doing that without the GIL
+            // corrupts its instance map when threads create groups at once (torchft's Manager does).
+            py::gil_scoped_release release;
             return c10::make_intrusive<ProcessGroupChainerMN>(setup, std::move(options));
           }),
           py::arg("setup"),
-          py::arg("options"),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("options"))
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
       .def_property_readonly("transport", &ProcessGroupChainerMN::transport)
       // What torch's split_group deep-copies and passes back (as ProcessGroupNCCL's options).

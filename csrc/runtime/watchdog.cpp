@@ -217,14 +217,20 @@ void Worker::State::failAndBreak(
     WorkChainerMN& work,
     const std::string& message,
     const std::string& what) {
+  // The reason first: a caller whose wait() raises may ask errored() at once (torchft does).
+  const bool first = brokenReason.empty();
+  if (first) {
+    brokenReason = "the group is unusable after " + work.description() + " " + what;
+  }
+  const std::string reason = brokenReason;
   lock.unlock();
   if (monitor) {
     monitor->abort(message);
   }
   work.fail(backendError(message));
   lock.lock();
-  if (brokenReason.empty()) {
-    breakGroup(lock, "the group is unusable after " + work.description() + " " + what);
+  if (first) {
+    breakGroup(lock, reason);  // fails what else is pending
   }
 }
 

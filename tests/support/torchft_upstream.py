@@ -12,7 +12,10 @@ imports it to find its class.
 """
 from __future__ import annotations
 
+import collections
+import glob
 import re
+import time
 from contextlib import ExitStack, contextmanager
 from unittest import mock
 
@@ -67,6 +70,34 @@ def on_chainermn(*modules):
                 if hasattr(module, name):
                     stack.enter_context(mock.patch.object(module, name, ours))
         yield
+
+
+def abandoned_workers() -> int:
+    """chainermn worker threads of this process whose group is gone. A live group has a worker and a
+    watchdog thread; destroying a group stops both, but detaches a worker still inside a transport
+    call, which returns at the op's deadline."""
+    names = collections.Counter()
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            with open(f"{task}/comm") as comm:
+                names[comm.read().strip()] += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names["cmn-worker"] - names["cmn-watchdog"]
+
+
+def wait_for_abandoned_workers(limit_s: float) -> None:
+    """Waits (up to limit_s) until no chainermn worker is left inside an abandoned op.
+
+    torchft's resiliency cases run every rank as a thread of this process, so a survivor's shared
+    memory transport cannot see its lost peer's process die (it is its own), and the op it was in
+    stays in the transport until the group timeout (30 s there), its group aborted and destroyed
+    meanwhile. Such a worker then lets go of the op's tensors, which takes the GIL: were the
+    interpreter finalizing at that moment (this module ends the suite but for a second of tests),
+    the process would abort ("terminate called without an active exception")."""
+    deadline = time.monotonic() + limit_s
+    while abandoned_workers() > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def only(*patterns: str):
