@@ -1,6 +1,8 @@
 """torch_chainermn.torchft: torchft's reconfigurable process groups on chainermn (torchft is installed
 for the tests by `make install`): a quorum's group works, a new quorum rebuilds it, a replica that
-torchft aborts is named on its peers at once, and torchft's Manager trains DDP replicas on it."""
+torchft aborts is named on its peers at once, and a replica SIGKILLed under torchft's Manager and
+restarted rejoins with the survivor's weights. torchft's own tests (its Manager's DDP, LocalSGD,
+DiLoCo, the baby groups) run on chainermn in tests/test_torchft_upstream.py."""
 import os
 import time
 from datetime import timedelta
@@ -50,64 +52,6 @@ def test_torchft_process_groups_on_chainermn():
     said = "rank 1 aborted the group (ProcessGroup.abort())"
     assert said in outcomes[0]["after abort"] and said in outcomes[0]["errored after"], outcomes[0]
     assert outcomes[0]["errored before"] is None and outcomes[1]["errored before"] is None, outcomes
-
-
-def managed_ddp_replica(lighthouse: str):
-    """One replica group of one rank: torchft's Manager (quorums through the lighthouse) over
-    ProcessGroupChainerMN, torchft's DDP and OptimizerWrapper, 5 steps; its final parameters."""
-    from torchft import Manager
-    from torchft.ddp import DistributedDataParallel
-    from torchft.optim import OptimizerWrapper
-
-    from torch_chainermn.torchft import ProcessGroupChainerMN
-
-    replica = int(os.environ["RANK"])
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    start = [p.detach().clone() for p in model.parameters()]
-    optimizer = None
-
-    def state_dict():
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
-
-    def load_state_dict(state):
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-
-    manager = Manager(pg=ProcessGroupChainerMN(timeout=timedelta(seconds=30)), min_replica_size=2,
-                      load_state_dict=load_state_dict, state_dict=state_dict, replica_id=str(replica),
-                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
-                      lighthouse_addr=lighthouse, port=0, timeout=timedelta(seconds=30))
-    try:
-        ddp = DistributedDataParallel(manager, model)
-        optimizer = OptimizerWrapper(manager, torch.optim.SGD(ddp.parameters(), lr=0.1))
-        generator = torch.Generator().manual_seed(replica)
-        while manager.current_step() < 5:
-            optimizer.zero_grad()
-            inputs, labels = torch.rand(4, 3, generator=generator), torch.randint(4, (4,), generator=generator)
-            torch.nn.functional.cross_entropy(ddp(inputs), labels).backward()
-            optimizer.step()
-        moved = max((p.detach() - s).abs().max().item() for p, s in zip(model.parameters(), start))
-        return {"parameters": [p.detach().clone() for p in model.parameters()], "moved": moved,
-                "step": manager.current_step()}
-    finally:
-        manager.shutdown(wait=False)
-
-
-def test_torchft_manager_trains_ddp_replicas_on_chainermn():
-    """Two replica groups under torchft's Manager and lighthouse, the quorum's group a chainermn one:
-    5 steps of torchft's DDP; both replicas end with the same parameters, moved from the start."""
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-    try:
-        outcomes = run_spawn(managed_ddp_replica, 2, lighthouse.address(), init=False, timeout=180)
-    finally:
-        lighthouse.shutdown()
-    for outcome in outcomes:
-        assert outcome["step"] >= 5 and outcome["moved"] > 1e-3, outcome
-    assert all(torch.equal(a, b) for a, b in zip(outcomes[0]["parameters"], outcomes[1]["parameters"]))
 
 
 def test_torchft_replica_killed_and_restarted_on_chainermn(tmp_path):
