@@ -22,7 +22,10 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
     dist.barrier(group=group)
     if dist.get_rank() == 1:
         time.sleep(0.5)  # rank 0 is in its all_reduce by now
-        group.abort() if how == "abort" else dist.destroy_process_group(group)
+        if how == "abort":
+            group.abort()
+        else:
+            dist.destroy_process_group(group)
     else:
         try:
             dist.all_reduce(torch.ones(10), group=group)

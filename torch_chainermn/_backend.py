@@ -88,6 +88,9 @@ def wire_dtype_of(group=None, op: str = "chainermn"):
     return backend_of(group, op).group_options.allreduce_grad_dtype
 
 
+_DEVICES = ["cpu", "cuda"]  # the device types a chainermn group serves
+
+
 def _serving_every_device(create_shrunk):
     """torch's shrink_group puts the new backend in a ProcessGroup for one device type only (the
     group's bound device, else the CPU: an NCCL group serves one); a chainermn group serves CPU and
@@ -106,9 +109,6 @@ def _serving_every_device(create_shrunk):
         return group
     create.serves_every_device = True
     return create
-
-
-_DEVICES = ["cpu", "cuda"]
 
 
 def register() -> None:

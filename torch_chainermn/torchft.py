@@ -70,9 +70,9 @@ class ProcessGroupChainerMN(ProcessGroupWrapper):
 
     def shutdown(self) -> None:
         """Leaves the group: aborts it, so that the peers' pending and later ops fail within about a
-        second naming this rank. torchft's wrapper only drops the group ("TODO: abort PG if
-        possible"); a chainermn group dropped so tells no one, and its peers would wait out the
-        group timeout."""
+        second naming this rank. torchft 0.2.0's wrapper only drops the group (its comment says it
+        would abort it if it could); a chainermn group dropped so tells no one, and its peers would
+        wait out the group timeout."""
         self.abort(errored=False)
 
     def getBackendName(self) -> str:

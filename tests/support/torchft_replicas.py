@@ -36,21 +36,14 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.harness import REPO, free_port
 
 MODEL = {"inputs": 16, "hidden": 32, "classes": 4, "batch": 8, "lr": 0.05, "momentum": 0.9}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------ the model
