@@ -17,6 +17,10 @@ std::atomic<Spin::Clock::rep> gContendedAt{0};  // 0: never
 std::atomic<Spin::Clock::rep> gLookedAt{0};
 std::atomic<bool> gOversubscribed{false};
 constexpr auto kLookEvery = std::chrono::milliseconds(10);
+// Threads of this process inside an OwnWork, and when the last one ended (steady clock, nanoseconds).
+std::atomic<int> gWorking{0};
+std::atomic<Spin::Clock::rep> gWorkEndedAt{0};
+thread_local int tlsWorkDepth = 0;  // this thread's OwnWork nesting (an op run inside an op's callback)
 
 // The number of threads runnable on the machine now, this one included (/proc/loadavg's fourth
 // field, "running/total"); 0 if it cannot be read.
@@ -65,7 +69,33 @@ bool Spin::severalCpus() {
 
 bool Spin::allowed(Clock::time_point now) {
   const Clock::rep contendedAt = gContendedAt.load(std::memory_order_relaxed);
-  return (contendedAt == 0 || now - Clock::time_point(Clock::duration(contendedAt)) > kCalm) && !oversubscribed(now);
+  const bool calm = contendedAt == 0 || now - Clock::time_point(Clock::duration(contendedAt)) > kCalm;
+  return calm && (!severalCpus() || !oversubscribed(now));
+}
+
+bool Spin::yieldedTooLong(Clock::time_point before, Clock::time_point after) {
+  if (after - before <= kDescheduled) {
+    return false;
+  }
+  const int othersWorking = gWorking.load(std::memory_order_relaxed) - (tlsWorkDepth > 0 ? 1 : 0);
+  if (othersWorking > 0 || gWorkEndedAt.load(std::memory_order_relaxed) >= before.time_since_epoch().count()) {
+    return false;
+  }
+  sawContention(after);
+  return true;
+}
+
+OwnWork::OwnWork() {
+  if (tlsWorkDepth++ == 0) {
+    gWorking.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+OwnWork::~OwnWork() {
+  if (--tlsWorkDepth == 0) {
+    gWorkEndedAt.store(Spin::Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    gWorking.fetch_sub(1, std::memory_order_relaxed);
+  }
 }
 
 void Spin::yieldCpu() {

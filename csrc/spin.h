@@ -11,11 +11,17 @@
 //
 // Contention is measured, not configured: a spinning thread that sees a gap between two of its polls
 // longer than kDescheduled was taken off its core, and every wait of the process then sleeps at once
-// for kCalm, after which one spins again (and so measures again); and a wait spins only while no more
-// threads are runnable on the machine than twice its CPUs (looked at every few milliseconds). A
-// thread that waits for another thread of its process, when the process may run on one CPU only
-// (mpiexec --bind-to core), yields instead of pausing: they share that CPU, and on a machine that is
-// not busy the yield hands it straight to the thread it waits for.
+// for kCalm, after which one spins again (and so measures again). A thread that waits for another
+// thread of its process, when the process may run on one CPU only (mpiexec --bind-to core), yields
+// instead of pausing: they share that CPU, and on a machine that is not busy the yield hands it
+// straight to the thread it waits for. A yield that comes back after more than kDescheduled while no
+// other thread of the process was working (OwnWork) gave the CPU to another process: contention too.
+//
+// A process that may run on several CPUs also spins only while no more threads are runnable on the
+// machine than twice its CPUs (looked at every few milliseconds). A process bound to one CPU does
+// not look: its own threads taking turns on that CPU (under mpiexec a rank's caller, worker and
+// mailbox thread each yield while they wait) are most of what that count holds on an idle machine,
+// where it refused a quarter of the waits' spins and point to point lost 1.5-2x; its yields tell.
 #pragma once
 
 #include <atomic>
@@ -57,9 +63,13 @@ class Spin {
       return false;
     }
     if (yields_) {
-      yieldCpu();  // the awaited thread may run meanwhile: a long gap is its work, not contention
-      last_ = Clock::now();
-      return last_ < until_;
+      yieldCpu();  // the awaited thread may run meanwhile
+      const auto now = Clock::now();
+      if (yieldedTooLong(last_, now)) {
+        return false;
+      }
+      last_ = now;
+      return now < until_;
     }
     for (int i = 0; i < kPausesPerPoll; ++i) {
       cpuRelax();
@@ -78,6 +88,10 @@ class Spin {
   static bool allowed(Clock::time_point now);
   // Whether this process may run on more than one CPU.
   static bool severalCpus();
+  // A yield of this thread that began at `before` came back at `after`: whether it took the CPU away
+  // for longer than kDescheduled with no other thread of this process working meanwhile, i.e. another
+  // process ran. Notes the contention when so.
+  static bool yieldedTooLong(Clock::time_point before, Clock::time_point after);
 
  private:
   static constexpr int kPausesPerPoll = 8;
@@ -87,6 +101,16 @@ class Spin {
   Clock::time_point last_;
   Clock::time_point until_;
   bool yields_;  // an own thread's wait on one CPU
+};
+
+// Marks a stretch of real work by this thread (running an op, moving messages): a thread of the
+// process that yielded the CPU meanwhile got it back late because of this work, not another process.
+class OwnWork {
+ public:
+  OwnWork();
+  ~OwnWork();
+  OwnWork(const OwnWork&) = delete;
+  OwnWork& operator=(const OwnWork&) = delete;
 };
 
 } // namespace chainermn

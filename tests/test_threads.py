@@ -271,6 +271,13 @@ def test_helper_threads_stop_spinning_through_long_gaps_and_spin_again_when_traf
     assert all(testing.linger_decisions(pipeline + [150.0] * 30)[-10:])
 
 
+def test_a_yield_back_late_is_contention_unless_another_thread_of_the_process_worked():
+    # A rank bound to one CPU learns that the machine is busy from its yields (spin.h): one that came
+    # back after more than a millisecond gave the CPU to another process, unless a thread of its own
+    # was running an op or moving messages meanwhile (OwnWork). The thread's own work excuses nothing.
+    assert testing.yield_verdicts() == [False, True, False, False, True]
+
+
 # ---- store calls on failure paths never hang (runtime/store_courier.h) ----------------------------------
 
 def test_a_store_call_that_hangs_costs_its_caller_the_patience_once():

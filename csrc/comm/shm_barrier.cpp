@@ -79,7 +79,7 @@ void Barrier::waitFor(int r, uint32_t target) {
     }
   } while (spin.again());
   const auto start = std::chrono::steady_clock::now();
-  const bool yields = Spin::allowed(start);
+  bool yields = Spin::allowed(start);
   while (true) {
     const uint32_t seen = peer.sequence.load(std::memory_order_acquire);
     if (reached(seen, target)) {
@@ -89,6 +89,9 @@ void Barrier::waitFor(int r, uint32_t target) {
     checkPeer(r, target, start, now);
     if (yields && now - start < kYieldFor) {
       sched_yield();
+      // Another process took the CPU for a while: the machine is busy, and each further yield would
+      // hand it over again for as long. Sleep instead.
+      yields = !Spin::yieldedTooLong(now, std::chrono::steady_clock::now());
       continue;
     }
     peer.sleepers.fetch_add(1, std::memory_order_seq_cst);

@@ -1,8 +1,8 @@
 #include "comm/shm_mailbox.h"
-#include "spin.h"
 
 #include "comm/shm_mailbox_state.h"
 #include "linger.h"
+#include "spin.h"
 #include "thread_name.h"
 #include "types.h"
 
@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -262,9 +263,19 @@ void Mailboxes::State::failEverything(const std::string& reason) {
 
 void Mailboxes::State::progressLoop() {
   LingerPolicy linger(kLinger);  // spins only while peers ring soon after it runs out of work
+  std::optional<uint32_t> handled;  // the doorbell count of the last round
   while (!stopping.load(std::memory_order_acquire)) {
     const uint32_t seen = rings.doorbellCount();
-    progress(/*onlyIfFree=*/false);
+    {
+      // Moving what a peer rang for is work a yielding thread of this rank waits for (spin.h); a
+      // round woken by the sleep slice alone is not.
+      std::optional<OwnWork> working;
+      if (seen != handled) {
+        working.emplace();
+      }
+      progress(/*onlyIfFree=*/false);
+    }
+    handled = seen;
     const auto idleSince = std::chrono::steady_clock::now();
     // Not on a busy machine; on a rank bound to one CPU, which this thread shares with the caller, it yields.
     Spin spin(linger.linger(), Awaited::OwnThread);
@@ -292,6 +303,7 @@ class MailboxRequest : public Request {
 
   bool test() override {
     if (!status_->done.load(std::memory_order_acquire)) {
+      OwnWork working;  // moving this transfer on: a yielding thread of this rank waits for it (spin.h)
       state_->progress(/*onlyIfFree=*/true);
       if (!status_->done.load(std::memory_order_acquire)) {
         return false;

@@ -8,6 +8,7 @@
 #include "comm/waiter_pool.h"
 #include "buffers/scratch.h"
 #include "linger.h"
+#include "spin.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
 #include "testing/runner.h"
@@ -357,6 +358,40 @@ void bindTesting(py::module_& testing) {
       },
       "Whether a thread under LingerPolicy (linger.h) spins before each of these idle gaps (microseconds)",
       py::arg("gaps_us"), py::arg("linger_us") = 50);
+  testing.def(
+      "yield_verdicts",
+      [] {
+        // Whether Spin::yieldedTooLong calls a yield contention: 0.5 ms, then 5 ms with no other
+        // thread of the process working; 5 ms over another thread's work, under way or ended within
+        // the gap; 5 ms while only this thread itself works (an op's own wait).
+        using Clock = Spin::Clock;
+        const auto gap = std::chrono::milliseconds(5);
+        const auto quiet = [&] { std::this_thread::sleep_for(gap + std::chrono::milliseconds(1)); };
+        std::vector<bool> verdicts;
+        quiet();
+        verdicts.push_back(Spin::yieldedTooLong(Clock::now() - std::chrono::microseconds(500), Clock::now()));
+        verdicts.push_back(Spin::yieldedTooLong(Clock::now() - gap, Clock::now()));
+        {
+          std::promise<void> started, release;
+          std::thread other([&] {
+            OwnWork working;
+            started.set_value();
+            release.get_future().wait();
+          });
+          started.get_future().wait();
+          verdicts.push_back(Spin::yieldedTooLong(Clock::now() - gap, Clock::now()));
+          release.set_value();
+          other.join();
+        }
+        verdicts.push_back(Spin::yieldedTooLong(Clock::now() - gap, Clock::now()));
+        quiet();
+        {
+          OwnWork working;
+          verdicts.push_back(Spin::yieldedTooLong(Clock::now() - gap, Clock::now()));
+        }
+        return verdicts;
+      },
+      "Spin::yieldedTooLong's verdicts on five yields (spin.h); see the test", py::call_guard<py::gil_scoped_release>());
   testing.def(
       "store_courier",
       [](int64_t patienceMs) {

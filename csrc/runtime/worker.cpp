@@ -42,6 +42,7 @@ void failAll(std::deque<QueuedOp>& ops, const std::string& why) {
 }
 
 void Worker::State::run(QueuedOp& op) {
+  OwnWork working;  // a thread of this process yielding meanwhile waits for it (spin.h)
   std::string notRun;
   // An op posted by a completion callback runs inside the op whose completion ran the callback:
   // that op stays `current` again once the nested one is over.
