@@ -1,10 +1,28 @@
 """torch_chainermn.fsdp: FSDP2 with two-hop reduce-scatter and all-gather (tests/support/fsdp_cases.py)."""
+import functools
 import tempfile
 
 import pytest
 
 from tests.support import fsdp_cases
 from tests.support.harness import run_spawn
+
+
+def language_model_then_cases(directory: str) -> tuple:
+    """The LM's losses (first, in fresh processes, as on their own), then fsdp_cases.cases."""
+    return fsdp_cases.lm_validation_losses(), fsdp_cases.cases(directory)
+
+
+@functools.lru_cache(maxsize=None)
+def job(ranks_per_node: int) -> list:
+    """Each rank's (LM losses or None, cases) on 2 nodes of `ranks_per_node`. 2 x 2 runs both tests'
+    parts in one launch (4 processes start slowly on a 2-core machine)."""
+    env = {"CHAINERMN_RANKS_PER_NODE": str(ranks_per_node)}
+    with tempfile.TemporaryDirectory(prefix="chainermn-fsdp-dcp-") as directory:
+        if ranks_per_node == 2:
+            return run_spawn(language_model_then_cases, 4, env=env, timeout=600, directory=directory)
+        outcomes = run_spawn(fsdp_cases.cases, 2 * ranks_per_node, env=env, timeout=300, directory=directory)
+        return [(None, outcome) for outcome in outcomes]
 
 
 @pytest.mark.parametrize("ranks_per_node", [2, 1])
@@ -14,10 +32,8 @@ def test_two_hops_equal_fsdp2(ranks_per_node):
     1-bit gradients and int8 weights: the exchange equals the rules written plainly, residuals
     carried, training stays near FSDP2's with every rank alike, and a DCP checkpoint with the
     residuals resumes exactly; bad input raises."""
-    world = 2 * ranks_per_node
-    with tempfile.TemporaryDirectory(prefix="chainermn-fsdp-dcp-") as directory:
-        outcomes = run_spawn(fsdp_cases.cases, world, env={"CHAINERMN_RANKS_PER_NODE": str(ranks_per_node)},
-                             timeout=300, directory=directory)
+    outcomes = [cases for _, cases in job(ranks_per_node)]
+    assert len(outcomes) == 2 * ranks_per_node
     for rank, outcome in enumerate(outcomes):
         configs = outcome["configs"]
         assert set(configs) >= {"plain", "bf16 params", "no reshard"} | ({"hpZ"} if ranks_per_node > 1 else set())
@@ -51,7 +67,7 @@ def test_language_model_with_codes_stays_near_fsdp2():
     """The cluster benchmark's LM task, CI-sized (2 nodes x 2 ranks, 40 AdamW steps): int8 gradients
     and weights end within 3% of FSDP2's validation loss. (2-bit and 1-bit gradients do not: with
     AdamW they end 10-15% above at every threshold tried, 1e-5 to 1e-2; docs/fsdp.md.)"""
-    outcomes = run_spawn(fsdp_cases.lm_validation_losses, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=300)
+    outcomes = [losses for losses, _ in job(2)]  # 4 ranks, CHAINERMN_RANKS_PER_NODE=2
     for rank, losses in enumerate(outcomes):
         assert losses["fsdp2"] < 4.0, f"rank {rank}: FSDP2 did not learn: {losses}"
         assert abs(losses["int8"] / losses["fsdp2"] - 1) < 0.03, f"rank {rank}: {losses}"

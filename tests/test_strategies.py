@@ -57,19 +57,32 @@ def single_node_on_two_nodes():
     return "created"
 
 
-def test_single_node_refuses_several_nodes():
-    messages = run_spawn(single_node_on_two_nodes, 2, env={"CHAINERMN_RANKS_PER_NODE": "1"})
-    assert all("single_node" in m and "2 nodes" in m for m in messages), messages
-
-
 def options_from_environment():
     return torch_chainermn.get_options(), torch_chainermn.topology().inter_size
 
 
-def test_environment_chooses_the_communicator_without_code_changes():
-    results = run_spawn(options_from_environment, 2, env={
+def options_and_single_node():
+    return options_from_environment(), single_node_on_two_nodes()
+
+
+@functools.lru_cache(maxsize=None)
+def two_node_job():
+    """One 2-rank job (two nodes of one) for the two tests below: the default group's options come from
+    the environment, and the explicit Options(communicator="single_node") overrides them (and is refused)."""
+    return run_spawn(options_and_single_node, 2, env={
+        "CHAINERMN_RANKS_PER_NODE": "1",
         "CHAINERMN_COMMUNICATOR": "two_dimensional", "CHAINERMN_ALLREDUCE_GRAD_DTYPE": "bfloat16"})
+
+
+def test_single_node_refuses_several_nodes():
+    messages = [single_node for _, single_node in two_node_job()]
+    assert all("single_node" in m and "2 nodes" in m for m in messages), messages
+
+
+def test_environment_chooses_the_communicator_without_code_changes():
+    results = [options for options, _ in two_node_job()]
     assert results[0][0] == torch_chainermn.Options("two_dimensional", torch.bfloat16)
+    assert results[0][1] == 2  # the communicator from the environment on two nodes
 
 
 def test_options_are_validated():
