@@ -14,8 +14,10 @@
 // for kCalm, after which one spins again (and so measures again). A thread that waits for another
 // thread of its process, when the process may run on one CPU only (mpiexec --bind-to core), yields
 // instead of pausing: they share that CPU, and on a machine that is not busy the yield hands it
-// straight to the thread it waits for. A yield that comes back after more than kDescheduled while no
-// other thread of the process was working (OwnWork) gave the CPU to another process: contention too.
+// straight to the thread it waits for. There, a yield in a wait for an op (not an idle helper's
+// linger, while the caller may compute for long) that comes back after more than kDescheduled, no
+// other thread of the process working meanwhile (OwnWork), gave the CPU to another process:
+// contention too.
 //
 // A process that may run on several CPUs also spins only while no more threads are runnable on the
 // machine than twice its CPUs (looked at every few milliseconds). A process bound to one CPU does
@@ -38,8 +40,10 @@ inline void cpuRelax() {
 #endif
 }
 
-// What a wait is for: a peer process (on a CPU of its own), or another thread of this process.
-enum class Awaited { Peer, OwnThread };
+// What a wait is for: a peer process (on a CPU of its own); another thread of this process, at work on
+// what the wait needs (the op the caller waits for); or the next event, whenever it comes (an idle
+// helper thread lingering for the next op or message, while the caller may compute for long).
+enum class Awaited { Peer, OwnThread, NextEvent };
 
 class Spin {
  public:
@@ -54,7 +58,8 @@ class Spin {
   Spin(std::chrono::microseconds budget, Awaited awaited)
       : last_(Clock::now()),
         until_(allowed(last_) ? last_ + budget : last_),
-        yields_(awaited == Awaited::OwnThread && !severalCpus()) {}
+        yields_(awaited != Awaited::Peer && !severalCpus()),
+        judgesYields_(awaited == Awaited::OwnThread) {}
 
   // Between two polls of what the caller waits for: pauses the core briefly, and says whether the
   // spin may go on (false once the budget is spent, or the thread was found descheduled).
@@ -65,7 +70,7 @@ class Spin {
     if (yields_) {
       yieldCpu();  // the awaited thread may run meanwhile
       const auto now = Clock::now();
-      if (yieldedTooLong(last_, now)) {
+      if (judgesYields_ && yieldedTooLong(last_, now)) {
         return false;
       }
       last_ = now;
@@ -88,9 +93,9 @@ class Spin {
   static bool allowed(Clock::time_point now);
   // Whether this process may run on more than one CPU.
   static bool severalCpus();
-  // A yield of this thread that began at `before` came back at `after`: whether it took the CPU away
-  // for longer than kDescheduled with no other thread of this process working meanwhile, i.e. another
-  // process ran. Notes the contention when so.
+  // A yield of this thread that began at `before` came back at `after`, in a process bound to one
+  // CPU: whether it took the CPU away for longer than kDescheduled with no other thread of this
+  // process working meanwhile, i.e. another process ran. Notes the contention when so.
   static bool yieldedTooLong(Clock::time_point before, Clock::time_point after);
 
  private:
@@ -100,7 +105,8 @@ class Spin {
 
   Clock::time_point last_;
   Clock::time_point until_;
-  bool yields_;  // an own thread's wait on one CPU
+  bool yields_;        // a wait for this process's own threads, on one CPU
+  bool judgesYields_;  // a late yield says the machine is busy (not while idle: the caller may compute)
 };
 
 // Marks a stretch of real work by this thread (running an op, moving messages): a thread of the

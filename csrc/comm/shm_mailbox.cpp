@@ -278,7 +278,7 @@ void Mailboxes::State::progressLoop() {
     handled = seen;
     const auto idleSince = std::chrono::steady_clock::now();
     // Not on a busy machine; on a rank bound to one CPU, which this thread shares with the caller, it yields.
-    Spin spin(linger.linger(), Awaited::OwnThread);
+    Spin spin(linger.linger(), Awaited::NextEvent);
     while (rings.doorbellCount() == seen && spin.again()) {
     }
     if (rings.doorbellCount() == seen && !stopping.load(std::memory_order_acquire)) {

@@ -142,7 +142,7 @@ void Worker::State::workerLoop() {
         } else {
           const bool transfers = !inFlight.empty();
           lock.unlock();
-          Spin spinning(spin, Awaited::OwnThread);  // none on a busy machine (spin.h)
+          Spin spinning(spin, Awaited::NextEvent);  // none on a busy machine (spin.h)
           while (!hasQueued.load(std::memory_order_acquire) && spinning.again()) {
             if (transfers && progressInFlight()) {
               moved = true;
