@@ -1,7 +1,8 @@
 """Run a function on N real processes joined by the chainermn backend, and collect what each returns.
 
 Three launchers, all with real processes:
-- `run_spawn`: multiprocessing's spawn with env:// rendezvous, as torchrun does (transport: Gloo);
+- `run_spawn`: multiprocessing's processes (forks of a forkserver) with env:// rendezvous, as torchrun does
+  (transport: Gloo);
 - `run_mpiexec`: Open MPI's mpiexec with no rendezvous variables at all (transport: MPI);
 - `run_srun`: Slurm's srun (or sbatch), likewise with none (see tests/support/slurm_cluster.py).
 
@@ -91,18 +92,102 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
             dist.destroy_process_group()
 
 
-def _spawn_target(reference, args_path, out_dir, init, timeout_s, env):
+def _spawn_target(reference, args_path, out_dir, init, timeout_s, env, output):
     import faulthandler
 
+    output.restore()
     # A rank that dies of a signal says where: Python's stacks of every thread, and with
     # CHAINERMN_TEST_CPP_STACKS=1 torch's C++ stacks too (the first GPU runs: a crash leaves no result).
     faulthandler.enable(all_threads=True)
     os.environ.update(env)
+    import torch.distributed as dist
+
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG: read at import, in the forkserver (below)
     if os.environ.get("CHAINERMN_TEST_CPP_STACKS") == "1":
         import torch
 
         torch._C._set_print_stack_traces_on_fatal_signal(True)
     rank_main(reference, args_path, out_dir, init, timeout_s)
+
+
+def _forked_target(*args):
+    """_spawn_target in a forkserver's child, then the end of a spawned rank: the interpreter's shutdown
+    (its threads joined, atexit hooks, modules freed: most of a second here) and exit(). A forkserver's child
+    would end with os._exit at once, and tests that time a peer's last moments would see it sooner."""
+    import ctypes
+
+    _spawn_target(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.pythonapi.Py_Exit(0)  # what `sys.exit(0)` at a spawned rank's top level ends in
+
+
+class _TestOutput:
+    """This process's stdout and stderr (fds 1 and 2) as they are when a rank starts, for the rank: pytest
+    points them at the running test's capture, and a forkserver's child would have the server's."""
+
+    def __init__(self, fds=None):
+        self.fds = fds
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd  # passed to the child as fds, like a Connection
+
+        return _TestOutput, ((DupFd(1), DupFd(2)),)
+
+    def restore(self):
+        for target, fd in enumerate((dup.detach() for dup in self.fds), start=1):
+            if fd != target:  # spawn's child has them as fds 1 and 2 already
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+# run_spawn's ranks are forks of one forkserver that has imported torch, torch.distributed and torch_chainermn
+# once: under plain "spawn" each rank spent ~3.5 s of CPU importing them, most of a small job's time on a
+# 2-core machine. Whatever those imports read from the environment is read in the server, which has the
+# test process's environment with a rank's OMP_NUM_THREADS and no launcher's variables (so that importing
+# torch_chainermn neither calls MPI_Init nor takes a launcher's ranks). What a rank's own environment must
+# decide is read again in the rank: torch_chainermn's launcher record when RANK is set (_launch.record()),
+# TORCH_DISTRIBUTED_DEBUG in _spawn_target; the group settings (CHAINERMN_SHM, ...) are read at init.
+# IMPORT_TIME_VARIABLES are read at import alone: a call that gives one of them another value than the
+# server has starts its ranks with plain "spawn" instead. A forkserver's child would end with os._exit:
+# _forked_target ends it as a spawned rank ends, with the interpreter's shutdown.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch_chainermn"]
+IMPORT_TIME_VARIABLES = (
+    "OMP_NUM_THREADS",  # by libgomp, when torch loads it
+    "CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS",  # torch_chainermn's except hook
+)
+_forkserver_env: dict | None = None
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """os.environ is `env` inside (only the variables that differ are touched), as it was after."""
+    changed = {k: os.environ.get(k) for k in set(os.environ) | set(env) if os.environ.get(k) != env.get(k)}
+    try:
+        for k in changed:
+            os.environ.pop(k) if env.get(k) is None else os.environ.__setitem__(k, env[k])
+        yield
+    finally:
+        for k, v in changed.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _rank_context(rank_envs: list):
+    """The forkserver context (started, with the preload, in its environment on first use), or plain
+    spawn for ranks that set an IMPORT_TIME_VARIABLES differently."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    global _forkserver_env
+    if _forkserver_env is None:
+        _forkserver_env = launcher_free_environment(drop_prefixes=("OMPI_", "PMIX_", "PMI_"))
+        _forkserver_env.update(_base_env(None))
+        forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    if any(env.get(k) != _forkserver_env.get(k) for env in rank_envs for k in IMPORT_TIME_VARIABLES):
+        return mp.get_context("spawn")
+    with _environment(_forkserver_env):  # (re)starts it if it is not running
+        forkserver.ensure_running()
+    return mp.get_context("forkserver")
 
 
 def _exit_description(code) -> str:
@@ -218,32 +303,32 @@ def run_job(command: list, env: dict, timeout: float, cwd=REPO, what: str = "the
 
 def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
               init=True, may_exit=(), **kwargs) -> list:
-    """Run fn on world_size spawned processes (env:// rendezvous, Gloo transport).
+    """Run fn on world_size new processes (env:// rendezvous, Gloo transport).
 
     Ranks in `may_exit` are allowed to end without a result (tests of a rank dying).
     """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    port = free_port()
+    # Each rank's whole environment: a forkserver's child starts from the server's, not from ours.
+    rank_envs = [{
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        **_base_env(env),
+        **((rank_env or {}).get(rank, {})),
+    } for rank in range(world_size)]
+    ctx = _rank_context(rank_envs)
     with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
         tmp = Path(tmp_name)
         args_path = _write_args(tmp, args, kwargs)
-        port = free_port()
         procs = []
-        for rank in range(world_size):
-            rank_vars = {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world_size),
-                **_base_env(env),
-                **((rank_env or {}).get(rank, {})),
-            }
+        for rank_vars in rank_envs:
             p = ctx.Process(
-                target=_spawn_target,
-                args=(_reference(fn), args_path, str(tmp), init, op_timeout, rank_vars),
+                target=_forked_target if ctx.get_start_method() == "forkserver" else _spawn_target,
+                args=(_reference(fn), args_path, str(tmp), init, op_timeout, rank_vars, _TestOutput()),
             )
             p.start()
             procs.append(p)
