@@ -88,8 +88,8 @@ class Spin {
     return now < until_;
   }
 
-  // Whether waits may spin at `now`: no contention seen of late, no more runnable threads than twice
-  // the CPUs.
+  // Whether waits may spin at `now`: no contention seen of late and, in a process on several CPUs, no
+  // more runnable threads than twice the CPUs.
   static bool allowed(Clock::time_point now);
   // Whether this process may run on more than one CPU.
   static bool severalCpus();
