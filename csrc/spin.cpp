@@ -74,9 +74,8 @@ bool Spin::allowed(Clock::time_point now) {
 }
 
 bool Spin::yieldedTooLong(Clock::time_point before, Clock::time_point after) {
-  // A process on several CPUs reads the run queue instead (allowed()): its yields also come back late
-  // for the threads of the other ranks, which that count allows for and this test would not (a 4 KiB
-  // all_reduce back to back, unbound: 26-37 us, and 64-174 us when these yields were judged too).
+  // A process on several CPUs reads the run queue instead (allowed()), as measured for issue 38; on
+  // several CPUs a late yield may also be another rank's thread of the same job taking this CPU.
   if (severalCpus() || after - before <= kDescheduled) {
     return false;
   }
