@@ -87,14 +87,14 @@ bool Spin::yieldedTooLong(Clock::time_point before, Clock::time_point after) {
   return true;
 }
 
-OwnWork::OwnWork() {
-  if (tlsWorkDepth++ == 0) {
+OwnWork::OwnWork() : marks_(!Spin::severalCpus()) {
+  if (marks_ && tlsWorkDepth++ == 0) {
     gWorking.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
 OwnWork::~OwnWork() {
-  if (--tlsWorkDepth == 0) {
+  if (marks_ && --tlsWorkDepth == 0) {
     gWorkEndedAt.store(Spin::Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
     gWorking.fetch_sub(1, std::memory_order_relaxed);
   }

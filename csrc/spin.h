@@ -111,12 +111,16 @@ class Spin {
 
 // Marks a stretch of real work by this thread (running an op, moving messages): a thread of the
 // process that yielded the CPU meanwhile got it back late because of this work, not another process.
+// Nothing to mark in a process on several CPUs, which does not judge its yields.
 class OwnWork {
  public:
   OwnWork();
   ~OwnWork();
   OwnWork(const OwnWork&) = delete;
   OwnWork& operator=(const OwnWork&) = delete;
+
+ private:
+  bool marks_;
 };
 
 } // namespace chainermn
