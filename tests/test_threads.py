@@ -189,6 +189,30 @@ def check_collectives(t, dtype):
     return (me, size, t.library)
 
 
+def test_shared_memory_collectives_of_one_cell_and_of_chunks():
+    # The segment takes a message of up to 16 KiB a rank in one barrier through its exchange cells
+    # (comm/shm.cpp), a larger one chunk by chunk: both sides of the line, and two chunks (1 MiB each).
+    def per_rank(r):
+        t, me, size = r.world, r.world.rank, r.world.size
+        for n in (4096, 4097, 300_000):  # float32: 16 KiB, 16 KiB + 4 B, 1.2 MB
+            ramp = torch.arange(n, dtype=torch.float32)
+            x = ramp + me
+            t.allreduce(x)  # in place
+            assert torch.equal(x, ramp * size + size * (size - 1) // 2), n
+            x = ramp + me
+            t.reduce(x, x, "max", root=1)  # in place on the root; untouched elsewhere
+            assert torch.equal(x, ramp + (size - 1 if me == 1 else me)), n
+            x = torch.full((n,), float(me))
+            t.broadcast(x, root=size - 1)
+            assert torch.equal(x, torch.full((n,), float(size - 1))), n
+            gathered = torch.zeros(n * size)
+            t.allgather(ramp + me, gathered)
+            assert torch.equal(gathered, torch.cat([ramp + p for p in range(size)])), n
+        return t.library
+
+    assert testing.run(["a"] * 3, per_rank, shared_memory=True) == ["shm"] * 3
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["threads", "shm"])
 @pytest.mark.parametrize("topology", ["1x1", "1x4", "2x2-interleaved", "1+2+2", "3x2"])
 def test_collectives_on_every_level(topology, shared_memory):

@@ -52,12 +52,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
     lastInWindow_ = work;  // what an empty coalescing window returns (endCoalescing)
   }
   if (device.is_cpu()) {
-    worker_->enqueue(work, [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
+    const bool onCaller = runsOnCaller(spec);
+    Worker::Body run = [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
       if (agreement.collective) {
         context->agree(op, agreement);
       }
       return body(*context->cpu);
-    });
+    };
+    if (onCaller && worker_->runIfIdle(work, run)) {
+      opsOnCaller_.fetch_add(1, std::memory_order_relaxed);
+      return work;
+    }
+    worker_->enqueue(work, std::move(run));
     return work;
   }
   if (plan_.cuda.allNccl) {
@@ -98,6 +104,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
     work->waitQueued();
   }
   return work;
+}
+
+// A collective the caller waits for at once (async_op=False), carried by the shared-memory segment
+// alone, runs on the caller's thread when the worker is idle: the hop to the worker and back (two
+// thread switches, on one core when the rank is bound to it; a scheduler slice when the machine is
+// busy and the worker asleep) costs more than a small op, and the caller would only wait meanwhile.
+// An async op stays on the worker: its caller may do anything before it waits, the peers' arrival
+// included. The segment is the only host transport that the watchdog can end a wait in
+// (AbortableComms, runtime/worker.h); gather, scatter and all-to-all go to the host library beside it.
+bool ProcessGroupChainerMN::runsOnCaller(const OpSpec& spec) const {
+  if (!collectivesOnCaller_ || batch_ || !spec.callerWaits || !spec.agree.collective) {
+    return false;
+  }
+  switch (spec.type) {
+    case c10d::OpType::ALLREDUCE:
+    case c10d::OpType::ALLREDUCE_COALESCED:
+    case c10d::OpType::BROADCAST:
+    case c10d::OpType::REDUCE:
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::_ALLGATHER_BASE:
+    case c10d::OpType::ALLGATHER_COALESCED:
+    case c10d::OpType::REDUCE_SCATTER:
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+    case c10d::OpType::COALESCED:  // all_gather_into_tensor_coalesced, reduce_scatter_tensor_coalesced
+    case c10d::OpType::BARRIER:
+      return true;
+    default:
+      return false;
+  }
 }
 
 // Over NCCL alone: on the caller's thread, at once, as ProcessGroupNCCL does. The cross-rank check

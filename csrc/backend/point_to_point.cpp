@@ -207,6 +207,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(
     // The pieces are read (or copied) before sendGathered returns: the body holds none of them.
     Worker::Body send = [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); };
     if (worker_->runIfIdle(work, send)) {
+      opsOnCaller_.fetch_add(1, std::memory_order_relaxed);
       return c10::intrusive_ptr<c10d::Work>(work);
     }
     return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag, work);
@@ -233,7 +234,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::BarrierOptions& opts) {
   const int device = cudaDevice_.load();
   if (device < 0 || !plan_.cuda.allNccl) {
-    return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout}, [](DeviceContext& on) {
+    return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout, Agreement{}, !opts.asyncOp}, [](DeviceContext& on) {
       on.transports.world->barrier();
       return RequestPtr();
     });

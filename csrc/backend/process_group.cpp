@@ -43,13 +43,15 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
       size_);
   context_->cpu = std::make_unique<DeviceContext>(*context_->strategy, at::kCPU);
   context_->cpu->transports = host;
-  deviceComms_ = std::make_shared<WatchedTransports>();
-  context_->buildCuda = cudaTransportsBuilder(setup, plan_.cuda, host, deviceComms_);
+  watched_ = std::make_shared<WatchedTransports>();
+  watched_->watch(host);  // a caller's op waiting in shared memory ends when the group breaks
+  collectivesOnCaller_ = plan_.sharedMemory && topology_.ranksOfNode.size() == 1;
+  context_->buildCuda = cudaTransportsBuilder(setup, plan_.cuda, host, watched_);
   std::shared_ptr<Monitor> health;
   if (size_ > 1) {
     health = std::make_shared<GroupHealth>(setup.store, topology_, [this] { return sequence_.load(); });
   }
-  worker_ = std::make_unique<Worker>(setup.name, std::move(health), deviceComms_);
+  worker_ = std::make_unique<Worker>(setup.name, std::move(health), watched_);
 }
 
 // Without shutdown() first (destroy_process_group calls it), as ProcessGroupNCCL's destructor: what is
@@ -125,9 +127,9 @@ void ProcessGroupChainerMN::shutdown() {
   worker_->announceLeaving();  // first, as at the interpreter's exit: a peer failing meanwhile is told
   worker_->drain();
   if (worker_->brokenReason().empty()) {
-    deviceComms_->close();
+    watched_->close();
   } else {
-    deviceComms_->abort();
+    watched_->abort();
   }
 }
 

@@ -36,6 +36,9 @@ struct OpSpec {
   std::vector<at::Tensor> inputs;   // read by the op: kept alive until it is done
   std::chrono::milliseconds timeout = c10d::kUnsetTimeout;  // the group's unless set
   Agreement agree;  // what every rank must pass the same (collectives; see agreement.h)
+  // The caller waits for the op at once (torch's async_op=False, the options' asyncOp): running it on
+  // the caller's thread takes nothing from it (runsOnCaller).
+  bool callerWaits = false;
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -236,6 +239,11 @@ class ProcessGroupChainerMN : public c10d::Backend {
   const char* algorithm() const {
     return context_->strategy->name();
   }
+  // How many ops ran on their caller's thread rather than the group's worker: small collectives over
+  // shared memory (runsOnCaller) and messages written straight into the ring (sendMessage).
+  uint64_t opsRunOnCaller() const {
+    return opsOnCaller_.load(std::memory_order_relaxed);
+  }
   // Bytes of staging memory held (grows to the largest call, then stays).
   size_t scratchBytes() const {
     return context_->cpu->scratch.bytesHeld() + (context_->cuda ? context_->cuda->scratch.bytesHeld() : 0);
@@ -252,6 +260,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // op's tensors are kept from the caching allocator until that work is done, and the Work's future
   // is device-aware (wait() and then() are stream-ordered rather than host-synchronised).
   c10::intrusive_ptr<c10d::Work> post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work = nullptr);
+  // Whether post() runs a CPU op on the caller's thread when the worker is idle (funnel.cpp).
+  bool runsOnCaller(const OpSpec& spec) const;
   // post()'s CUDA path over NCCL alone: the body runs now, on the caller's thread.
   void launch(
       OpSpec& spec,
@@ -304,7 +314,11 @@ class ProcessGroupChainerMN : public c10d::Backend {
   Agreement agreeOn(const std::vector<at::Tensor>& tensors) const;
 
   std::shared_ptr<GroupContext> context_;
-  std::shared_ptr<WatchedTransports> deviceComms_;  // the CUDA transports, once built
+  // Every CPU transport of the group is the node's shared-memory segment (one node, shared memory
+  // on): small collectives may run on their caller's thread (runsOnCaller).
+  bool collectivesOnCaller_ = false;
+  std::atomic<uint64_t> opsOnCaller_{0};
+  std::shared_ptr<WatchedTransports> watched_;  // the host transports, and the CUDA ones once built
   std::unique_ptr<Worker> worker_;
   at::Tensor barrierToken_;  // the one int a barrier over NCCL all-reduces
   Topology topology_;

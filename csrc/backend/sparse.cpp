@@ -64,7 +64,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduceSparse(at::Tensor
     (void)planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);  // the dtype's check
     Agreement agreement = withReduce(agreeOn({tensor}), opts.reduceOp);
     agreement.layout = layoutOf({tensor}, /*shapes=*/true);  // sizes, and so the sparse/dense split
-    return post({c10d::OpType::ALLREDUCE, kSparseOp, {tensor}, {}, opts.timeout, agreement}, [tensor](DeviceContext& on) {
+    return post({c10d::OpType::ALLREDUCE, kSparseOp, {tensor}, {}, opts.timeout, agreement, !opts.asyncOp}, [tensor](DeviceContext& on) {
       sumSparse(*on.transports.world, tensor);
       return RequestPtr();
     });

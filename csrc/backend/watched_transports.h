@@ -1,6 +1,6 @@
-// A group's device transports as the watchdog sees them (DeviceComms, runtime/worker.h): the CUDA
-// transports are added when the group's first CUDA op builds them; asked and aborted from the
-// watchdog's thread.
+// A group's transports as the watchdog sees them (AbortableComms, runtime/worker.h): the host
+// transports from the start, the CUDA ones when the group's first CUDA op builds them; asked and
+// aborted from the watchdog's thread.
 #pragma once
 
 #include "comm/transport.h"
@@ -12,7 +12,7 @@
 
 namespace chainermn {
 
-class WatchedTransports : public DeviceComms {
+class WatchedTransports : public AbortableComms {
  public:
   void watch(const TransportSet& set);
   std::string asyncError() override;

@@ -19,13 +19,19 @@ size_t roundUp(size_t n, size_t to) {
   return (n + to - 1) / to * to;
 }
 
-// Two rounds of kExchangeBytes per rank (see exchange()), in whole pages.
+// A rank's cell in each half of the exchange area (exchange(), reduceSmall()): what a small
+// reduction (ranks x this) costs every rank to read is less than the barrier it saves.
+constexpr size_t kCellBytes = 16384;
+static_assert(kCellBytes >= kExchangeBytes, "a cell holds an exchange");
+
+// Two rounds of a cell per rank (see exchange()), in whole pages.
 size_t exchangeBytes(int size) {
-  return roundUp(2 * size * kExchangeBytes, 4096);
+  return roundUp(2 * size * kCellBytes, 4096);
 }
 
-// The segment holds the barrier's flags, the exchange area, a slot per rank, two result buffers,
-// then the point-to-point rings when the transport carries point to point.
+// The segment holds the barrier's flags, the exchange area (two halves of a cell per rank: the
+// fingerprints, and the collectives small enough to take one barrier), a slot per rank, two result
+// buffers, then the point-to-point rings when the transport carries point to point.
 size_t segmentBytes(int size, size_t chunk, bool pointToPoint) {
   return Barrier::bytes(size) + exchangeBytes(size) + (size + 2) * chunk + (pointToPoint ? Mailboxes::bytes(size) : 0);
 }
@@ -72,6 +78,13 @@ class ShmTransport : public Transport {
     barrier_.startWatchingPeers();
   }
 
+  // The collectives' waits end (Barrier::abort): a collective run on its caller's thread
+  // (backend/funnel.cpp) returns when the group breaks, as one on the worker is failed by the
+  // watchdog. Point to point needs none: its requests are failed where they wait.
+  void abort() override {
+    barrier_.abort();
+  }
+
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     reduceChunks(buf, buf, count, dtype, op, /*root=*/-1);
   }
@@ -83,6 +96,19 @@ class ShmTransport : public Transport {
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t width = c10::elementSize(dtype);
+    if (count > 0 && count * width <= kCellBytes) {
+      // One barrier (as exchange()): the root's cell of this round's half, read after it.
+      char* cell = exchangeArea_ + exchangeParity_ * size_ * kCellBytes + root * kCellBytes;
+      if (rank_ == root) {
+        std::memcpy(cell, buf, count * width);
+      }
+      barrier_.sync();
+      exchangeParity_ ^= 1;
+      if (rank_ != root) {
+        std::memcpy(buf, cell, count * width);
+      }
+      return;
+    }
     const int64_t step = chunk_ / width;
     auto* data = static_cast<char*>(buf);
     for (int64_t offset = 0; offset < count; offset += step) {
@@ -100,6 +126,10 @@ class ShmTransport : public Transport {
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
     const size_t width = c10::elementSize(dtype);
+    if (count > 0 && count * width <= kCellBytes) {
+      exchangeCells(send, recv, count * width);  // one barrier
+      return;
+    }
     const int64_t step = chunk_ / width;
     for (int64_t offset = 0; offset < count; offset += step) {
       const size_t bytes = std::min(step, count - offset) * width;
@@ -177,18 +207,9 @@ class ShmTransport : public Transport {
     barrier_.sync();
   }
 
-  // One barrier: each rank writes its bytes into its cell of this round's half, then reads every
-  // cell. The halves alternate, so a rank may write the next round while a peer still reads this
-  // one; it reaches this half again only after a barrier every peer has passed since reading it.
   void exchange(const void* mine, void* all, size_t bytes) override {
     TORCH_CHECK(bytes <= kExchangeBytes, "shared memory: exchange of ", bytes, " bytes");
-    char* round = exchangeArea_ + exchangeParity_ * size_ * kExchangeBytes;
-    std::memcpy(round + rank_ * kExchangeBytes, mine, bytes);
-    barrier_.sync();
-    for (int r = 0; r < size_; ++r) {
-      std::memcpy(static_cast<char*>(all) + r * bytes, round + r * kExchangeBytes, bytes);
-    }
-    exchangeParity_ ^= 1;
+    exchangeCells(mine, all, bytes);
   }
 
  private:
@@ -197,6 +218,10 @@ class ShmTransport : public Transport {
   // rank may start the next chunk while others still copy the last result out.
   void reduceChunks(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) {
     const size_t width = c10::elementSize(dtype);
+    if (count > 0 && count * width <= kCellBytes) {
+      reduceSmall(send, recv, count, dtype, op, root);
+      return;
+    }
     const int64_t step = chunk_ / width;
     const auto* input = static_cast<const char*>(send);
     for (int64_t offset = 0; offset < count; offset += step) {
@@ -223,6 +248,39 @@ class ShmTransport : public Transport {
       }
       parity_ ^= 1;
     }
+  }
+
+  // One barrier: each rank writes its `bytes` (at most a cell) into its cell of this round's half of
+  // the exchange area, then reads every cell. The halves alternate, so a rank may write the next
+  // round while a peer still reads this one; it reaches this half again only after a barrier every
+  // peer has passed since reading it (the next round's, whatever ops come between).
+  void exchangeCells(const void* mine, void* all, size_t bytes) {
+    char* round = exchangeArea_ + exchangeParity_ * size_ * kCellBytes;
+    std::memcpy(round + rank_ * kCellBytes, mine, bytes);
+    barrier_.sync();
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(static_cast<char*>(all) + r * bytes, round + r * kCellBytes, bytes);
+    }
+    exchangeParity_ ^= 1;
+  }
+
+  // A reduction that fits a cell in one barrier instead of two: every rank writes its input to its
+  // cell of this round's half of the exchange area, and after the barrier reduces every rank's cell
+  // itself (all of it, where reduceChunks shares the work out and needs a second barrier before the
+  // copy out). The same order of operands on every rank: the same result, bit for bit, as
+  // reduceChunks. The halves alternate as in exchange(), whose parity this shares.
+  void reduceSmall(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) {
+    char* round = exchangeArea_ + exchangeParity_ * size_ * kCellBytes;
+    std::memcpy(round + rank_ * kCellBytes, send, count * c10::elementSize(dtype));
+    barrier_.sync();
+    exchangeParity_ ^= 1;
+    if (root >= 0 && rank_ != root) {
+      return;
+    }
+    for (int r = 0; r < size_; ++r) {
+      sources_[r] = round + r * kCellBytes;
+    }
+    reduceBuffers(recv, sources_.data(), size_, count, dtype, op);
   }
 
   TransportPtr fallback_;

@@ -3,7 +3,8 @@
 // The ranks of a node map one segment: a flag per rank, a slot per rank and two result buffers.
 // A collective runs chunk by chunk: every rank copies its chunk into its slot, a barrier, every rank
 // reduces its own slice of the chunk from all slots (the ranks reduce in parallel), a barrier, every
-// rank copies the result out. Collectives that gain nothing from this (gather, scatter, all-to-all,
+// rank copies the result out. One of at most 16 KiB a rank takes one barrier instead: every rank
+// writes its cell of an exchange area, and after the barrier reads (and reduces) every cell itself. Collectives that gain nothing from this (gather, scatter, all-to-all,
 // point to point) go to `fallback`, the library's transport over the same ranks.
 //
 // The segment's life (creation, the store handshake, unlinking, reclaiming orphans) is in

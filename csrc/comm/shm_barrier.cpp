@@ -55,6 +55,9 @@ Barrier::Barrier(void* flags, int rank, int size, std::chrono::milliseconds time
 }
 
 void Barrier::sync() {
+  if (aborted_.load(std::memory_order_relaxed)) {
+    C10_THROW_ERROR(DistBackendError, "shared memory: the group was aborted");
+  }
   const uint32_t target = ++sequence_;
   Flag& mine = flags_[rank_];
   // seq_cst on both sides (here and in waitFor): either the sleeper sees the new sequence before
@@ -102,12 +105,18 @@ void Barrier::waitFor(int r, uint32_t target) {
   }
 }
 
-// Fails fast when the peer's process is gone, and at the timeout when it is only absent.
+// Fails fast when the peer's process is gone or the group was aborted, and at the timeout when the
+// peer is only absent.
 void Barrier::checkPeer(
     int r,
     uint32_t target,
     std::chrono::steady_clock::time_point start,
     std::chrono::steady_clock::time_point now) {
+  if (aborted_.load(std::memory_order_relaxed)) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "shared memory: the group was aborted while waiting for local rank " + std::to_string(r) + " of this node");
+  }
   if (watchPids_ && now - lastLivenessCheck_ > std::chrono::milliseconds(50)) {
     lastLivenessCheck_ = now;
     const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
@@ -125,6 +134,10 @@ void Barrier::checkPeer(
         "shared memory: timed out: local rank " + std::to_string(r) + " of this node did not arrive within " +
             std::to_string(timeout_.count()) + " ms");
   }
+}
+
+void Barrier::abort() {
+  aborted_.store(true, std::memory_order_relaxed);  // seen within kSleepSlice: no wake needed
 }
 
 void Barrier::startWatchingPeers() {

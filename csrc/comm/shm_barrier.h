@@ -1,8 +1,10 @@
 // The barrier of a node's ranks through their shared-memory segment: a flag per rank that counts
 // the barriers it has entered, and the wait for the other ranks' flags (spin, yield, then sleep on
-// a futex), bounded by the group timeout and cut short when a peer's process dies.
+// a futex), bounded by the group timeout and cut short when a peer's process dies or the group is
+// aborted.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +31,11 @@ class Barrier {
   // can see them all (ranks in other PID namespaces would look dead).
   void startWatchingPeers();
 
+  // Any thread: a sync() waiting now throws within a sleep slice (20 ms), and so does every later
+  // one. The group's watchdog calls it when the group breaks (a timeout, a peer's abort, an abort
+  // here): a collective run on its caller's thread has no other way out of the wait.
+  void abort();
+
  private:
   void waitFor(int r, uint32_t target);
   // Throws when peer r died before reaching `target`, or when the timeout has passed since `start`.
@@ -40,6 +47,7 @@ class Barrier {
   const std::chrono::milliseconds timeout_;
   uint32_t sequence_ = 0;
   bool watchPids_ = false;
+  std::atomic<bool> aborted_{false};
   std::chrono::steady_clock::time_point lastLivenessCheck_{};
 };
 

@@ -142,8 +142,10 @@ class Transport {
   // Transports whose calls return before the data has moved (NCCL: a call queues kernels on a
   // stream) can fail after returning. asyncError() says so: "" while healthy, else the library's
   // report (ncclCommGetAsyncError). abort() ends the transport for good: work it queued stops
-  // (kernels waiting on a dead peer return) and later calls throw. Both are called from the
-  // watchdog's thread, never throw, and cost nothing on transports whose calls block.
+  // (kernels waiting on a dead peer return), a call waiting for a peer throws (shared memory: a
+  // collective run on its caller's thread must be freed when the group breaks) and later calls
+  // throw. Both are called from the watchdog's thread, never throw, and cost nothing elsewhere
+  // (MPI and Gloo cannot end a call in progress: no op runs on a caller over them).
   virtual std::string asyncError() {
     return "";
   }

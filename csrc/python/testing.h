@@ -9,5 +9,7 @@ namespace chainermn {
 void bindTesting(pybind11::module_& testing);
 // testing.DeviceQueue (testing_worker.cpp): the watchdog's device path with a scripted device.
 void bindWorkerTesting(pybind11::module_& testing);
+// testing.caller_op_outcome (testing_caller.cpp): an op run on its caller's thread, ended by the group's break.
+void bindCallerTesting(pybind11::module_& testing);
 
 } // namespace chainermn

@@ -21,7 +21,7 @@ namespace chainermn {
 namespace {
 
 // What the watchdog asks of a group's device transports, scripted by the test.
-class ScriptedDevice : public DeviceComms {
+class ScriptedDevice : public AbortableComms {
  public:
   std::string asyncError() override {
     std::lock_guard<std::mutex> lock(mutex_);

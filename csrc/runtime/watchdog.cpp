@@ -63,8 +63,8 @@ std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::e
       brokenReason = "the group is unusable after " + message;
     }
   }
-  if (device) {
-    device->abort();  // device work queued before this op waits on the peers too
+  if (comms) {
+    comms->abort();  // device work queued before this op, or a caller's op, waits on the peers too
   }
   return backendError(message);
 }
@@ -94,11 +94,12 @@ void Worker::State::breakGroup(std::unique_lock<std::mutex>& lock, const std::st
   for (auto& work : queuedOnDevice) {
     work->fail(backendError("chainermn " + work->description() + ": " + reason));
   }
-  if (device) {
+  if (comms) {
     // Kernels waiting on a peer that is gone or gave up would never return: NCCL's abort ends them,
-    // so the streams that wait on them (the caller's too) move on. Before the other failures, whose
-    // callbacks may wait for the device.
-    device->abort();
+    // so the streams that wait on them (the caller's too) move on; a caller's thread waiting in the
+    // shared-memory barrier returns. Before the other failures, whose callbacks may wait for the
+    // device.
+    comms->abort();
   }
   for (auto& work : pending) {
     work->fail(backendError("chainermn " + work->description() + ": " + reason));
@@ -190,7 +191,7 @@ bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_
     }
     return nullptr;
   };
-  if (!device || !oldestOnDevice() || !brokenReason.empty()) {
+  if (!comms || !oldestOnDevice() || !brokenReason.empty()) {
     return false;
   }
   nextCheck = std::min(nextCheck, now + kAskDeviceEvery);
@@ -201,7 +202,7 @@ bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_
     }
     nextDeviceAsk = now + kAskDeviceEvery;
     lock.unlock();
-    error = device->asyncError();
+    error = comms->asyncError();
     lock.lock();
     failedOp = oldestOnDevice();
     if (error.empty() || !failedOp || !brokenReason.empty()) {

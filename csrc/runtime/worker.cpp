@@ -198,8 +198,8 @@ void Worker::State::workerLoop() {
   }
 }
 
-Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::shared_ptr<DeviceComms> device)
-    : state_(std::make_shared<State>(std::move(groupName), std::move(monitor), std::move(device))) {
+Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::shared_ptr<AbortableComms> comms)
+    : state_(std::make_shared<State>(std::move(groupName), std::move(monitor), std::move(comms))) {
   // The threads share the state, so a worker stuck in a transport call that never returns can be
   // detached without leaving it pointing at freed memory.
   std::promise<void> started;
@@ -321,6 +321,7 @@ bool Worker::runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body& body
     state_->callerThread.store(std::this_thread::get_id(), std::memory_order_relaxed);
   }
   QueuedOp op{work, std::move(body)};
+  GilReleased released;  // the op may wait for its peers: other Python threads go on meanwhile
   state_->runOnCaller(op);
   return true;
 }

@@ -50,14 +50,17 @@ class Monitor {
   virtual void leaving() = 0;
 };
 
-// The transports of a group whose calls return before their data has moved (NCCL's), for the
-// watchdog: only they can say that work already queued failed, and only aborting them stops it.
-class DeviceComms {
+// A group's transports as the watchdog needs them: those whose calls return before their data has
+// moved (NCCL's), which alone can say that work already queued failed and which only an abort
+// stops; and those a caller's thread may be waiting in (runIfIdle: shared memory), which only an
+// abort frees, since no watchdog can fail a Work whose own waiter is running it.
+class AbortableComms {
  public:
-  virtual ~DeviceComms() = default;
+  virtual ~AbortableComms() = default;
   // "" while healthy; else the first asynchronous error a transport reports. Watchdog thread.
   virtual std::string asyncError() = 0;
-  // Aborts them all: their queued kernels return and their later calls fail. Never throws.
+  // Aborts them all: their queued kernels return, a call waiting for a peer throws, and their
+  // later calls fail. Never throws.
   virtual void abort() = 0;
 };
 
@@ -74,9 +77,8 @@ class Worker {
  public:
   using Body = std::function<Pending()>;
 
-  // `monitor` and `device` may be null (no relay between ranks; no transport that works after
-  // returning).
-  Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::shared_ptr<DeviceComms> device = nullptr);
+  // `monitor` and `comms` may be null (no relay between ranks; no transport to ask or abort).
+  Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::shared_ptr<AbortableComms> comms = nullptr);
   // stop(), unless stopWorkersAtExit() already did.
   ~Worker();
 
@@ -87,8 +89,9 @@ class Worker {
   // Runs `body` for `work` now, on the calling thread, when the worker has nothing queued or running
   // (so the op keeps its place in the issue order); returns false, running nothing and leaving
   // `body` as it was, otherwise. The worker takes no op meanwhile. What the body leaves in flight is
-  // the worker's, as for an op it ran. For the ops that gain nothing from a thread hop: small
-  // collectives, and the transfers that need none (Transport::sendsGathered).
+  // the worker's, as for an op it ran. For the ops that gain nothing from a thread hop: collectives
+  // the caller waits for at once, on transports whose waits the group's break aborts
+  // (AbortableComms), and the transfers that need none (Transport::sendsGathered).
   bool runIfIdle(const c10::intrusive_ptr<WorkChainerMN>& work, Body& body);
 
   // CUDA work launched off the worker (on the caller's thread: process_group.cpp), already queued on

@@ -45,12 +45,12 @@ std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e);
 
 
 struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
-  State(std::string name, std::shared_ptr<Monitor> monitor, std::shared_ptr<DeviceComms> device)
-      : groupName(std::move(name)), monitor(std::move(monitor)), device(std::move(device)) {}
+  State(std::string name, std::shared_ptr<Monitor> monitor, std::shared_ptr<AbortableComms> comms)
+      : groupName(std::move(name)), monitor(std::move(monitor)), comms(std::move(comms)) {}
 
   const std::string groupName;
   const std::shared_ptr<Monitor> monitor;  // may be null
-  const std::shared_ptr<DeviceComms> device;  // may be null
+  const std::shared_ptr<AbortableComms> comms;  // may be null
   c10::intrusive_ptr<WorkChainerMN> reportedWaiting;  // watchdog only: the op the peers were told of
   Clock::time_point nextDeviceAsk{};  // watchdog only: when to ask the device transports again
   mutable std::mutex mutex;
