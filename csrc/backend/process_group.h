@@ -239,8 +239,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   const char* algorithm() const {
     return context_->strategy->name();
   }
-  // How many ops ran on their caller's thread rather than the group's worker: small collectives over
-  // shared memory (runsOnCaller) and messages written straight into the ring (sendMessage).
+  // How many ops ran on their caller's thread rather than the group's worker: blocking collectives
+  // over shared memory (runsOnCaller) and messages written straight into the ring (sendMessage).
   uint64_t opsRunOnCaller() const {
     return opsOnCaller_.load(std::memory_order_relaxed);
   }
@@ -315,7 +315,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
 
   std::shared_ptr<GroupContext> context_;
   // Every CPU transport of the group is the node's shared-memory segment (one node, shared memory
-  // on): small collectives may run on their caller's thread (runsOnCaller).
+  // on): collectives their caller waits for at once may run on its thread (runsOnCaller).
   bool collectivesOnCaller_ = false;
   std::atomic<uint64_t> opsOnCaller_{0};
   std::shared_ptr<WatchedTransports> watched_;  // the host transports, and the CUDA ones once built

@@ -227,7 +227,7 @@ PYBIND11_MODULE(_C, m) {
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes)
       .def("ops_run_on_caller", &ProcessGroupChainerMN::opsRunOnCaller,
-           "how many ops ran on their caller's thread instead of the group's worker (small collectives over "
+           "how many ops ran on their caller's thread instead of the group's worker (blocking collectives over "
            "shared memory, messages written straight into the ring)")
       .def("broken_reason", &ProcessGroupChainerMN::brokenReason,
            "why the group is unusable (a timeout, a dead or aborting peer, abort()), or \"\" while it is not")
