@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import torch_chainermn
+
 from tests.support.harness import run_mpiexec, run_spawn
 
 
@@ -63,36 +65,44 @@ def test_missing_peer_times_out_over_mpi():
 
 def peer_goes(how: str):
     """Rank 1 goes after a barrier: `dies` (os._exit, as a crash: nothing runs) or `leaves` (destroys
-    the group, then its process ends normally); rank 0's all_reduce says what it saw."""
+    the group, then its process ends normally); rank 0's all_reduce says what it saw, and whether it
+    ran on rank 0's own thread (a blocking op over shared memory: backend/funnel.cpp)."""
     dist.barrier()
     if dist.get_rank() == 1:
         if how == "dies":
             os._exit(0)
         dist.destroy_process_group()
         return "left"
+    backend = torch_chainermn._backend.backend_of()
+    before = backend.ops_run_on_caller()
     try:
         dist.all_reduce(torch.ones(4))
-        return "completed"
+        said = "completed"
     except dist.DistBackendError as error:
-        return str(error)
+        said = str(error)
+    return said, backend.ops_run_on_caller() - before
 
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_dead_peer_gives_an_error(shm):
     # Well before the 60 s group timeout: the transport notices the death, and says which rank.
     outcomes = run_spawn(peer_goes, 2, "dies", timeout=50, op_timeout=60, may_exit=(1,), env={"CHAINERMN_SHM": shm})
-    assert "all_reduce" in outcomes[0], outcomes[0]
-    assert "rank 1 (host" in outcomes[0] and "died" in outcomes[0], outcomes[0]  # named over Gloo too
+    said, on_caller = outcomes[0]
+    assert "all_reduce" in said, said
+    assert "rank 1 (host" in said and "died" in said, said  # named over Gloo too
+    # Over shared memory the op ran on the caller's thread: the segment's wait saw the death itself.
+    assert on_caller == (1 if shm == "1" else 0), outcomes[0]
     if shm == "1":
-        assert "local rank 1" in outcomes[0], outcomes[0]
+        assert "local rank 1" in said, said
 
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_a_peer_that_left_on_purpose_is_named_as_exited_not_dead(shm):
     outcomes = run_spawn(peer_goes, 2, "leaves", timeout=50, op_timeout=20, env={"CHAINERMN_SHM": shm})
     assert outcomes[1] == "left"
-    assert "rank 1 (host" in outcomes[0] and "exited" in outcomes[0], outcomes[0]
-    assert "died" not in outcomes[0], outcomes[0]
+    said, _ = outcomes[0]
+    assert "rank 1 (host" in said and "exited" in said, said
+    assert "died" not in said, said
 
 
 def slow_peer():

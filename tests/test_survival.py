@@ -17,7 +17,9 @@ from tests.support.harness import run_mpiexec, run_spawn
 def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
     """Rank 1 leaves a new group of both ranks (`how`: "abort", ProcessGroup.abort(), as torchft
     does to a failed replica; "destroy", destroy_process_group(group), whose shutdown() tells the
-    peers) while rank 0 waits in an all_reduce on it; what rank 0's all_reduce said goes to outcome."""
+    peers) while rank 0 waits in an all_reduce on it; what rank 0's all_reduce said goes to outcome.
+    The abort is waited for in a blocking all_reduce (over shared memory, on rank 0's own thread:
+    backend/funnel.cpp), the shutdown in an async one (on the group's worker)."""
     group = dist.new_group([0, 1], backend="chainermn", timeout=datetime.timedelta(seconds=60))
     dist.barrier(group=group)
     if dist.get_rank() == 1:
@@ -27,11 +29,16 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
         else:
             dist.destroy_process_group(group)
     else:
+        backend = _backend.backend_of(group)
+        before = backend.ops_run_on_caller()
         try:
-            dist.all_reduce(torch.ones(10), group=group)
+            work = dist.all_reduce(torch.ones(10), group=group, async_op=how != "abort")
+            if work is not None:
+                work.wait()
             outcome[key] = "completed"
         except dist.DistBackendError as error:
             outcome[key] = str(error)
+        outcome[key + " on the caller"] = backend.ops_run_on_caller() - before
     return group
 
 
@@ -57,6 +64,7 @@ def test_an_abort_or_a_shutdown_reaches_the_peers_at_once_named():
     aborter, waiter = run_spawn(aborted_by_one_rank, 2, timeout=120)[::-1]
     said = "rank 1 aborted the group (ProcessGroup.abort())"
     assert said in waiter["pending"] and "timed out" not in waiter["pending"], waiter
+    assert waiter["pending on the caller"] == 1 and waiter["destroyed on the caller"] == 0, waiter
     assert "rank 1 (host" in waiter["destroyed"] and "exited" in waiter["destroyed"], waiter
     assert "timed out" not in waiter["destroyed"], waiter
     assert said in waiter["later"], waiter
