@@ -49,11 +49,18 @@ std::map<std::string, std::string> callerOpOutcome(const std::string& how) {
   std::map<std::string, std::string> outcome;
   testing::runRanks({"node", "node"}, options, [&](testing::RankGroup& group) {
     if (group.topology.rank == 1) {
-      while (!done.load()) {  // bounded: rank 0's wait ends by its deadline, or the transport's
+      while (!done.load()) {  // bounded: rank 0's waits end by its deadline, the abort or the transport's
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
       return;
     }
+    // Rank 1 leaves once rank 0 is through, whichever way (a failed check throws).
+    struct Release {
+      std::atomic<bool>& done;
+      ~Release() {
+        done.store(true);
+      }
+    } release{done};
     TransportPtr world = group.transports.world;
     auto worker = std::make_unique<Worker>("caller-op", nullptr, std::make_shared<AbortsTransport>(world));
     const auto timeout = std::chrono::milliseconds(how == "timeout" ? 300 : 30000);
@@ -127,7 +134,6 @@ std::map<std::string, std::string> callerOpOutcome(const std::string& how) {
     await(left);  // with "worker-busy", the worker's wait: the abort frees it too
     outcome["transport"] = left.load() ? waitEnded : "still waiting";
     worker.reset();
-    done.store(true);
   });
   return outcome;
 }
