@@ -98,7 +98,7 @@ class ShmTransport : public Transport {
     const size_t width = c10::elementSize(dtype);
     if (count > 0 && count * width <= kCellBytes) {
       // One barrier (as exchange()): the root's cell of this round's half, read after it.
-      char* cell = exchangeArea_ + exchangeParity_ * size_ * kCellBytes + root * kCellBytes;
+      char* cell = roundCells() + root * kCellBytes;
       if (rank_ == root) {
         std::memcpy(cell, buf, count * width);
       }
@@ -250,12 +250,17 @@ class ShmTransport : public Transport {
     }
   }
 
+  // This round's half of the exchange area: a cell per rank.
+  char* roundCells() const {
+    return exchangeArea_ + exchangeParity_ * size_ * kCellBytes;
+  }
+
   // One barrier: each rank writes its `bytes` (at most a cell) into its cell of this round's half of
   // the exchange area, then reads every cell. The halves alternate, so a rank may write the next
   // round while a peer still reads this one; it reaches this half again only after a barrier every
   // peer has passed since reading it (the next round's, whatever ops come between).
   void exchangeCells(const void* mine, void* all, size_t bytes) {
-    char* round = exchangeArea_ + exchangeParity_ * size_ * kCellBytes;
+    char* round = roundCells();
     std::memcpy(round + rank_ * kCellBytes, mine, bytes);
     barrier_.sync();
     for (int r = 0; r < size_; ++r) {
@@ -270,7 +275,7 @@ class ShmTransport : public Transport {
   // copy out). The same order of operands on every rank: the same result, bit for bit, as
   // reduceChunks. The halves alternate as in exchange(), whose parity this shares.
   void reduceSmall(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) {
-    char* round = exchangeArea_ + exchangeParity_ * size_ * kCellBytes;
+    char* round = roundCells();
     std::memcpy(round + rank_ * kCellBytes, send, count * c10::elementSize(dtype));
     barrier_.sync();
     exchangeParity_ ^= 1;
