@@ -12,20 +12,25 @@ convolutions are small and DDP's all-reduce of the gradients is a large part of 
 what this benchmark compares; --image-size 64 makes the compute 4x heavier, --width 32 the
 gradients 4x lighter.
 
-Two replicas of the same model (same initial weights) are wrapped by two DDPs in the same ranks:
+Three replicas of the same model (same initial weights) are wrapped by three DDPs in the same ranks:
   chainermn   DDP(model) on the default process group, dist.init_process_group("chainermn")
   gloo        DDP(copy of the model, process_group=dist.new_group(backend="gloo"))
+  none        DDP(copy of the model) with a comm hook that returns each bucket as it is: the same
+              step with no communication at all, the floor no backend can go below. gloo / none is
+              the most any backend could gain on gloo on this machine, in this run.
 A step is forward, cross-entropy loss, backward (during which DDP all-reduces the gradient buckets
-over its group) and optimizer.step(). Both first take --warmup steps, in turns; then --repeats
-rounds, each one block of --steps consecutive steps of chainermn and one of gloo (which one goes
-first alternates round by round, so a drift of the machine reaches both alike). Every block starts
-after a barrier on a third (gloo) group, used only for bookkeeping; its time per step is the
-slowest rank's. The table gives, per backend, the median over the rounds and their range (min-max),
-and the ratio gloo / chainermn (above 1: chainermn's step is faster).
+over its group) and optimizer.step(). All first take --warmup steps, in turns; then --repeats
+rounds, each one block of --steps consecutive steps of each (which one goes first rotates round by
+round, so a drift of the machine reaches them alike). Every block starts after a barrier on a
+separate (gloo) group, used only for bookkeeping; its time per step is the slowest rank's. The table
+gives, per contender, the median over the rounds and their range (min-max), the ratio gloo /
+chainermn (above 1: chainermn's step is faster), and the share of chainermn's step above the floor
+(chainermn / none - 1: what its communication still costs).
 
-Both replicas see the same batches in the same order, so they must end with the same parameters
-and BatchNorm statistics; the last column says so, or WRONG with the largest difference (over all
-ranks) when they differ by more than float32 rounding (rtol 1e-4, atol 1e-6).
+The chainermn and gloo replicas see the same batches in the same order, so they must end with the
+same parameters and BatchNorm statistics; the last column says so, or WRONG with the largest
+difference (over all ranks) when they differ by more than float32 rounding (rtol 1e-4, atol 1e-6).
+(The floor's replica never averages its gradients: it drifts apart, and is not compared.)
 
 Each (threads, busy) pair is its own launch, since torch's intra-op threads are a per-process
 setting:
@@ -68,7 +73,9 @@ from allreduce import busy_processes, import_pyplot, launcher_name, run_launch, 
 
 DEFAULT_OUT_DIR = BENCHMARKS / "results"
 BACKENDS = ("chainermn", "gloo")
-COLORS = {"chainermn": "tab:green", "gloo": "tab:brown"}  # as in allreduce.py's plot
+FLOOR = "none"  # the same step without communication (a comm hook that returns each bucket as it is)
+CONTENDERS = BACKENDS + (FLOOR,)
+COLORS = {"chainermn": "tab:green", "gloo": "tab:brown", FLOOR: "tab:gray"}  # as in allreduce.py's plot
 RTOL, ATOL = 1e-4, 1e-6
 
 
@@ -139,7 +146,8 @@ def run_rank(args) -> None:
         sys.exit("start this script with torchrun or mpiexec, or use --launch (see --help)")
     dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = {"chainermn": None, "gloo": dist.new_group(backend="gloo")}  # None: the default group
+    # None: the default group. The floor's group is never used: its hook replaces the all-reduce.
+    groups = {"chainermn": None, "gloo": dist.new_group(backend="gloo"), FLOOR: dist.new_group(backend="gloo")}
     control = dist.new_group(backend="gloo")  # barriers and maxima only, never behind a measured op
 
     def slowest(x: float) -> float:
@@ -148,13 +156,14 @@ def run_rank(args) -> None:
         return float(value)
 
     model = build_model(args)
-    models = {"chainermn": model, "gloo": copy.deepcopy(model)}
-    ddps = {name: DDP(models[name], process_group=groups[name]) for name in BACKENDS}
-    optimizers = {name: torch.optim.SGD(ddps[name].parameters(), lr=0.01, momentum=0.9) for name in BACKENDS}
+    models = {"chainermn": model, "gloo": copy.deepcopy(model), FLOOR: copy.deepcopy(model)}
+    ddps = {name: DDP(models[name], process_group=groups[name]) for name in CONTENDERS}
+    ddps[FLOOR].register_comm_hook(None, no_communication)
+    optimizers = {name: torch.optim.SGD(ddps[name].parameters(), lr=0.01, momentum=0.9) for name in CONTENDERS}
     data = torch.Generator().manual_seed(args.seed + 1 + rank)
     batches = [(torch.randn(args.batch, 3, args.image_size, args.image_size, generator=data),
                 torch.randint(args.classes, (args.batch,), generator=data)) for _ in range(args.batches)]
-    taken = dict.fromkeys(BACKENDS, 0)  # steps each backend has taken: both walk the same batches
+    taken = dict.fromkeys(CONTENDERS, 0)  # steps each has taken: all walk the same batches
 
     def step(name: str) -> None:
         x, y = batches[taken[name] % len(batches)]
@@ -183,14 +192,15 @@ def run_rank(args) -> None:
     if rank == 0:
         print(f"# {describe(meta)}", flush=True)
 
-    times = {name: [] for name in BACKENDS}
+    times = {name: [] for name in CONTENDERS}
     # The spinners (--busy) run from here until this rank leaves the block, however it leaves.
     with busy_processes(busy, launch.local_rank, rank):
         for _ in range(args.warmup):
-            for name in BACKENDS:
+            for name in CONTENDERS:
                 step(name)
         for round_ in range(args.repeats):
-            for name in (BACKENDS if round_ % 2 == 0 else BACKENDS[::-1]):
+            first = round_ % len(CONTENDERS)  # each contender goes first in turn
+            for name in CONTENDERS[first:] + CONTENDERS[:first]:
                 times[name].append(block(name))
     meta["loadavg_end"] = os.getloadavg()[0]
 
@@ -198,7 +208,7 @@ def run_rank(args) -> None:
     difference["abs"] = slowest(difference["abs"])
     difference["equal"] = slowest(0.0 if difference["equal"] else 1.0) == 0.0
     result = {"meta": meta, "difference": difference,
-              "times": {name: summary(times[name]) for name in BACKENDS}}
+              "times": {name: summary(times[name]) for name in CONTENDERS}}
     if rank == 0:
         for line in table([result]):
             print(line)
@@ -207,6 +217,15 @@ def run_rank(args) -> None:
             print(f"result written to {args.json}")
     dist.barrier(group=control)  # rank 0 hosts the store: nobody leaves while others may still use it
     dist.destroy_process_group()
+
+
+def no_communication(state, bucket):
+    """A DDP comm hook that communicates nothing: the bucket's local gradients, at once."""
+    import torch
+
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def max_difference(torch, a, b) -> dict:
@@ -241,14 +260,16 @@ def cell(t: dict) -> str:
 
 def table(results: list[dict]) -> list[str]:
     """Markdown: a row per launch, step times as 'median (min-max)' in seconds."""
-    lines = ["| threads | busy | chainermn s/step | gloo s/step | gloo / chainermn | load average | check |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| threads | busy | chainermn s/step | gloo s/step | no communication s/step | gloo / chainermn "
+             "| gloo / no communication | chainermn above the floor | load average | check |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        meta, ours, theirs = r["meta"], r["times"]["chainermn"], r["times"]["gloo"]
+        meta, ours, theirs, floor = r["meta"], r["times"]["chainermn"], r["times"]["gloo"], r["times"][FLOOR]
         check = (f"equal (max diff {r['difference']['abs']:.3g})" if r["difference"]["equal"] else
                  f"WRONG: parameters differ by up to {r['difference']['abs']:.3g}")
-        lines.append(f"| {meta['threads']} | {meta['busy']} | {cell(ours)} | {cell(theirs)} "
-                     f"| {theirs['median'] / ours['median']:.2f} "
+        lines.append(f"| {meta['threads']} | {meta['busy']} | {cell(ours)} | {cell(theirs)} | {cell(floor)} "
+                     f"| {theirs['median'] / ours['median']:.2f} | {theirs['median'] / floor['median']:.2f} "
+                     f"| {ours['median'] / floor['median'] - 1:+.0%} "
                      f"| {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} | {check} |")
     return lines
 
@@ -256,8 +277,10 @@ def table(results: list[dict]) -> list[str]:
 def report(results: list[dict]) -> str:
     lines = [f"{describe(results[0]['meta'])}.", "",
              "Seconds per step (forward, backward with DDP's all-reduces, SGD step): median over the rounds "
-             "(min-max); gloo / chainermn above 1: chainermn faster. busy: spinning processes beside the ranks. "
-             "check: both DDPs end with the same parameters.", ""]
+             "(min-max); gloo / chainermn above 1: chainermn faster. no communication: the same step with a comm "
+             "hook that returns each bucket as it is, the floor; gloo / no communication is the most any backend "
+             "could gain on gloo in this run. busy: spinning processes beside the ranks. "
+             "check: the chainermn and gloo DDPs end with the same parameters.", ""]
     return "\n".join(lines + table(results))
 
 
@@ -269,17 +292,17 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(results) + 2), 4.5))
     xs = range(len(results))
-    bar = 0.38
-    for k, name in enumerate(BACKENDS):
+    bar = 0.27
+    for k, name in enumerate(CONTENDERS):
         t = [r["times"][name] for r in results]
         medians = [x["median"] * 1e3 for x in t]
         below = [(x["median"] - x["min"]) * 1e3 for x in t]
         above = [(x["max"] - x["median"]) * 1e3 for x in t]
-        ax.bar([x + (k - 0.5) * bar for x in xs], medians, bar, yerr=[below, above], capsize=3,
-               color=COLORS[name], label=name)
+        ax.bar([x + (k - 1) * bar for x in xs], medians, bar, yerr=[below, above], capsize=3,
+               color=COLORS[name], label="no communication" if name == FLOOR else name)
     for x, r in zip(xs, results):
         ratio = r["times"]["gloo"]["median"] / r["times"]["chainermn"]["median"]
-        top = max(r["times"][name]["max"] for name in BACKENDS) * 1e3
+        top = max(r["times"][name]["max"] for name in CONTENDERS) * 1e3
         mark = "" if r["difference"]["equal"] else " WRONG"
         ax.annotate(f"x{ratio:.2f}{mark}", (x, top), textcoords="offset points", xytext=(0, 4), ha="center",
                     fontsize="small")
