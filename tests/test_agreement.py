@@ -92,3 +92,63 @@ def test_debug_detail_wraps_the_backend():
     outcomes = run_spawn(sequence_numbers, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120)
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][1] == outcomes[0][0] + 2
+
+
+def carried_checks():
+    """What each op returned, and how many cross-rank checks rode in its own first exchange."""
+    import torch
+    import torch_chainermn
+
+    backend = torch_chainermn._backend.backend_of()
+    rank = dist.get_rank()
+    out = {}
+
+    def counted(name, call):
+        before = backend.checks_carried()
+        result = call()
+        out[name] = (backend.checks_carried() - before, result)
+
+    def all_reduce(t, **kw):
+        work = dist.all_reduce(t, **kw)
+        if work is not None:
+            work.wait()
+        return t.unique().tolist()
+
+    small = torch.full((16,), float(rank + 1))
+    counted("small all_reduce", lambda: all_reduce(small))  # on the caller: one barrier, check included
+    counted("small async all_reduce", lambda: all_reduce(small, async_op=True))  # on the worker: the same
+    counted("1 MiB all_reduce", lambda: all_reduce(torch.full((1 << 18,), float(rank + 1))))  # chunks: alone
+    counted("float16 AVG", lambda: all_reduce(torch.full((16,), float(rank + 1), dtype=torch.float16),
+                                              op=dist.ReduceOp.AVG))  # scaled in place first: alone, before
+    counted("empty all_reduce", lambda: all_reduce(torch.empty(0)))  # nothing moves: alone
+    counted("barrier", lambda: dist.barrier())
+    root = torch.full((4,), float(rank))
+    counted("broadcast", lambda: (dist.broadcast(root, src=1), root.tolist())[1])
+    gathered = [torch.empty(2) for _ in range(dist.get_world_size())]
+    counted("all_gather", lambda: (dist.all_gather(gathered, torch.full((2,), float(rank))),
+                                   [g.tolist() for g in gathered])[1])
+    counted("all_to_all", lambda: (dist.all_to_all_single(out := torch.empty(2), torch.full((2,), float(rank))),
+                                   out.tolist())[1])  # through the library beside the segment: alone
+    return out
+
+
+def test_a_small_collective_carries_its_check_in_its_one_barrier():
+    """Over shared memory a small collective's fingerprint rides in the barrier that moves its data
+    (ShmTransport::round); ops whose body writes first, ops of many chunks, empty ones and those the
+    segment hands to its library send it alone, first. Results stay right either way; the mismatch
+    battery above runs every pairing of the two (100 vs 600000 elements, 0 vs 5, a refusal)."""
+    outcomes = run_spawn(carried_checks, 2, env={"CHAINERMN_SHM": "1"}, timeout=120)
+    expected = {
+        "small all_reduce": (1, [3.0]),
+        "small async all_reduce": (1, [6.0]),
+        "1 MiB all_reduce": (0, [3.0]),
+        "float16 AVG": (0, [1.5]),
+        "empty all_reduce": (0, []),
+        "barrier": (1, None),
+        "broadcast": (1, [1.0] * 4),
+        "all_gather": (1, [[0.0, 0.0], [1.0, 1.0]]),
+    }
+    for rank, outcome in enumerate(outcomes):
+        for name, want in expected.items():
+            assert outcome[name] == want, (rank, name, outcome[name])
+        assert outcome["all_to_all"] == (0, [0.0, 1.0]), (rank, outcome["all_to_all"])

@@ -208,6 +208,15 @@ std::string disagreement(
   return "";
 }
 
+CarriedFingerprint::CarriedFingerprint(int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf)
+    : all_(size), reasonOf_(std::move(reasonOf)) {}
+
+void CarriedFingerprint::verify(const void* all) {
+  std::memcpy(all_.data(), all, all_.size() * sizeof(Fingerprint));
+  const std::string problem = disagreement(all_, [this](int r) { return reasonOf_(mine_.sequence, r); });
+  TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
+}
+
 void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {
   const int size = world.size();
   const std::vector<int64_t> ones(size, 1);

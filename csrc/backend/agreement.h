@@ -2,7 +2,8 @@
 //
 // Every collective carries a Fingerprint: what the op is and what every rank must pass the same
 // (dtype, element counts, root, reduce op, tensor count) plus the group's collective number. The
-// ranks exchange their fingerprints on the worker thread before the op's body runs; if any field
+// ranks exchange their fingerprints before the op's body moves data (in an exchange of their own, or
+// carried in the op's first exchange where the transport can: CarriedFingerprint); if any field
 // differs, every rank raises the same ValueError naming the op, the field and the ranks, and no rank
 // touches its output. Because the collective number travels too, an op can never be paired with a
 // different op of another rank: the group cannot silently fall out of step.
@@ -87,6 +88,30 @@ class FingerprintExchange {
 
   std::vector<Fingerprint> world_, node_, across_;
   std::vector<int64_t> verdicts_;
+};
+
+// A collective's fingerprint carried in its first exchange (Transport::carryCheck, group_context.h):
+// verify() throws, on every rank, the ValueError that an exchange of its own would have.
+class CarriedFingerprint : public CarriedCheck {
+ public:
+  // `reasonOf(sequence, rank)`: the reason of a rank that refused collective `sequence`.
+  CarriedFingerprint(int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf);
+
+  void set(const Fingerprint& mine) {
+    mine_ = mine;
+  }
+  const void* mine() const override {
+    return &mine_;
+  }
+  size_t bytes() const override {
+    return sizeof(Fingerprint);
+  }
+  void verify(const void* all) override;
+
+ private:
+  Fingerprint mine_;
+  std::vector<Fingerprint> all_;  // sized once
+  std::function<std::string(uint64_t, int)> reasonOf_;
 };
 
 // Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).

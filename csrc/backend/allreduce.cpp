@@ -22,7 +22,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce(
     checkStrategyHandles(op, *context_->strategy, tensor);
     const Reduction plan = planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);
     checkDeviceReduction(op, plan, tensor, plan_.cuda.bitwise);
-    return post({c10d::OpType::ALLREDUCE, op, {tensor}, {}, opts.timeout, withReduce(agreeOn({tensor}), opts.reduceOp), !opts.asyncOp}, [tensor, plan](DeviceContext& on) {
+    return post({c10d::OpType::ALLREDUCE, op, {tensor}, {}, opts.timeout, withReduce(agreeOn({tensor}), opts.reduceOp), !opts.asyncOp, !scalesInPlaceFirst(plan)}, [tensor, plan](DeviceContext& on) {
       premultiply(plan, tensor.data_ptr(), tensor.numel(), tensor.device());  // in place: the result replaces it
       on.strategy.allreduceParts(
           on.transports, on.scratch, flatParts({tensor}, plan.wireType), plan.wireType, plan.kind, plan.scaling);
@@ -46,7 +46,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduce_coalesced(
     const Reduction plan = planReduction(op, opts.reduceOp, tensors[0].scalar_type(), size_);
     checkDeviceReduction(op, plan, tensors[0], plan_.cuda.bitwise);
     return post(
-        {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, opts.timeout, withReduce(agreeOn(tensors), opts.reduceOp), !opts.asyncOp}, [tensors, plan](DeviceContext& on) {
+        {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, {}, opts.timeout, withReduce(agreeOn(tensors), opts.reduceOp), !opts.asyncOp, !scalesInPlaceFirst(plan)}, [tensors, plan](DeviceContext& on) {
           for (const auto& tensor : tensors) {
             premultiply(plan, tensor.data_ptr(), tensor.numel(), tensor.device());
           }

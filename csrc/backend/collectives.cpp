@@ -84,7 +84,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce(
     checkDeviceReduction(op, plan, tensor, plan_.cuda.bitwise);
     const int root = static_cast<int>(opts.rootRank);
     const bool isRoot = rank_ == root;
-    return post({c10d::OpType::REDUCE, op, {tensor}, {}, opts.timeout, withReduce(withRoot(agreeOn({tensor}), "dst", root), opts.reduceOp), !opts.asyncOp}, [tensor, plan, root, isRoot](DeviceContext& on) {
+    return post({c10d::OpType::REDUCE, op, {tensor}, {}, opts.timeout, withReduce(withRoot(agreeOn({tensor}), "dst", root), opts.reduceOp), !opts.asyncOp, /*checkFolds=*/true}, [tensor, plan, root, isRoot](DeviceContext& on) {
       if (tensor.numel() == 0) {
         return RequestPtr();
       }
@@ -117,7 +117,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
       checkSameKind(op, "tensor_list", output, input);
     }
     const int size = size_;
-    return post({c10d::OpType::ALLGATHER, op, outputs, {input}, opts.timeout, agreeOn({input}), !opts.asyncOp}, [input, outputs, size](DeviceContext& on) {
+    return post({c10d::OpType::ALLGATHER, op, outputs, {input}, opts.timeout, agreeOn({input}), !opts.asyncOp, /*checkFolds=*/true}, [input, outputs, size](DeviceContext& on) {
       if (input.numel() > 0) {
         void* gathered = on.scratch.get(Slot::Received, bytesOf(input) * size);
         on.transports.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
@@ -136,7 +136,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     checkWorldBlocks(op, "output_tensor", outputBuffer, "input_tensor", inputBuffer, size_, -1, Layout::Dense);
     at::Tensor output = outputBuffer, input = inputBuffer.contiguous();
-    return post({c10d::OpType::_ALLGATHER_BASE, op, {output}, {input}, opts.timeout, agreeOn({input}), !opts.asyncOp}, [output, input](DeviceContext& on) {
+    return post({c10d::OpType::_ALLGATHER_BASE, op, {output}, {input}, opts.timeout, agreeOn({input}), !opts.asyncOp, /*checkFolds=*/true}, [output, input](DeviceContext& on) {
       if (input.numel() > 0) {
         on.transports.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
       }
@@ -165,7 +165,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
     const std::vector<at::Tensor> inputs = contiguousInputs(inputTensors);
     const int size = size_;
     return post(
-        {c10d::OpType::ALLGATHER_COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs), !opts.asyncOp}, [inputs, outputs, size](DeviceContext& on) {
+        {c10d::OpType::ALLGATHER_COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs), !opts.asyncOp, /*checkFolds=*/true}, [inputs, outputs, size](DeviceContext& on) {
           const auto packedParts = bytesOfParts(inputs);
           const int64_t bytes = std::accumulate(
               packedParts.begin(), packedParts.end(), int64_t{0}, [](int64_t n, const FlatBuffer& p) { return n + p.count; });
@@ -194,7 +194,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_into_tensor_coal
       checkWorldBlocks(op, "output", outputs[i], "input", inputs[i], size_, static_cast<int>(i), Layout::Dense);
     }
     const std::vector<at::Tensor> contiguous = contiguousInputs(inputs);
-    return post({c10d::OpType::COALESCED, op, outputs, contiguous, opts.timeout, agreeOn(contiguous), !opts.asyncOp}, [outputs, inputs = contiguous](DeviceContext& on) {
+    return post({c10d::OpType::COALESCED, op, outputs, contiguous, opts.timeout, agreeOn(contiguous), !opts.asyncOp, /*checkFolds=*/true}, [outputs, inputs = contiguous](DeviceContext& on) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         if (inputs[i].numel() > 0) {
           on.transports.world->allgather(
@@ -401,7 +401,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
     at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
     checkRank(op, "src", opts.rootRank, size_);
     const int root = static_cast<int>(opts.rootRank);
-    return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout, withRoot(agreeOn({tensor}), "src", root), !opts.asyncOp}, [tensor, root](DeviceContext& on) {
+    return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout, withRoot(agreeOn({tensor}), "src", root), !opts.asyncOp, /*checkFolds=*/true}, [tensor, root](DeviceContext& on) {
       if (tensor.numel() > 0) {
         on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
       }

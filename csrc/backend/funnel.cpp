@@ -11,6 +11,25 @@
 
 namespace chainermn {
 
+namespace {
+// A body whose cross-rank check rides in its first exchange (GroupContext::carryAgreement): sent
+// alone if the body made no call on the world transport (nothing to move), dropped if it threw
+// before one, so that no later op carries it.
+template <typename Body>
+RequestPtr runCarryingCheck(DeviceContext& cpu, const Body& body) {
+  Transport& world = *cpu.transports.world;
+  RequestPtr request;
+  try {
+    request = body(cpu);
+  } catch (...) {
+    world.carryCheck(nullptr);
+    throw;
+  }
+  world.settleCheck();
+  return request;
+}
+} // namespace
+
 void ProcessGroupChainerMN::setSequenceNumberForGroup() {}  // numbered from the group's creation
 
 uint64_t ProcessGroupChainerMN::getSequenceNumberForGroup() {
@@ -53,8 +72,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   }
   if (device.is_cpu()) {
     const bool onCaller = runsOnCaller(spec);
-    Worker::Body run = [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree)]() {
+    Worker::Body run = [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree),
+                        folds = spec.checkFolds]() -> Pending {
       if (agreement.collective) {
+        if (folds && context->carryAgreement(op, agreement)) {
+          return runCarryingCheck(*context->cpu, body);
+        }
         context->agree(op, agreement);
       }
       return body(*context->cpu);

@@ -14,6 +14,25 @@ void checkSplitsIfAny(Transport& world, const char* op, uint64_t sequence, const
 }
 } // namespace
 
+bool GroupContext::carryAgreement(const char* op, const Agreement& agreement) {
+  Transport& world = *cpu->transports.world;
+  if (checks == CheckLevel::Off || checkThroughLevels || !agreement.sendCounts.empty() || world.size() < 2) {
+    return false;
+  }
+  if (!carried) {
+    carried = std::make_unique<CarriedFingerprint>(world.size(), [this](uint64_t sequence, int r) {
+      const auto reason = store->get(refusalKey(sequence, r));
+      return std::string(reason.begin(), reason.end());
+    });
+  }
+  carried->set(makeFingerprint(collectivesRun + 1, op, agreement));
+  if (!world.carryCheck(carried.get())) {
+    return false;
+  }
+  ++collectivesRun;  // as agree() numbers it
+  return true;
+}
+
 void GroupContext::agree(const char* op, const Agreement& agreement, const std::string& refusal) {
   const uint64_t sequence = ++collectivesRun;
   Transport& world = *cpu->transports.world;

@@ -28,6 +28,7 @@ struct GroupContext {
   CheckLevel checks = CheckLevel::Info;
   bool checkThroughLevels = false;  // several nodes of equal size: agreeThroughLevels (agreement.h)
   FingerprintExchange fingerprints;  // worker thread only
+  std::unique_ptr<CarriedFingerprint> carried;  // the fingerprint a folded check hands the transport
   uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
   MessageOrder messages;        // worker thread only: point-to-point numbering (checked_transfers.h)
 
@@ -35,6 +36,14 @@ struct GroupContext {
   // fingerprint with every rank's; throws the same ValueError on every rank when they differ.
   // `refusal` is this rank's reason for refusing the call (empty: not refused).
   void agree(const char* op, const Agreement& agreement, const std::string& refusal = "");
+
+  // agree() folded into the op's first exchange, where the CPU world transport can carry it (the
+  // shared-memory segment of a one-node group; checks on; no all-to-all splits): numbers the op,
+  // hands its fingerprint to the transport, and returns true. The body's first call there then
+  // compares every rank's and throws agree()'s ValueError on every rank when they differ. After the
+  // body, the world transport's settleCheck(); if the body throws, its carryCheck(nullptr).
+  // Returns false, doing nothing, where the check must run alone: call agree().
+  bool carryAgreement(const char* op, const Agreement& agreement);
 };
 
 } // namespace chainermn

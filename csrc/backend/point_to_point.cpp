@@ -234,7 +234,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::BarrierOptions& opts) {
   const int device = cudaDevice_.load();
   if (device < 0 || !plan_.cuda.allNccl) {
-    return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout, Agreement{}, !opts.asyncOp}, [](DeviceContext& on) {
+    return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout, Agreement{}, !opts.asyncOp, /*checkFolds=*/true}, [](DeviceContext& on) {
       on.transports.world->barrier();
       return RequestPtr();
     });

@@ -39,6 +39,9 @@ struct OpSpec {
   // The caller waits for the op at once (torch's async_op=False, the options' asyncOp): running it on
   // the caller's thread takes nothing from it (runsOnCaller).
   bool callerWaits = false;
+  // The body writes nothing its caller sees before its first call on the world transport: the
+  // cross-rank check may ride in that call's first exchange (GroupContext::carryAgreement).
+  bool checkFolds = false;
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -243,6 +246,10 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // over shared memory (runsOnCaller) and messages written straight into the ring (sendMessage).
   uint64_t opsRunOnCaller() const {
     return opsOnCaller_.load(std::memory_order_relaxed);
+  }
+  // How many collectives' cross-rank checks rode in the op's own first exchange (carryAgreement).
+  uint64_t checksCarried() const {
+    return context_->cpu->transports.world->checksCarried();
   }
   // Bytes of staging memory held (grows to the largest call, then stays).
   size_t scratchBytes() const {

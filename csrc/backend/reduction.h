@@ -30,6 +30,13 @@ void divideIntegerAverage(const Reduction& plan, const at::Tensor& result);
 // `data` on `device` (on the current stream: the group's, in an op's body).
 void premultiply(const Reduction& plan, void* data, int64_t count, at::Device device);
 
+// Whether the op scales its input where it lies before reducing (PREMUL_SUM's factor, a 16-bit AVG's
+// 1/size, on a tensor reduced in place): a check folded into its first exchange would come after
+// that write, so its check goes first (OpSpec::checkFolds).
+inline bool scalesInPlaceFirst(const Reduction& plan) {
+  return plan.scaling.before != 1.0 || plan.factor.defined();
+}
+
 // Throws ValueError when the op is not defined for the dtype (bitwise ops on floats, AVG on bool, ...).
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size);
 

@@ -8,9 +8,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 namespace chainermn::shm {
 namespace {
@@ -19,14 +21,17 @@ size_t roundUp(size_t n, size_t to) {
   return (n + to - 1) / to * to;
 }
 
-// A rank's cell in each half of the exchange area (exchange(), reduceSmall()): what a small
-// reduction (ranks x this) costs every rank to read is less than the barrier it saves.
+// A rank's cell in each half of the exchange area (round()): a head of kExchangeBytes (the
+// fingerprint a collective's ranks compare, exchange()) and a body of kCellBytes (the collectives
+// small enough to take one barrier). What a small reduction (ranks x the body) costs every rank to
+// read is less than the barrier it saves.
 constexpr size_t kCellBytes = 16384;
-static_assert(kCellBytes >= kExchangeBytes, "a cell holds an exchange");
+constexpr size_t kCellStride = kExchangeBytes + kCellBytes;
+static_assert(kExchangeBytes % 64 == 0, "a cell's body starts on a cache line");
 
-// Two rounds of a cell per rank (see exchange()), in whole pages.
+// Two rounds of a cell per rank (see round()), in whole pages.
 size_t exchangeBytes(int size) {
-  return roundUp(2 * size * kCellBytes, 4096);
+  return roundUp(2 * size * kCellStride, 4096);
 }
 
 // The segment holds the barrier's flags, the exchange area (two halves of a cell per rank: the
@@ -58,6 +63,7 @@ class ShmTransport : public Transport {
     results_[0] = data + size_ * chunk_;
     results_[1] = results_[0] + chunk_;
     sources_.resize(size_);
+    heads_.resize(size_ * kExchangeBytes);
     if (pointToPoint) {
       mailboxes_ = std::make_unique<Mailboxes>(results_[1] + chunk_, rank_, size_);
     }
@@ -85,6 +91,21 @@ class ShmTransport : public Transport {
     barrier_.abort();
   }
 
+  // The check rides in the head of this rank's cell in the next round of the exchange area: the small
+  // collectives' one barrier, or a round of its own before any other call (settleCheck()).
+  bool carryCheck(CarriedCheck* check) override {
+    carried_ = check;
+    return true;
+  }
+  void settleCheck() override {
+    if (carried_ != nullptr) {
+      round(nullptr, 0, /*checkAlone=*/true);
+    }
+  }
+  uint64_t checksCarried() const override {
+    return checksCarried_.load(std::memory_order_relaxed);
+  }
+
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     reduceChunks(buf, buf, count, dtype, op, /*root=*/-1);
   }
@@ -97,18 +118,15 @@ class ShmTransport : public Transport {
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
     const size_t width = c10::elementSize(dtype);
     if (count > 0 && count * width <= kCellBytes) {
-      // One barrier (as exchange()): the root's cell of this round's half, read after it.
-      char* cell = roundCells() + root * kCellBytes;
-      if (rank_ == root) {
-        std::memcpy(cell, buf, count * width);
-      }
-      barrier_.sync();
-      exchangeParity_ ^= 1;
-      if (rank_ != root) {
-        std::memcpy(buf, cell, count * width);
+      // One barrier: the root's cell body of this round, read after it.
+      const bool isRoot = rank_ == root;
+      char* cells = round(isRoot ? buf : nullptr, isRoot ? count * width : 0);
+      if (!isRoot) {
+        std::memcpy(buf, body(cells, root), count * width);
       }
       return;
     }
+    settleCheck();
     const int64_t step = chunk_ / width;
     auto* data = static_cast<char*>(buf);
     for (int64_t offset = 0; offset < count; offset += step) {
@@ -127,9 +145,13 @@ class ShmTransport : public Transport {
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
     const size_t width = c10::elementSize(dtype);
     if (count > 0 && count * width <= kCellBytes) {
-      exchangeCells(send, recv, count * width);  // one barrier
+      char* cells = round(send, count * width);  // one barrier
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(static_cast<char*>(recv) + r * count * width, body(cells, r), count * width);
+      }
       return;
     }
+    settleCheck();
     const int64_t step = chunk_ / width;
     for (int64_t offset = 0; offset < count; offset += step) {
       const size_t bytes = std::min(step, count - offset) * width;
@@ -144,6 +166,7 @@ class ShmTransport : public Transport {
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     // Each slot holds one piece of every block; rank r reduces block r's pieces into its output.
+    settleCheck();
     const size_t width = c10::elementSize(dtype);
     const int64_t step = std::max<int64_t>(1, chunk_ / width / size_);
     for (int64_t offset = 0; offset < count; offset += step) {
@@ -164,9 +187,11 @@ class ShmTransport : public Transport {
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    settleCheck();
     fallback_->gather(send, recv, count, dtype, root);
   }
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    settleCheck();
     fallback_->scatter(send, recv, count, dtype, root);
   }
   void alltoallv(
@@ -175,12 +200,14 @@ class ShmTransport : public Transport {
       void* recv,
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
+    settleCheck();
     fallback_->alltoallv(send, sendCounts, recv, recvCounts, dtype);
   }
   bool checksMessages() const override {
     return mailboxes_ != nullptr;
   }
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    settleCheck();
     if (mailboxes_) {
       return mailboxes_->send(buf, count, dtype, peer, tag);
     }
@@ -191,9 +218,11 @@ class ShmTransport : public Transport {
   }
   RequestPtr sendGathered(const std::vector<Piece>& pieces, int peer, int tag) override {
     TORCH_CHECK(mailboxes_, "shared memory: a gathered send needs the mailboxes");
+    settleCheck();
     return mailboxes_->sendGathered(pieces, peer, tag);
   }
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
+    settleCheck();
     if (mailboxes_) {
       return mailboxes_->recv(buf, count, dtype, peer, tag);
     }
@@ -201,15 +230,25 @@ class ShmTransport : public Transport {
   }
   RequestPtr recvAnySize(int peer, int tag, Allocate allocate) override {
     TORCH_CHECK(mailboxes_, "shared memory: a receive of unknown size needs the mailboxes");
+    settleCheck();
     return mailboxes_->recvAnySize(peer, tag, std::move(allocate));
   }
   void barrier() override {
-    barrier_.sync();
+    round(nullptr, 0);  // a round of the exchange area: it carries a check, if any
   }
 
+  // Into the cells' heads, where a carried check goes: a rank that exchanges its fingerprint alone
+  // (it refused the call) meets its peers' carried ones in the same round.
   void exchange(const void* mine, void* all, size_t bytes) override {
     TORCH_CHECK(bytes <= kExchangeBytes, "shared memory: exchange of ", bytes, " bytes");
-    exchangeCells(mine, all, bytes);
+    settleCheck();
+    char* cells = roundCells();
+    std::memcpy(cells + rank_ * kCellStride, mine, bytes);
+    barrier_.sync();
+    exchangeParity_ ^= 1;
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(static_cast<char*>(all) + r * bytes, cells + r * kCellStride, bytes);
+    }
   }
 
  private:
@@ -222,6 +261,7 @@ class ShmTransport : public Transport {
       reduceSmall(send, recv, count, dtype, op, root);
       return;
     }
+    settleCheck();
     const int64_t step = chunk_ / width;
     const auto* input = static_cast<const char*>(send);
     for (int64_t offset = 0; offset < count; offset += step) {
@@ -252,38 +292,57 @@ class ShmTransport : public Transport {
 
   // This round's half of the exchange area: a cell per rank.
   char* roundCells() const {
-    return exchangeArea_ + exchangeParity_ * size_ * kCellBytes;
+    return exchangeArea_ + exchangeParity_ * size_ * kCellStride;
+  }
+  // Rank r's cell body in a round's half.
+  static const char* body(const char* cells, int r) {
+    return cells + r * kCellStride + kExchangeBytes;
   }
 
-  // One barrier: each rank writes its `bytes` (at most a cell) into its cell of this round's half of
-  // the exchange area, then reads every cell. The halves alternate, so a rank may write the next
-  // round while a peer still reads this one; it reaches this half again only after a barrier every
-  // peer has passed since reading it (the next round's, whatever ops come between).
-  void exchangeCells(const void* mine, void* all, size_t bytes) {
-    char* round = roundCells();
-    std::memcpy(round + rank_ * kCellBytes, mine, bytes);
-    barrier_.sync();
-    for (int r = 0; r < size_; ++r) {
-      std::memcpy(static_cast<char*>(all) + r * bytes, round + r * kCellBytes, bytes);
+  // One round of the exchange area, one barrier: this rank writes its `bytes` of `data` (at most a
+  // cell body) into its cell of this round's half, and the carried check, if any, into the cell's
+  // head; after the barrier the check is verified (it throws, here on every rank, when the ranks
+  // disagree, before the caller has written anything of the op's). Returns the round's half, whose
+  // cells the caller reads. The halves alternate, so a rank may write the next round while a peer
+  // still reads this one; it reaches this half again only after a barrier every peer has passed
+  // since reading it (the next round's, whatever ops come between). `checkAlone`: the round is the
+  // check's own (settleCheck()), not the collective's.
+  char* round(const void* data, size_t bytes, bool checkAlone = false) {
+    char* cells = roundCells();
+    char* mine = cells + rank_ * kCellStride;
+    CarriedCheck* check = std::exchange(carried_, nullptr);  // taken even if the barrier throws
+    if (check != nullptr) {
+      std::memcpy(mine, check->mine(), check->bytes());
     }
+    if (bytes > 0) {
+      std::memcpy(mine + kExchangeBytes, data, bytes);
+    }
+    barrier_.sync();
     exchangeParity_ ^= 1;
+    if (check != nullptr) {
+      const size_t head = check->bytes();
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(heads_.data() + r * head, cells + r * kCellStride, head);
+      }
+      check->verify(heads_.data());
+      if (!checkAlone) {
+        checksCarried_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    return cells;
   }
 
   // A reduction that fits a cell in one barrier instead of two: every rank writes its input to its
-  // cell of this round's half of the exchange area, and after the barrier reduces every rank's cell
-  // itself (all of it, where reduceChunks shares the work out and needs a second barrier before the
-  // copy out). The same order of operands on every rank: the same result, bit for bit, as
-  // reduceChunks. The halves alternate as in exchange(), whose parity this shares.
+  // cell body in a round of the exchange area, and after the barrier reduces every rank's cell itself
+  // (all of it, where reduceChunks shares the work out and needs a second barrier before the copy
+  // out). The same order of operands on every rank: the same result, bit for bit, as reduceChunks.
   void reduceSmall(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) {
-    char* round = roundCells();
-    std::memcpy(round + rank_ * kCellBytes, send, count * c10::elementSize(dtype));
-    barrier_.sync();
-    exchangeParity_ ^= 1;
+    char* cells = round(send, count * c10::elementSize(dtype));
     if (root >= 0 && rank_ != root) {
       return;
     }
     for (int r = 0; r < size_; ++r) {
-      sources_[r] = round + r * kCellBytes;
+      sources_[r] = body(cells, r);
     }
     reduceBuffers(recv, sources_.data(), size_, count, dtype, op);
   }
@@ -299,6 +358,9 @@ class ShmTransport : public Transport {
   char* exchangeArea_ = nullptr;
   int exchangeParity_ = 0;
   std::vector<const void*> sources_;  // reused: no allocation per chunk
+  std::vector<char> heads_;           // every rank's carried check, gathered for verify()
+  CarriedCheck* carried_ = nullptr;   // rides in the next round (carryCheck())
+  std::atomic<uint64_t> checksCarried_{0};  // read by other threads (checksCarried())
   int parity_ = 0;
   std::unique_ptr<Mailboxes> mailboxes_;  // point to point, when carried; gone before the segment
 };

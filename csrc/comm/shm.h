@@ -4,8 +4,11 @@
 // A collective runs chunk by chunk: every rank copies its chunk into its slot, a barrier, every rank
 // reduces its own slice of the chunk from all slots (the ranks reduce in parallel), a barrier, every
 // rank copies the result out. One of at most 16 KiB a rank takes one barrier instead: every rank
-// writes its cell of an exchange area, and after the barrier reads (and reduces) every cell itself. Collectives that gain nothing from this (gather, scatter, all-to-all,
-// point to point) go to `fallback`, the library's transport over the same ranks.
+// writes its cell of an exchange area, and after the barrier reads (and reduces) every cell itself.
+// That barrier also carries the op's cross-rank check (Transport::carryCheck) in the cell's head,
+// so a small collective costs one barrier, check included. Collectives that gain nothing from the
+// segment (gather, scatter, all-to-all, point to point) go to `fallback`, the library's transport
+// over the same ranks.
 //
 // The segment's life (creation, the store handshake, unlinking, reclaiming orphans) is in
 // comm/shm_segment.h; the barrier (flags, futex waits, dead peers, the timeout) in comm/shm_barrier.h.

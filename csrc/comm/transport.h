@@ -66,6 +66,20 @@ struct Piece {
 // Copies the pieces' bytes, from byte `skip` of their concatenation on, into `into`.
 void copyPieces(const std::vector<Piece>& pieces, uint64_t skip, char* into);
 
+// A check a collective carries in its first exchange (Transport::carryCheck): the few bytes every
+// rank compares before an op moves data (backend/agreement.h), and what to do with everyone's.
+class CarriedCheck {
+ public:
+  virtual ~CarriedCheck() = default;
+  // This rank's bytes (at most kExchangeBytes; the same size on every rank).
+  virtual const void* mine() const = 0;
+  virtual size_t bytes() const = 0;
+  // Every rank's bytes, rank r's at r * bytes(): throws (c10::ValueError, the same on every rank)
+  // when the ranks disagree. Called once per carried check, before the collective carrying it has
+  // written anything its caller can see.
+  virtual void verify(const void* all) = 0;
+};
+
 // Counts are in elements of `dtype`. Every rank passes the same count and dtype unless said otherwise.
 class Transport {
  public:
@@ -137,6 +151,21 @@ class Transport {
   // allgather unless the library has something cheaper.
   virtual void exchange(const void* mine, void* all, size_t bytes) {
     allgather(mine, all, static_cast<int64_t>(bytes), c10::ScalarType::Byte);
+  }
+  // Folds `check` into the next call's first exchange instead of an exchange of its own, where the
+  // transport can (shared memory: a small collective's one barrier carries it; any other call sends
+  // it alone first, as exchange() would). Returns false, keeping nothing, where it cannot. Every
+  // rank's first barrier of that call then carries its bytes, whichever call it is, so ranks that
+  // disagree on the op still meet there and all fail it. `check` must live until it is verified or
+  // dropped: settleCheck() sends and verifies one that no call took (the op moved nothing here), and
+  // carryCheck(nullptr) drops it (the op failed before it reached the transport).
+  virtual bool carryCheck(CarriedCheck* /*check*/) {
+    return false;
+  }
+  virtual void settleCheck() {}
+  // How many carried checks rode in a collective's own exchange, costing no exchange of their own.
+  virtual uint64_t checksCarried() const {
+    return 0;
   }
 
   // Transports whose calls return before the data has moved (NCCL: a call queues kernels on a

@@ -229,6 +229,9 @@ PYBIND11_MODULE(_C, m) {
       .def("ops_run_on_caller", &ProcessGroupChainerMN::opsRunOnCaller,
            "how many ops ran on their caller's thread instead of the group's worker (blocking collectives over "
            "shared memory, messages written straight into the ring)")
+      .def("checks_carried", &ProcessGroupChainerMN::checksCarried,
+           "how many collectives' cross-rank checks rode in the op's own first exchange (a small collective "
+           "over shared memory: one barrier, check included) instead of an exchange of their own")
       .def("broken_reason", &ProcessGroupChainerMN::brokenReason,
            "why the group is unusable (a timeout, a dead or aborting peer, abort()), or \"\" while it is not")
       .def(
