@@ -66,10 +66,21 @@ void Barrier::sync() {
   if (mine.sleepers.load(std::memory_order_seq_cst) != 0) {
     futexWakeAll(&mine.sequence);
   }
-  for (int r = 0; r < size_; ++r) {
-    if (r != rank_) {
-      waitFor(r, target);
+  try {
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_) {
+        waitFor(r, target);
+      }
     }
+  } catch (...) {
+    // This rank gives up the barrier (its op failed: a timeout, an abort, a dead peer). A peer that
+    // arrives later must not find it passed: when the barrier also carries an op's data and check
+    // (shm.cpp, round()), that peer would complete the op this rank failed. Taken back, the peer
+    // waits there until the group's break reaches it (runtime/health.h), and fails with its reason.
+    // (A peer arriving in the same instant may still pass: the op was at its deadline.)
+    mine.sequence.store(target - 1, std::memory_order_seq_cst);
+    --sequence_;
+    throw;
   }
 }
 

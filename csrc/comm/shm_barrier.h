@@ -24,7 +24,9 @@ class Barrier {
   Barrier(void* flags, int rank, int size, std::chrono::milliseconds timeout);
 
   // Publishes this rank's arrival and waits for every other rank's. Throws DistBackendError when a
-  // peer died or did not arrive within the timeout.
+  // peer died or did not arrive within the timeout, or the barrier was aborted; the arrival is then
+  // taken back, so a peer that comes later waits (and learns from the group why this rank left)
+  // rather than pass a barrier this rank never finished.
   void sync();
 
   // After a first sync(), once every rank has published its pid: watch them only if this process
