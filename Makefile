@@ -1,49 +1,60 @@
 # torch-chainermn: set-up, demo, tests.
 #
 #   make demo   train the MNIST example on 4 processes with torchrun (sets everything up first)
-#   make test   run the test suite (sets everything up first)
+#   make test   run the test suite (sets everything up first, the test suite's companions too)
+#   make wheel  build dist/torch_chainermn-<version>-<tags>.whl for the installed torch
 #
 # `make install` is idempotent and quick when nothing changed: it creates .venv with the pinned CPU
 # torch (found through PIP_FIND_LINKS, which must stay in the environment), installs Open MPI from
-# Debian when mpicc is missing, Slurm (for tests/test_slurm.py's one-node cluster) when srun is and
-# iproute2 (for the network namespaces of tests/test_network_faults.py) when ip is, and builds the
-# extension in place.
+# Debian when mpicc is missing, and builds the extension in place. The build is incremental: objects
+# stay in build/<configuration>/ (setup.py), ninja recompiles only what changed, and ccache is used
+# when it is on PATH. `make test` adds the suite's companions (setup.py's "test" extra), Slurm (for
+# tests/test_slurm.py's one-node cluster) and iproute2 (the network namespaces of
+# tests/test_network_faults.py and benchmarks/cluster/).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
-# tqdm: the examples' progress bars. expecttest: torch.testing._internal (the upstream test cases) needs it.
-# lightning, accelerate, transformers (its Trainer), deepspeed (ZeRO): the tested recipes (examples/recipes/).
-# torchft: torch_chainermn.torchft's tests (it takes the installed torch: torch>=2.7); parameterized: torchft's own
-# test modules, which tests/test_torchft_upstream.py runs on chainermn, need it. deepspeed comes as an
-# sdist only: it builds in pip's usual isolation (its setup.py does without torch there) and pre-compiles
-# no op (DS_BUILD_OPS is 0 on Linux by default), so it needs no flags here; see the deps rule for its op.
-PY_PACKAGES := $(TORCH_SPEC) numpy pytest scikit-learn ninja tqdm expecttest lightning accelerate torchft==0.2.0 \
-	parameterized==0.9.0 transformers==5.24.0 deepspeed==0.19.8
+# Building without isolation needs the build requirements in the venv; ninja makes it parallel and incremental.
+BUILD_PACKAGES := $(TORCH_SPEC) ninja "setuptools>=64" wheel
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+BUILD_STAMP := $(VENV)/.build-deps-installed
 EXTENSION_STAMP := $(VENV)/.extension-built
+TEST_STAMP := $(VENV)/.test-deps-installed
 MPI_STAMP := $(VENV)/.mpi-checked
 SLURM_STAMP := $(VENV)/.slurm-checked
 IPROUTE_STAMP := $(VENV)/.iproute-checked
-DEPS_STAMP := $(VENV)/.deps-installed
 NPROC ?= 4
 
 BENCH_STAMP := $(VENV)/.bench-deps-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench wheel clean
 
-install: $(EXTENSION_STAMP) $(SLURM_STAMP) $(IPROUTE_STAMP)
+install: $(EXTENSION_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+$(BUILD_STAMP): $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(BUILD_PACKAGES)
+	touch $@
+
+# CHAINERMN_TESTING=1: the test build, with the in-process harnesses (_C.testing) the tests use.
+# The "examples" extra: what the demo needs beyond a user's install (scikit-learn's digits).
+$(EXTENSION_STAMP): $(BUILD_STAMP) $(MPI_STAMP) $(SOURCES)
+	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[examples]"
+	touch $@
+
+# The suite's companions (setup.py's "test" extra; the build is already up to date, so pip only links).
 # On CPU every DeepSpeed process group compiles DeepSpeed's shared-memory op (deepspeed_shm_comm, which only its
 # inference all_reduce uses) the first time, into ~/.cache/torch_extensions: about 100 s of CPU (torch's headers),
 # which would fall on the first DeepSpeed test. Compiled here instead, once (a no-op when cached).
-$(DEPS_STAMP): $(PY) Makefile
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PY_PACKAGES)
+# deepspeed comes as an sdist only: it builds in pip's usual isolation (its setup.py does without torch
+# there) and pre-compiles no op (DS_BUILD_OPS is 0 on Linux by default), so it needs no flags.
+$(TEST_STAMP): $(EXTENSION_STAMP) setup.py
+	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 	touch $@
 
@@ -88,23 +99,26 @@ $(IPROUTE_STAMP): $(SLURM_STAMP)
 	@command -v ip > $@ || true
 
 # CHAINERMN_TESTING=1: the test build, with the in-process harnesses (_C.testing) the tests use.
-$(EXTENSION_STAMP): $(DEPS_STAMP) $(MPI_STAMP) $(SOURCES)
-	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e .
-	touch $@
 
 demo: install
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/mnist/train_mnist.py
 
-test: install
+test: install $(TEST_STAMP) $(IPROUTE_STAMP)
 	$(PY) -m pytest -q
+
+# A user's build (no test harnesses) as a wheel that pins the installed torch's minor release; see
+# docs/launching.md for one wheel per torch version and CUDA, installed on every node.
+wheel: $(BUILD_STAMP) $(MPI_STAMP)
+	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	@ls -1 dist/torch_chainermn-*.whl
 
 # all_reduce bandwidth against gloo and MPI (mpi4py), under mpiexec and torchrun; table + plot.
 bench: install $(BENCH_STAMP)
 	$(PY) benchmarks/allreduce.py --launch both --configs 2 4 2x2 --plot benchmarks/results/allreduce.png
 
-$(BENCH_STAMP): $(DEPS_STAMP)
-	$(PY) -m pip install -q mpi4py matplotlib
+$(BENCH_STAMP): $(EXTENSION_STAMP)
+	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[bench]"
 	touch $@
 
 clean:
-	rm -rf build $(VENV) torch_chainermn/_C*.so *.egg-info
+	rm -rf build dist $(VENV) torch_chainermn/_C*.so *.egg-info

@@ -19,8 +19,10 @@ import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
 # The one source list (also read by CMakeLists.txt and tools/check_cuda_compile.sh).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_sources  # noqa: E402
 
 
@@ -38,12 +40,46 @@ def mpi_flags():
 
 def version():
     """torch_chainermn/_version.py's __version__, read as text (importing the package needs _C)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_chainermn", "_version.py")
+    path = os.path.join(ROOT, "torch_chainermn", "_version.py")
     with open(path) as f:
         match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
     if match is None:
         raise RuntimeError(f"no __version__ = \"...\" line in {path}")
     return match.group(1)
+
+
+def torch_requirement():
+    """The torch this build runs with: the installed torch's minor release (torch==2.13.*).
+
+    The extension is compiled against the installed torch's C++ API and ABI, which change between
+    minor releases, so a wheel built here installs only beside that release (as torch extensions pin)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch=={major}.{minor}.*"
+
+
+def build_directory(cuda, mpi, testing):
+    """A persistent build directory per (Python, torch, CUDA, MPI, testing) under build/.
+
+    pip builds an editable install in a fresh temporary directory each time, so every install was a
+    clean build. Keeping the objects and ninja's log here instead makes a rebuild compile only what
+    changed (ninja follows each object's headers through its depfile); a build of another configuration
+    gets a directory of its own and never reuses an object compiled with other flags."""
+    parts = [f"py{sys.version_info[0]}{sys.version_info[1]}", f"torch{torch.__version__.replace('+', '-')}",
+             "cuda" if cuda else "cpu", "mpi" if mpi else "nompi", "testing" if testing else "user"]
+    return os.path.join(ROOT, "build", "-".join(parts))
+
+
+class IncrementalBuildExtension(BuildExtension):
+    """torch's BuildExtension (ninja) with its objects kept in build_directory(): see there.
+
+    ccache, when it is on PATH, is picked up by BuildExtension itself (it prefixes the compiler)."""
+
+    persistent_build_temp = None
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.persistent_build_temp is not None:
+            self.build_temp = self.persistent_build_temp
 
 
 def with_cuda():
@@ -66,8 +102,26 @@ def nccl_paths():
     return None, None  # a system NCCL (nccl.h on the default include path, libnccl.so.2 linkable)
 
 
+# Beyond a user's install (torch, numpy, tqdm): `pip install --no-build-isolation -e .[test]`.
+EXTRAS = {
+    # The MNIST demo's data with no download: scikit-learn's bundled digits.
+    "examples": ["scikit-learn"],
+    # What tests/ imports: pytest; torch.testing._internal's upstream cases need expecttest; the tested
+    # recipes (examples/recipes/) need lightning, accelerate, transformers and deepspeed; torchft for
+    # torch_chainermn.torchft, whose own test modules (tests/test_torchft_upstream.py) need parameterized;
+    # the tests of this build description read it with setuptools and packaging.
+    "test": ["pytest", "setuptools>=64", "packaging", "scikit-learn", "expecttest", "lightning", "accelerate", "torchft==0.2.0",
+             "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8"],
+    # benchmarks/: the plots, and Open MPI's all_reduce through mpi4py beside ours.
+    "bench": ["matplotlib", "mpi4py"],
+}
+
 define_macros = []
-extra_compile_args = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"]
+# -g0: Python's own CFLAGS (sysconfig) carry -g, which made every source that reaches torch's headers
+# 37% slower to compile (backend/collectives.cpp: 10.9 s -> 6.9 s) and the module several times larger.
+# CHAINERMN_DEBUG_INFO=1 keeps the debug information for a debugger.
+debug_info = os.environ.get("CHAINERMN_DEBUG_INFO") == "1"
+extra_compile_args = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"] + ([] if debug_info else ["-g0"])
 extra_link_args = []
 include_dirs = [os.path.abspath("csrc")]
 cuda = with_cuda()
@@ -104,6 +158,7 @@ else:
 # Before anything compiles: two sources that BuildExtension would compile to the same object file
 # (csrc/kernels/pack.cpp and pack.cu were both pack.o once) stop the build with both names.
 build_sources.object_names(sources)
+IncrementalBuildExtension.persistent_build_temp = build_directory(cuda, mpi=flags is not None, testing=testing)
 
 setup(
     name="torch-chainermn",
@@ -116,7 +171,10 @@ setup(
     py_modules=["torch_chainermn_autoload"],
     entry_points={"torch.backends": ["chainermn = torch_chainermn_autoload:register"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=[torch_requirement(), "numpy", "tqdm"],
+    # What the test suite and the benchmarks use beyond a user's install (pyproject.toml can't hold
+    # them: setup.py computes the torch pin). `pip install --no-build-isolation -e .[test]`.
+    extras_require=EXTRAS,
     ext_modules=[
         extension(
             name="torch_chainermn._C",
@@ -127,5 +185,5 @@ setup(
             extra_link_args=extra_link_args,
         )
     ],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": IncrementalBuildExtension},
 )

@@ -48,6 +48,12 @@ class _StopBeforeCompiling(Exception):
 
 def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True):
     """The Extension setup.py passes to setup() for this (cuda, mpi, testing), without building anything."""
+    (ext,) = setup_py_arguments(monkeypatch, tmp_path, cuda, mpi, testing)["ext_modules"]
+    return ext
+
+
+def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=True):
+    """Everything setup.py passes to setup() for this (cuda, mpi, testing), without building anything."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("CHAINERMN_TESTING", "1" if testing else "0")
     monkeypatch.setattr(sys, "path", list(sys.path))  # setup.py prepends tools/
@@ -70,8 +76,7 @@ def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True):
     captured = {}
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: captured.update(kwargs))
     runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
-    (ext,) = captured["ext_modules"]
-    return ext
+    return captured
 
 
 def build_extension_objects(monkeypatch, tmp_path, ext):

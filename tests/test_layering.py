@@ -9,6 +9,10 @@ Layers, top to bottom (a file may include its own folder and any folder below it
     comm/, buffers/               transports; a device's staging buffers and how bytes move there (Scratch)
     kernels/                      packing, casting, reduction, the codes
     types.h, topology.h           the vocabulary every layer shares
+
+torch's heavy headers (ATen, torch/, c10d, pybind11: 2.6 s to 5 s of compiling each, against 0.4 s for c10's
+util and core headers) are kept to the folders that meet torch; elsewhere only the adapters named in
+TORCH_ADAPTERS may include them, so the list cannot grow unnoticed.
 """
 import re
 from pathlib import Path
@@ -21,6 +25,17 @@ LINE_LIMIT = 700  # files are cut by what they do; this only guards against one 
 # A preprocessor test of the CUDA build: only in csrc/cuda/ and the backend's one door to it.
 CUDA_CONDITION = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif)\b.*CHAINERMN_WITH_CUDA", re.MULTILINE)
 CUDA_DOOR = {"backend/device_context.cpp"}
+TORCH_HEADER = re.compile(r"^\s*#\s*include\s+<(ATen|torch|pybind11)/", re.MULTILINE)
+# The c10d surface and bindings, the in-process harness, the engine (its Work is a c10d::Work), the CUDA
+# adapters, and a device's staging buffers (at::Tensor storage).
+TORCH_FOLDERS = {"python", "backend", "testing", "runtime", "cuda", "buffers"}
+TORCH_ADAPTERS = {
+    "comm/gloo.h": "Gloo is torch's own c10d::Backend",
+    "comm/shm.h": "the segment's name is agreed through the c10d::Store",
+    "comm/shm_segment.h": "the same",
+    "topology.cpp": "hostnames are exchanged through the c10d::Store",
+    "kernels/codes.h": "the codes' argument checks for the torch operators (at::Tensor)",
+}
 
 
 def folder_of(path: str) -> str:
@@ -104,3 +119,9 @@ def test_no_two_units_include_each_other():
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+def test_torch_headers_stay_where_torch_is_met():
+    outside = {str(p.relative_to(CSRC)) for p in sources()
+               if folder_of(str(p.relative_to(CSRC))) not in TORCH_FOLDERS and TORCH_HEADER.search(p.read_text())}
+    assert outside == set(TORCH_ADAPTERS)

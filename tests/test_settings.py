@@ -1,5 +1,5 @@
 """The one table of environment variables (torch_chainermn/settings.py) against the sources and the
-README: a variable read anywhere is in the table, and the README's table says exactly what it says."""
+docs: a variable read anywhere is in the table, and docs/settings.md's table says exactly what it says."""
 import re
 from pathlib import Path
 
@@ -20,10 +20,10 @@ def names_in_sources() -> set[str]:
     return found - MACROS
 
 
-def readme_rows() -> dict:
-    """environment variable -> (field, default) from the README's table of variables."""
+def documented_rows() -> dict:
+    """environment variable -> (field, default) from docs/settings.md's table of variables."""
     rows = {}
-    for line in (REPO / "README.md").read_text().splitlines():
+    for line in (REPO / "docs" / "settings.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and re.fullmatch(r"`[A-Z_]+`", cells[0]) and cells[0] != "`environment`":
             rows[cells[0].strip("`")] = (cells[1], cells[2])
@@ -35,8 +35,8 @@ def test_every_variable_the_sources_read_is_in_the_table():
     assert not missing, f"not in torch_chainermn/settings.py: {sorted(missing)}"
 
 
-def test_the_readme_table_is_the_table():
-    rows = readme_rows()
+def test_the_documented_table_is_the_table():
+    rows = documented_rows()
     assert set(rows) == set(settings.BY_NAME), set(rows) ^ set(settings.BY_NAME)
     for variable in settings.VARIABLES:
         field, default = rows[variable.name]

@@ -1,4 +1,4 @@
-"""Every environment variable torch-chainermn reads, in one table (the README's table is checked
+"""Every environment variable torch-chainermn reads, in one table (docs/settings.md's table is checked
 against it by tests/test_settings.py, and so is every CHAINERMN_* name in the sources).
 
 scope: "group" variables are the defaults of a group's `Options` field (read by
@@ -51,6 +51,8 @@ VARIABLES: tuple[Variable, ...] = (
              "build a CUDA torch's extension without the CUDA path", "setup.py"),
     Variable("CHAINERMN_NO_MPI", "build", None, None,
              "build without MPI even where mpicc is found", "setup.py"),
+    Variable("CHAINERMN_DEBUG_INFO", "build", None, None,
+             "1: compile with debug information (-g); builds leave it out, a third faster", "setup.py"),
     Variable("CHAINERMN_TESTING", "build", None, None,
              "1: a test build, with the in-process harnesses (_C.testing) the tests use; `make` sets it", "setup.py"),
 )

@@ -10,6 +10,12 @@ Three launchers, all with real processes:
 back as a list indexed by rank. A rank that raises makes the run fail with that rank's traceback. A
 run that outlives `timeout` is killed, so a hang fails the test instead of stalling the suite.
 
+Every rank's end is checked, not only its result: a rank that returns and then crashes (a signal, a
+non-zero exit) or hangs in the teardown (the closing barrier, destroy_process_group, the interpreter's
+shutdown) fails the run, naming the rank and how it ended. A test that means ranks to die names them in
+`may_exit`: those may end any way, and the survivors' teardown then passes a closing barrier that fails
+on the broken group (it still destroys the group and must end cleanly).
+
 `run_job` runs any command line that way (a launcher and the ranks it starts), for tests that check
 what a whole job does.
 """
@@ -62,8 +68,10 @@ def _resolve(reference: str):
     return target
 
 
-def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_s: float) -> None:
-    """Body of every rank: init, run, write the result (or the traceback) to out_dir/<rank>.pkl."""
+def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_s: float,
+              deaths_declared: bool = False) -> None:
+    """Body of every rank: init, run, write the result (or the traceback) to out_dir/<rank>.pkl, then leave
+    together. `deaths_declared`: the test means some ranks to die, so the closing barrier may fail."""
     import datetime
 
     import torch.distributed as dist
@@ -85,14 +93,30 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
         pickle.dump(outcome, f)
     tmp.rename(Path(out_dir) / f"{rank}.pkl")
     if dist.is_initialized() and "error" not in outcome:
-        # Rank 0 hosts the store: it must not leave while others may still use it.
+        # Rank 0 hosts the store: it must not leave while others may still use it. A group the test saw
+        # break (a dead or departed peer, an abort: its ops fail from then on) has no closing barrier.
         try:
-            dist.barrier()
+            if not _group_broken():
+                dist.barrier()
+        except Exception:  # noqa: BLE001
+            if not deaths_declared:  # nobody was meant to die: the group broke, and the run must say so
+                raise
         finally:
             dist.destroy_process_group()
 
 
-def _spawn_target(reference, args_path, out_dir, init, timeout_s, env, output):
+def _group_broken() -> bool:
+    """Whether the default group runs on chainermn and says it is unusable after a failure."""
+    import torch_chainermn
+
+    try:
+        backend = torch_chainermn._backend.backend_of()
+    except ValueError:  # another backend (a test of torch's own)
+        return False
+    return bool(backend.broken_reason())
+
+
+def _spawn_target(reference, args_path, out_dir, init, timeout_s, deaths_declared, env, output):
     import faulthandler
 
     output.restore()
@@ -107,7 +131,7 @@ def _spawn_target(reference, args_path, out_dir, init, timeout_s, env, output):
         import torch
 
         torch._C._set_print_stack_traces_on_fatal_signal(True)
-    rank_main(reference, args_path, out_dir, init, timeout_s)
+    rank_main(reference, args_path, out_dir, init, timeout_s, deaths_declared)
 
 
 def _forked_target(*args):
@@ -305,7 +329,8 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
               init=True, may_exit=(), **kwargs) -> list:
     """Run fn on world_size new processes (env:// rendezvous, Gloo transport).
 
-    Ranks in `may_exit` are allowed to end without a result (tests of a rank dying).
+    Ranks in `may_exit` are allowed to end without a result, or in any other way (tests of a rank dying);
+    every other rank must end cleanly (exit 0) within `timeout`, its result written.
     """
     port = free_port()
     # Each rank's whole environment: a forkserver's child starts from the server's, not from ours.
@@ -328,7 +353,8 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
         for rank_vars in rank_envs:
             p = ctx.Process(
                 target=_forked_target if ctx.get_start_method() == "forkserver" else _spawn_target,
-                args=(_reference(fn), args_path, str(tmp), init, op_timeout, rank_vars, _TestOutput()),
+                args=(_reference(fn), args_path, str(tmp), init, op_timeout, bool(may_exit), rank_vars,
+                      _TestOutput()),
             )
             p.start()
             procs.append(p)
@@ -340,11 +366,15 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
             if p.is_alive():
                 p.kill()
                 p.join()
-        if hung:
-            how = f"ranks {hung} still running after {timeout:.0f} s and were killed"
-        else:
-            how = "process died: " + ", ".join(f"rank {rank} {_exit_description(p.exitcode)}" for rank, p in enumerate(procs))
-        return _collect(tmp, world_size, how, may_exit)
+        ends = {rank: f"still running after {timeout:.0f} s, killed" if rank in hung
+                else _exit_description(p.exitcode) for rank, p in enumerate(procs)}
+        how = ", ".join(f"rank {rank} {end}" for rank, end in ends.items())
+        results = _collect(tmp, world_size, how, may_exit)
+        bad = [f"rank {rank} returned its result, then ended badly: {ends[rank]}"
+               for rank in range(world_size) if rank not in may_exit and (rank in hung or procs[rank].exitcode != 0)]
+        if bad:
+            raise RankFailure("\n".join(bad) + "\n(a rank meant to die goes in may_exit; see tests/support/harness.py)")
+        return results
 
 
 def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=60.0, init=True,
