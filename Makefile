@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC := torch==2.13.0
 # Building without isolation needs the build requirements in the venv; ninja makes it parallel and incremental.
 BUILD_PACKAGES := $(TORCH_SPEC) ninja "setuptools>=64" wheel
-SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu')
+SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 BUILD_STAMP := $(VENV)/.build-deps-installed
 EXTENSION_STAMP := $(VENV)/.extension-built
 TEST_STAMP := $(VENV)/.test-deps-installed

@@ -3,12 +3,11 @@
 Each (launcher, world size) runs once: every rank executes all of collective_cases.CASES in one
 process group, and each case is reported here as its own test.
 """
-import functools
 
 import pytest
 
 from tests.support import collective_cases
-from tests.support.harness import run_mpiexec, run_spawn
+from tests.support.harness import cached_launch, run_mpiexec, run_spawn
 
 # On one host the node's ranks share memory, so the library's own collectives (Gloo's, MPI's) are
 # checked with shared memory turned off ("-noshm"). With it on, the segment carries every op of a
@@ -24,7 +23,7 @@ def cases_and_device_case_sets() -> tuple:
     return collective_cases.run_cases(), device_case_sets_on_cpu()
 
 
-@functools.lru_cache(maxsize=None)
+@cached_launch
 def launch_matrix(config: str, size: int):
     transport, _, shm = config.partition("-")
     run = run_spawn if transport == "gloo" else run_mpiexec

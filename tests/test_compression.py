@@ -54,18 +54,23 @@ MEAN_CASES = [
     (["a", "b", "c"], "1bit", False, torch.float16),
     (["a", "b", "c"], "2bit", False, torch.bfloat16),
     (["a", "a"], "2bit", False, torch.float32),  # one node: nothing compressed
+    # The block codes (block 64: chunks of whole blocks), which keep the gradients' scale.
+    (["a", "a", "b", "b"], "int8", False, torch.float32),
+    (["a", "b", "c"], "int8", True, torch.float32),
+    (["a", "b"], "4bit", False, torch.float32),
+    (["a", "a", "b", "b"], "4bit", True, torch.float32),
 ]
 
 
 @pytest.mark.parametrize("names, kind, compress_result, result_dtype", MEAN_CASES)
 def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, result_dtype):
-    count, steps = 1001, 3
+    count, steps, block = 1001, 3, 64
     inputs = [values(count, 10 + rank) for rank in range(len(names))]
     results, firsts, seconds = _C.testing.compressed_mean_steps(
-        names, inputs, steps, kind, 0.3, compress_result, result_dtype, shared_memory=True)
+        names, inputs, steps, kind, 0.3, compress_result, result_dtype, block=block, shared_memory=True)
     nodes = [[r for r, n in enumerate(names) if n == name] for name in dict.fromkeys(names)]
     means, first, second = reference.compressed_mean_steps(
-        [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype)
+        [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype, block=block)
     for step in range(steps):
         for rank in range(len(names)):
             assert torch.equal(results[step][rank], means[step]), (step, rank)
@@ -76,7 +81,7 @@ def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, re
             continue
         assert torch.equal(firsts[leader], first[node])
         if compress_result:
-            chunk = reference.chunk_of(count, len(nodes))
+            chunk = reference.chunk_of(count, len(nodes), kind, block)
             used = min(count - node * chunk, chunk)
             assert torch.equal(seconds[leader][:used], second[node][:used])
         for rank in ranks[1:]:
@@ -240,3 +245,94 @@ def test_hook_and_toolkit_two_ranks_as_two_nodes():
 
 def test_hook_and_toolkit_two_nodes_of_two():
     check(run_spawn(process_cases, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=360))
+
+
+# ---- the block codes through the DDP hook, real processes -----------------------------------------
+
+class OneVector(torch.nn.Module):
+    """One parameter, so one bucket whatever DDP does: a block code's scales depend on where its blocks
+    fall, and the reference lays the gradients out as this bucket does (the relayout of residuals is
+    the same for every code: process_cases checks it with 2-bit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(sum(SIZES.values())))
+
+    def forward(self, grad):
+        return (self.w * grad).sum()
+
+
+def block_code_cases(kind: str, block: int):
+    """int8 / 4bit through the DDP hook: 4 steps against the reference; a run resumed from
+    state_dict(by_rank=True) after step 2 continues bit for bit; ranks that disagree on the block fail
+    on every rank naming it, and the group goes on; bad settings."""
+    rank = dist.get_rank()
+    size = dist.get_world_size()
+    per_node = torch_chainermn.topology().intra_size
+    nodes = [list(range(n, n + per_node)) for n in range(0, size, per_node)]
+    inputs = [[flat(gradients(r, step)) for r in range(size)] for step in range(4)]  # run() sends these
+    expected = reference.compressed_mean_steps(inputs, nodes, 4, kind, block=block)[0]
+    outcome = {}
+
+    def run(model, state, steps):
+        got = []
+        for step in steps:
+            model.zero_grad()
+            model(flat(gradients(rank, step))).backward()
+            got.append(model.module.w.grad.clone())
+        return got
+
+    model = DDP(OneVector())
+    state = hooks.GradientCompressionState(type=kind, block=block)
+    model.register_comm_hook(state, hooks.gradient_compression_hook)
+    got = run(model, state, range(2))
+    saved = state.state_dict(by_rank=True)
+    got += run(model, state, range(2, 4))
+    outcome["hook"] = [torch.equal(g, e) for g, e in zip(got, expected)]
+
+    resumed_model = DDP(OneVector())
+    resumed = hooks.GradientCompressionState(type=kind, block=block)
+    resumed_model.register_comm_hook(resumed, hooks.gradient_compression_hook)
+    run(resumed_model, resumed, [7])  # the run's layout, with other residuals: the load must replace them
+    resumed.load_state_dict(saved)
+    outcome["resumed"] = [torch.equal(g, e) for g, e in zip(run(resumed_model, resumed, range(2, 4)), expected[2:])]
+
+    disagreeing = GradientCompression(type=kind, block=block * (1 + rank % 2 * 2))
+    try:
+        disagreeing.start([torch.ones(1000)], ((0, 0, 1000),)).wait()
+        outcome["disagreement"] = "completed"
+    except ValueError as error:
+        outcome["disagreement"] = str(error)
+    after = torch.ones(3)
+    dist.all_reduce(after)
+    outcome["after"] = after.tolist()
+
+    errors = []
+    gloo = dist.new_group(backend="gloo")
+    for make in (lambda: hooks.GradientCompressionState(type=kind, block=0),
+                 lambda: hooks.GradientCompressionState(type="int4"),
+                 lambda: hooks.GradientCompressionState(gloo, type=kind)):
+        try:
+            make()
+            errors.append("")
+        except ValueError as error:
+            errors.append(str(error))
+    outcome["errors"] = errors
+    return outcome
+
+
+@pytest.mark.parametrize("kind, block, ranks_per_node, size", [("int8", 64, "2", 4), ("4bit", 32, "1", 2)],
+                         ids=["int8-2x2", "4bit-2x1"])
+def test_block_codes_through_the_hook(kind, block, ranks_per_node, size):
+    outcomes = run_spawn(block_code_cases, size, kind, block, env={"CHAINERMN_RANKS_PER_NODE": ranks_per_node},
+                         timeout=300)
+    for rank, outcome in enumerate(outcomes):
+        assert all(outcome["hook"]), (rank, outcome["hook"])
+        assert all(outcome["resumed"]), (rank, outcome["resumed"])
+        assert "the block differs" in outcome["disagreement"], (rank, outcome["disagreement"])
+        assert f"block={block}" in outcome["disagreement"] and f"block={3 * block}" in outcome["disagreement"]
+        assert outcome["after"] == [float(size)] * 3
+        block_error, type_error, group_error = outcome["errors"]
+        assert "GradientCompressionState: block must be an int >= 1, got 0" in block_error
+        assert "GradientCompressionState: type must be one of ('int8', '2bit', '1bit', '4bit'), got 'int4'" in type_error
+        assert "GradientCompressionState" in group_error and "chainermn" in group_error

@@ -3,10 +3,10 @@
 Every rank of these runs shares the machine's one GPU. NCCL refuses two ranks on one GPU of one host
 ("Duplicate GPU detected") unless each rank reports a different host: NCCL hashes NCCL_HOSTID, so
 each rank gets its own, and the ranks talk over sockets on loopback (NCCL_SOCKET_IFNAME=lo,
-NCCL_IB_DISABLE=1). `cuda_configurations()` probes that once; if NCCL still refuses, the multi-rank
-tests run instead with single-rank NCCL groups (every rank its own simulated node, NCCL within it)
-and the host transport staged through pinned memory between them (CHAINERMN_CUDA_TRANSPORT=
-nccl_intra). The all-staged transport is tested either way.
+NCCL_IB_DISABLE=1). `nccl_between_ranks()` probes that once: if NCCL refuses or sums wrongly, every
+"nccl" test fails with the probe's error. Two more configurations run the same tests: single-rank NCCL
+groups (every rank its own simulated node, NCCL within it) with the host transport staged through
+pinned memory between them ("nccl_intra"), and the all-staged transport ("staged").
 """
 import functools
 import traceback
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 from tests.support.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
-from tests.support.harness import RankFailure, run_spawn
+from tests.support.harness import RankFailure, cached_launch, run_spawn
 
 pytestmark = pytest.mark.cuda
 
@@ -39,29 +39,37 @@ def probe_all_reduce():
     return tensor[0].item()
 
 
-@functools.lru_cache(maxsize=None)
-def cuda_configurations():
-    """{"staged": (env, rank_env), "nccl": (env, rank_env)} for the multi-rank CUDA tests here.
+# The multi-rank CUDA configurations, each named for what it runs: (env, rank_env), where "hostid" gives
+# each rank a host id of its own so that NCCL takes two ranks on the one GPU.
+CONFIGURATIONS = {
+    "staged": ({"CHAINERMN_CUDA_TRANSPORT": "staged"}, None),
+    "nccl": ({"CHAINERMN_CUDA_TRANSPORT": "nccl"}, "hostid"),
+    # Single-rank NCCL groups (every rank its own simulated node), the host transport staged between them.
+    "nccl_intra": ({"CHAINERMN_CUDA_TRANSPORT": "nccl_intra", "CHAINERMN_RANKS_PER_NODE": "1"}, None),
+}
 
-    "nccl" is NCCL with a distinct NCCL_HOSTID per rank when NCCL accepts that (probed once), and
-    otherwise single-rank NCCL groups (each rank a node of its own) with the host transport staged
-    between them. Its env wins over a test's own (the fallback needs CHAINERMN_RANKS_PER_NODE=1)."""
-    try:
-        values = run_spawn(probe_all_reduce, 2, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
-                           rank_env=nccl_one_gpu_env(2), timeout=120, op_timeout=60)
-        nccl_works = values == [3.0, 3.0]
-    except RankFailure:
-        nccl_works = False
-    if nccl_works:
-        nccl = ({"CHAINERMN_CUDA_TRANSPORT": "nccl"}, "hostid")
-    else:
-        nccl = ({"CHAINERMN_CUDA_TRANSPORT": "nccl_intra", "CHAINERMN_RANKS_PER_NODE": "1"}, None)
-    return {"staged": ({"CHAINERMN_CUDA_TRANSPORT": "staged"}, None), "nccl": nccl}
+
+def cuda_configurations():
+    """CONFIGURATIONS (its env wins over a test's own: nccl_intra needs CHAINERMN_RANKS_PER_NODE=1)."""
+    return CONFIGURATIONS
+
+
+@cached_launch
+def nccl_between_ranks():
+    """Two-rank NCCL on the one GPU, probed once: a refusal or a wrong sum fails every "nccl" test with
+    what the probe saw (never a fallback to another transport under the same name)."""
+    values = run_spawn(probe_all_reduce, 2, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
+                       rank_env=nccl_one_gpu_env(2), timeout=120, op_timeout=60)
+    if values != [3.0, 3.0]:
+        raise AssertionError(f"two-rank NCCL all_reduce of 1 + 2 gave {values} on ranks 0 and 1")
+    return values
 
 
 def run_cuda(fn, world_size, config_name, extra_env=None, nccl_reference=False, **kwargs):
     """Run fn on world_size ranks in the configuration `config_name`. `nccl_reference`: fn also makes
     torch's own nccl groups (to compare with), which need a host id per rank in every configuration."""
+    if config_name == "nccl":
+        nccl_between_ranks()
     env, rank_env = cuda_configurations()[config_name]
     env = {**(extra_env or {}), **env}
     rank_env = nccl_one_gpu_env(world_size) if rank_env == "hostid" or nccl_reference else None
@@ -69,7 +77,7 @@ def run_cuda(fn, world_size, config_name, extra_env=None, nccl_reference=False, 
 
 
 def config_names():
-    return ["staged", "nccl"]
+    return list(CONFIGURATIONS)
 
 
 # ---- every strategy x dtype x size on CUDA tensors --------------------------------------------------
@@ -167,13 +175,14 @@ def test_mean_coalesced_on_cuda(config):
 
 
 def compression_cases():
-    """Gradient compression of CUDA buffers between 2 nodes, against the CPU reference (2-bit: exact)."""
+    """Gradient compression of CUDA buffers between 2 nodes, against the CPU reference (2-bit, int8 and
+    4-bit: exact)."""
     from tests.support import compression_reference as reference
     from torch_chainermn.compression import GradientCompression
 
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
-    for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True)):
+    for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True), ("int8", False), ("4bit", True)):
         case = f"{kind}, compress_result={compress_result}"
         try:
             compression = GradientCompression(type=kind, threshold=0.3, compress_result=compress_result)
@@ -183,7 +192,7 @@ def compression_cases():
             for step in range(3):
                 buffer = inputs[step][rank].cuda()
                 compression.start([buffer], ((0, 0, buffer.numel()),)).wait()
-                if kind == "2bit":
+                if kind != "1bit":
                     assert torch.equal(buffer.cpu(), means[step]), step
                 else:  # the GPU sums each chunk's magnitude in another order
                     torch.testing.assert_close(buffer.cpu(), means[step], rtol=1e-5, atol=1e-5)
@@ -343,18 +352,26 @@ def test_ddp_hooks_on_cuda(config):
 # ---- single process: NCCL group of one rank --------------------------------------------------------
 
 def single_rank_nccl():
+    """One rank's all_reduce is the identity, which an op that did nothing would pass too: each group also
+    gathers into a zeroed output, which only a gather that ran fills."""
     assert torch_chainermn._C.cuda_built
     tensor = torch.arange(10, dtype=torch.float32, device="cuda")
+    gathered = []
     for name in STRATEGIES:
         group = dist.new_group([0], backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
         dist.all_reduce(tensor, group=group)
+        out = torch.zeros_like(tensor)
+        dist.all_gather_into_tensor(out, tensor * 2, group=group)
+        gathered.append(out.cpu().tolist())
     torch_chainermn.mean_coalesced([tensor])
-    return tensor.cpu().tolist(), torch_chainermn._C.nccl_version()
+    return tensor.cpu().tolist(), gathered, torch_chainermn._C.nccl_version()
 
 
 def test_single_rank_nccl_group():
-    values, version = run_spawn(single_rank_nccl, 1, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"}, timeout=120)[0]
+    values, gathered, version = run_spawn(single_rank_nccl, 1, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
+                                          timeout=120)[0]
     assert values == [float(i) for i in range(10)]
+    assert gathered == [[2.0 * i for i in range(10)]] * len(STRATEGIES)
     assert version.startswith("2.")
 
 
@@ -510,11 +527,18 @@ def nccl_readiness_cases():
             dist.all_reduce(torch.ones(3, dtype=torch.int16, device="cuda"))
         dist.all_reduce(torch.ones(3, device="cuda"))  # still usable
 
-    def refuses_any_source_on_the_caller():
-        if torch_chainermn.get_options().cuda_transport != "nccl":
+    def any_source_receives_where_the_transport_has_them():
+        # NCCL needs the source rank: refused on the caller. A host transport between the ranks has it.
+        if torch_chainermn.get_options().cuda_transport == "nccl":
+            with pytest.raises(ValueError, match="any source"):
+                dist.recv(torch.zeros(3, device="cuda"))  # no src: any source
             return
-        with pytest.raises(ValueError, match="any source"):
-            dist.recv(torch.zeros(3, device="cuda"))  # no src: any source
+        if rank == 1:
+            dist.send(torch.full((3,), 7.0, device="cuda"), dst=0)
+        elif rank == 0:
+            received = torch.zeros(3, device="cuda")
+            source = dist.recv(received)  # no src: any source
+            assert source == 1 and received.cpu().tolist() == [7.0] * 3, (source, received)
 
     def premul_sum_with_a_device_factor():
         tensor = torch.full((5,), float(rank + 1), device="cuda")
@@ -536,7 +560,7 @@ def nccl_readiness_cases():
         assert tensor[0].item() == float(size) ** 20
 
     case("moves dtypes NCCL lacks", moves_dtypes_nccl_lacks)
-    case("refuses any source on the caller", refuses_any_source_on_the_caller)
+    case("any-source receives where the transport has them", any_source_receives_where_the_transport_has_them)
     case("premul_sum with a device factor", premul_sum_with_a_device_factor)
     case("barrier orders the device", barrier_orders_the_device)
     case("destroy flushes queued work", destroy_flushes_queued_work)
@@ -621,13 +645,14 @@ def test_one_bit_kernels_match_the_cpu():
             assert torch.equal(bits(got), bits(expected)), f"{case} accumulate={accumulate}"
 
 
-@pytest.mark.parametrize("code", ["int8", "2bit", "1bit"])
+@pytest.mark.parametrize("code", ["int8", "4bit", "2bit", "1bit"])
 def test_code_operators_match_the_cpu(code):
     """torch_chainermn.codes on CUDA: the CPU's wire rows, residuals and decoded values bit for bit
     (1-bit: its scale, summed in another order, to float rounding)."""
     from torch_chainermn.codes import decode, encode, wire_row_bytes
 
     for rows, count, block in ((1, 1, 4), (3, 1000, 256), (2, 37, 5), (2, 70001, 256), (1, 0, 8)):
+        block += block % 2 if code == "4bit" else 0  # 4-bit blocks are even
         case = f"{code} rows={rows} count={count} block={block}"
         generator = torch.Generator().manual_seed(count)
         x, residual = torch.randn(rows, count, generator=generator), torch.randn(rows, count, generator=generator)

@@ -25,6 +25,12 @@ def eventually(condition, within=10.0):
     return False
 
 
+def watched_after(queue, polls):
+    """Waits until the watchdog has asked the device about an unfinished op twice more than `polls` times:
+    whatever it would do with what it knew before, it has done."""
+    assert eventually(lambda: queue.end_polls >= polls + 2)
+
+
 def test_a_queued_op_completes_when_the_device_reaches_its_end():
     queue = testing.DeviceQueue()
     first, second = queue.post(), queue.post()
@@ -75,8 +81,8 @@ def test_a_launched_op_completes_only_once_the_device_and_its_check_are_through(
     work = queue.launch(checked=True)
     assert work.wait()  # queued at once: the launch did not wait for the check
     queue.finish(1)
-    time.sleep(0.3)  # the watchdog has polled the device (every 100 ms) and seen the end
-    assert not work.is_completed()
+    assert eventually(lambda: queue.verdicts_awaited >= 1)  # the device is through, the check is under way ...
+    assert not work.is_completed()  # ... and the op waits for it
     queue.check(0)
     assert eventually(work.is_completed)
     assert work.is_success() and queue.aborts == 0
@@ -86,8 +92,9 @@ def test_a_check_that_passes_first_still_waits_for_the_device():
     queue = testing.DeviceQueue()
     work = queue.launch(checked=True)
     queue.check(0)
-    time.sleep(0.3)
-    assert not work.is_completed()
+    assert eventually(lambda: queue.verdicts_taken >= 1)  # the worker has the verdict ...
+    watched_after(queue, queue.end_polls)
+    assert not work.is_completed()  # ... and the op still waits for the device
     queue.finish(1)
     assert eventually(work.is_completed) and work.is_success()
 

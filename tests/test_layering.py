@@ -34,7 +34,7 @@ TORCH_ADAPTERS = {
     "comm/shm.h": "the segment's name is agreed through the c10d::Store",
     "comm/shm_segment.h": "the same",
     "topology.cpp": "hostnames are exchanged through the c10d::Store",
-    "kernels/codes.h": "the codes' argument checks for the torch operators (at::Tensor)",
+    "kernels/code_checks.h": "the codes' argument checks for the torch operators (at::Tensor)",
 }
 
 

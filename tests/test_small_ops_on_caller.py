@@ -121,5 +121,5 @@ def test_an_op_on_the_caller_fails_at_its_own_timeout():
     # The segment's waits are bounded by the 60 s the group was made with; the op's 1 s deadline is
     # the watchdog's, which must reach into the transport. The harness gives the ranks 60 s in all.
     message, on_caller = launched()[0][1]
-    assert on_caller == 1, outcomes[0]
+    assert on_caller == 1, launched()[0]
     assert "barrier" in message and "timed out" in message and "1000 ms" in message, message

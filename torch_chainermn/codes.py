@@ -1,4 +1,4 @@
-"""Codes that carry float32 rows over a slow link: int8 blocks (ZeRO++), MXNet's 2-bit and 1-bit.
+"""Codes that carry float32 rows over a slow link: int8 and 4-bit blocks (ZeRO++), MXNet's 2-bit and 1-bit.
 
 The torch operators `torch.ops.torch_chainermn.encode` / `decode` (CPU and CUDA; csrc/kernels/codes.h),
 one pass over the values each, into and out of buffers the caller keeps (nothing allocated):
@@ -9,6 +9,8 @@ one pass over the values each, into and out of buffers the caller keeps (nothing
 
 - "int8": one float32 scale (largest |value| / 127) per `block` values, round half to even. The
   residual (error feedback) is optional.
+- "4bit": two values a byte, one float32 scale (largest |value| / 7) per `block` values (an even
+  number), round half to even. The residual is optional.
 - "2bit": +threshold, -threshold or 0 per value; "1bit": the sign, times the row's mean |value|.
   Both need a residual, which keeps what the codes did not carry (MXNet's rules, kernels/quantize.h).
 """
@@ -18,9 +20,24 @@ import torch
 
 from . import _C  # noqa: F401  (registers the operators)
 
-__all__ = ["CODES", "decode", "encode", "wire_row_bytes"]
+__all__ = ["CODES", "check_settings", "decode", "encode", "wire_row_bytes"]
 
-CODES = ("int8", "2bit", "1bit")
+CODES = ("int8", "2bit", "1bit", "4bit")  # kernels/codes.h's registry, in its order
+BLOCK_CODES = ("int8", "4bit")  # one scale per `block` values
+THRESHOLD_CODES = ("2bit",)
+
+
+def check_settings(op: str, code: str, threshold: float = 0.5, block: int = 256, *, argument: str = "type") -> None:
+    """A ValueError naming `op` and the argument unless `code` is a code and the settings it reads are
+    valid: the one validation of a code's settings in Python (the backend checks them again)."""
+    if code not in CODES:
+        raise ValueError(f"{op}: {argument} must be one of {CODES}, got {code!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < float("inf"):
+        raise ValueError(f"{op}: threshold must be a positive number, got {threshold!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{op}: block must be an int >= 1, got {block!r}")
+    if code == "4bit" and block % 2:
+        raise ValueError(f"{op}: block must be even for the 4bit code (two values a byte), got {block}")
 
 
 def wire_row_bytes(code: str, count: int, block: int = 256) -> int:

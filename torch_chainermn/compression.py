@@ -1,8 +1,10 @@
-"""Gradient compression between nodes: MXNet's 2-bit with error feedback, and 1-bit sign with a scale.
+"""Gradient compression between nodes, with error feedback: block-quantised int8 and 4-bit, MXNet's 2-bit,
+and 1-bit sign with a scale (the codes of torch_chainermn.codes).
 
 Within a node the ranks' gradients are summed at full precision; each node's first rank adds that sum
-to its residual and sends 2 bits (or 1 bit) per value to the other nodes, keeping what it did not send
-for the next step, so nothing is lost, only delayed. The chunk sums come back as float32 (MXNet),
+to its residual and sends 8, 4, 2 or 1 bits per value to the other nodes (the block codes add one
+float32 scale per `block` values), keeping what it did not send for the next step, so nothing is
+lost, only delayed. The chunk sums come back as float32 (MXNet),
 as `result_dtype`, or with `compress_result=True` compressed too, against a second residual. Every
 rank gets the sum of what the nodes sent divided by the world size. With one node nothing is
 compressed. The codes and the exchange are the backend's (csrc/strategies/compressed.h).
@@ -20,13 +22,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import codes
 from ._backend import backend_of, group_of
 
 __all__ = ["GradientCompression", "TYPES", "compression_from"]
 
-TYPES = ("2bit", "1bit")
+TYPES = codes.CODES
 RESULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_SETTINGS = ("type", "threshold", "compress_result", "result_dtype")
+_SETTINGS = ("type", "threshold", "block", "compress_result", "result_dtype")
 
 
 class _Residual:
@@ -59,21 +62,19 @@ class GradientCompression:
     """Compression settings for a group, and the residuals they keep (see the module docstring).
 
     process_group: a chainermn group (default: the default group).
-    type: "2bit" (MXNet's: +threshold, -threshold or 0 per value) or "1bit" (the sign, times the chunk's
-        mean magnitude).
-    threshold: 2-bit's threshold, > 0 (MXNet's default 0.5). 1-bit does not use it.
-    compress_result: compress the chunk sums on their way back too (both phases 2 or 1 bits a value).
+    type: "int8" or "4bit" (one scale, the block's largest magnitude over 127 or 7, per `block` values:
+        gradients keep their scale, which Adam needs), "2bit" (MXNet's: +threshold, -threshold or 0 per
+        value) or "1bit" (the sign, times the chunk's mean magnitude).
+    threshold: 2-bit's threshold, > 0 (MXNet's default 0.5). The other codes do not use it.
+    block: values per scale of "int8" and "4bit" (even for "4bit"); the others do not use it.
+    compress_result: compress the chunk sums on their way back too (both phases in the code).
     result_dtype: otherwise, the dtype the sums travel back in: torch.float32 (MXNet), float16, bfloat16.
     """
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *,
-                 op: str = "GradientCompression"):
-        if type not in TYPES:
-            raise ValueError(f"{op}: type must be one of {TYPES}, got {type!r}")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0 \
-                or threshold == float("inf"):
-            raise ValueError(f"{op}: threshold must be a positive number, got {threshold!r}")
+                 block: int = 256, op: str = "GradientCompression"):
+        codes.check_settings(op, type, threshold, block)
         if not isinstance(compress_result, bool):
             raise ValueError(f"{op}: compress_result must be a bool, got {compress_result!r}")
         if result_dtype not in RESULT_DTYPES:
@@ -83,6 +84,7 @@ class GradientCompression:
         self._backend = backend_of(self.process_group, op)
         self.type = type
         self.threshold = float(threshold)
+        self.block = block
         self.compress_result = compress_result
         self.result_dtype = result_dtype
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
@@ -92,12 +94,12 @@ class GradientCompression:
         self._loaded: dict[int, torch.Tensor] = {}  # index -> residual from load_state_dict, not yet placed
 
     def __repr__(self):
-        return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, "
+        return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
                 f"compress_result={self.compress_result}, result_dtype={self.result_dtype})")
 
     def settings(self) -> dict:
-        return {"type": self.type, "threshold": self.threshold, "compress_result": self.compress_result,
-                "result_dtype": self.result_dtype}
+        return {"type": self.type, "threshold": self.threshold, "block": self.block,
+                "compress_result": self.compress_result, "result_dtype": self.result_dtype}
 
     def _saved_settings(self) -> dict:
         """settings() as a checkpoint holds them (the dtype by name: loadable without torch's pickler)."""
@@ -122,8 +124,8 @@ class GradientCompression:
         if last:
             self._carried = None
         residual.work = self._backend.compressed_mean(
-            list(tensors), residual.first, residual.second, self.type, self.threshold, self.compress_result,
-            self.result_dtype)
+            list(tensors), residual.first, residual.second, self.type, self.threshold, self.block,
+            self.compress_result, self.result_dtype)
         return residual.work
 
     def reserve(self, params, device) -> None:
@@ -145,7 +147,7 @@ class GradientCompression:
                 self._index[param_id] = len(self._index)
                 self._numel[param_id] = numel
         first_n, second_n, second_offset, second_count = self._backend.compression_residuals(
-            count, self.type, self.threshold, self.compress_result, self.result_dtype)
+            count, self.type, self.threshold, self.block, self.compress_result, self.result_dtype)
         first = torch.zeros(first_n, dtype=torch.float32, device=device)
         second = torch.zeros(second_n, dtype=torch.float32, device=device)
         if relayout and self._carried is None:

@@ -202,18 +202,21 @@ def double_buffering_hook(state: DoubleBufferingState, bucket: dist.GradBucket) 
 
 
 class GradientCompressionState(GradientCompression):
-    """State of `gradient_compression_hook`: MXNet's 2-bit (or 1-bit) compression between nodes.
+    """State of `gradient_compression_hook`: compression between nodes with error feedback.
 
     The settings and residuals of compression.GradientCompression (process_group=None, type="2bit",
-    threshold=0.5, compress_result=False, result_dtype=torch.float32): within a node the gradients
-    are summed at full precision, between nodes 2 bits (1 bit) a value travel, and what was not sent
-    is kept per parameter and sent later. Save `state.state_dict()` (collective) with a checkpoint and
-    `load_state_dict` it on restart, so nothing owed is dropped.
+    threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256): within a node the
+    gradients are summed at full precision, between nodes the code's bits a value travel ("int8",
+    "4bit": with one scale per `block` values, the codes that train with Adam; MXNet's "2bit",
+    "1bit": for SGD), and what was not sent is kept per parameter and sent later. Save
+    `state.state_dict()` (collective) with a checkpoint and `load_state_dict` it on restart, so
+    nothing owed is dropped.
     """
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
-                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32):
-        super().__init__(process_group, type, threshold, compress_result, result_dtype, op="GradientCompressionState")
+                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256):
+        super().__init__(process_group, type, threshold, compress_result, result_dtype, block=block,
+                         op="GradientCompressionState")
 
 
 def gradient_compression_hook(state: GradientCompressionState,

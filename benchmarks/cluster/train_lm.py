@@ -10,6 +10,8 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     fp16+db     chainermn DDP, hooks.double_buffering_hook with DoubleBufferingState(compress=float16)
     2bit, 1bit  chainermn DDP, hooks.gradient_compression_hook, GradientCompressionState(type=...,
                 threshold=--threshold); +cr: compress_result=True (the sums come back compressed too)
+    int8, 4bit  the same hook with the block codes (one scale per --block values, error feedback);
+                +cr: the sums come back compressed too
     powersgd    chainermn DDP, torch's PowerSGD hook (rank --powersgd-rank, plain allreduce for the
                 first --powersgd-start steps)
     localsgd    one replica per node (DDP over torch_chainermn.node_group(): gradients averaged in the
@@ -67,7 +69,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm  # noqa: E402
 
-DDP_MODES = ("gloo", "chainermn", "fp16+db", "2bit", "1bit", "2bit+cr", "1bit+cr", "powersgd")
+DDP_MODES = ("gloo", "chainermn", "fp16+db", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
+             "4bit+cr", "powersgd")
+CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr")
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks")  # replicas synced every H steps
 FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
               "fsdp-2bit-int8-hpz", "fsdp-1bit-int8-hpz")  # sharded, no compute-alone phase
@@ -84,6 +88,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # 2e-3 in a one-process simulation of the same error feedback): 2e-3, at the sum's 99th
     # percentile, is the one that did not blow up (codes fire rarely). See the README.
     p.add_argument("--threshold", type=float, default=2e-3, help="2-bit threshold for the gradients")
+    p.add_argument("--block", type=int, default=256, help="values per scale of the int8 and 4bit codes")
     # FSDP2 averages (ReduceOp.AVG): the node's value that 2-bit codes is the mean of its ranks'
     # gradients, half the DDP hook's sum, so half its threshold.
     p.add_argument("--fsdp-threshold", type=float, default=1e-3, help="2-bit threshold for FSDP's gradients")
@@ -156,10 +161,10 @@ def setup(args, model):
         state = hooks.DoubleBufferingState(compress=torch.float16)
         ddp.register_comm_hook(state, hooks.double_buffering_hook)
         flush = state.flush
-    elif args.mode in ("2bit", "1bit", "2bit+cr", "1bit+cr"):
+    elif args.mode in CODE_MODES:
         from torch_chainermn import hooks
-        state = hooks.GradientCompressionState(type=args.mode[:4], threshold=args.threshold,
-                                               compress_result=args.mode.endswith("+cr"))
+        state = hooks.GradientCompressionState(type=args.mode.split("+")[0], threshold=args.threshold,
+                                               compress_result=args.mode.endswith("+cr"), block=args.block)
         ddp.register_comm_hook(state, hooks.gradient_compression_hook)
     elif args.mode == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd

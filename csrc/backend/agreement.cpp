@@ -1,6 +1,7 @@
 #include "backend/agreement.h"
 
 #include "backend/validate.h"
+#include "kernels/codes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -72,6 +73,49 @@ const char* reduceOpName(int32_t op) {
   return op >= 0 && op < static_cast<int32_t>(std::size(names)) ? names[op] : "none";
 }
 
+const char* settingName(uint8_t name) {
+  switch (static_cast<SettingName>(name)) {
+    case SettingName::Code:
+      return "code";
+    case SettingName::Threshold:
+      return "threshold";
+    case SettingName::Block:
+      return "block";
+    case SettingName::CompressResult:
+      return "compress_result";
+    case SettingName::ResultDtype:
+      return "result_dtype";
+    case SettingName::None:
+      break;
+  }
+  return "setting";
+}
+
+std::string settingOf(const Fingerprint& print, int k) {
+  const int32_t value = print.settings[k];
+  std::string shown;
+  switch (static_cast<SettingName>(print.settingNames[k])) {
+    case SettingName::Code:
+      shown = codeName(static_cast<Code>(value));
+      break;
+    case SettingName::Threshold: {
+      float threshold;
+      std::memcpy(&threshold, &value, sizeof(threshold));
+      shown = std::to_string(threshold);
+      break;
+    }
+    case SettingName::CompressResult:
+      shown = value ? "True" : "False";
+      break;
+    case SettingName::ResultDtype:
+      shown = dtypeName(static_cast<at::ScalarType>(value));
+      break;
+    default:
+      shown = std::to_string(value);
+  }
+  return std::string(settingName(print.settingNames[k])) + "=" + shown;
+}
+
 std::string dtypeOf(const Fingerprint& print) {
   return print.dtype < 0 ? "no dtype" : dtypeName(static_cast<at::ScalarType>(print.dtype));
 }
@@ -89,6 +133,16 @@ Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op) {
   return agreement;
 }
 
+Agreement withSetting(Agreement agreement, SettingName name, int32_t value) {
+  for (auto& setting : agreement.settings) {
+    if (setting.name == SettingName::None) {
+      setting = Setting{name, value};
+      return agreement;
+    }
+  }
+  TORCH_CHECK(false, "chainermn: more than ", kSettings, " settings in one agreement");
+}
+
 Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement) {
   Fingerprint print;
   print.sequence = sequence;
@@ -100,6 +154,10 @@ Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& 
   print.count = agreement.count;
   print.tensors = agreement.tensors;
   print.layout = agreement.layout;
+  for (int k = 0; k < kSettings; ++k) {
+    print.settings[k] = agreement.settings[k].value;
+    print.settingNames[k] = static_cast<uint8_t>(agreement.settings[k].name);
+  }
   return print;
 }
 
@@ -200,6 +258,13 @@ std::string disagreement(
   if (differs(all, [](const Fingerprint& p) { return p.root; })) {
     return head + ": the " + first.rootName + " differs: " +
         byValue(all, [](const Fingerprint& p) { return std::string(p.rootName) + "=" + std::to_string(p.root); });
+  }
+  for (int k = 0; k < kSettings; ++k) {
+    if (differs(all, [k](const Fingerprint& p) { return p.settings[k]; }) ||
+        differs(all, [k](const Fingerprint& p) { return p.settingNames[k]; })) {
+      return head + ": the " + settingName(first.settingNames[k]) + " differs: " +
+          byValue(all, [k](const Fingerprint& p) { return settingOf(p, k); });
+    }
   }
   if (differs(all, [](const Fingerprint& p) { return p.reduce; })) {
     return head + ": the reduce ops differ: " +

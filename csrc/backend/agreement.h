@@ -18,12 +18,22 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
 namespace chainermn {
+
+// A setting of an op that every rank must pass the same beyond the fields of Agreement (a compressed
+// mean's code, its threshold, ...): named in a disagreement, its value shown as what it is.
+enum class SettingName : uint8_t { None = 0, Code, Threshold, Block, CompressResult, ResultDtype };
+constexpr int kSettings = 5;
+struct Setting {
+  SettingName name = SettingName::None;
+  int32_t value = 0;  // a Threshold is a float's bits; a Code a kernels/codes.h Code; a ResultDtype a ScalarType
+};
 
 // What a collective's caller must pass the same on every rank. Fields left at their defaults are
 // not compared.
@@ -39,6 +49,7 @@ struct Agreement {
   // all-to-all: elements this rank sends to and expects from each rank, checked pairwise
   // (checkSplits) since they legitimately differ from rank to rank.
   std::vector<int64_t> sendCounts, recvCounts;
+  std::array<Setting, kSettings> settings{};  // withSetting() fills them in order
 };
 
 // The bytes every rank sends: plain data, the same layout on every rank.
@@ -54,12 +65,18 @@ struct Fingerprint {
   char rootName[8] = {};
   int32_t refused = 0;  // this rank refused the call; its reason is in the store (refusalKey)
   int32_t pad = 0;
+  int32_t settings[kSettings] = {};      // Agreement::settings' values ...
+  uint8_t settingNames[kSettings] = {};  // ... and names (SettingName)
+  uint8_t settingsPad[7] = {};
 };
-static_assert(sizeof(Fingerprint) == 96, "the exchanged fingerprint has a fixed size");
+static_assert(sizeof(Fingerprint) == 128, "the exchanged fingerprint has a fixed size");
+static_assert(sizeof(Fingerprint) <= kExchangeBytes, "a carried check fits a shared-memory cell's head");
 
 // The root and the reduce op, for the collectives that have them.
 Agreement withRoot(Agreement agreement, const char* name, int64_t root);
 Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op);
+// The next of an op's settings (at most kSettings).
+Agreement withSetting(Agreement agreement, SettingName name, int32_t value);
 
 Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement);
 

@@ -27,13 +27,22 @@ void checkResidual(const char* op, const char* argument, const at::Tensor& resid
                     dtypeName(residual.scalar_type()), " on ", residual.device());
 }
 
-// The spec as one number every rank must pass the same: the kind, the flag, the result dtype and
-// the threshold's bits (the codes mean nothing to a rank that decodes them with another threshold).
-int64_t specCode(const CompressionSpec& spec) {
-  uint32_t thresholdBits = 0;
-  std::memcpy(&thresholdBits, &spec.threshold, sizeof(thresholdBits));
-  return static_cast<int64_t>(thresholdBits) | (static_cast<int64_t>(spec.kind) << 32) |
-      (static_cast<int64_t>(spec.compressResult) << 34) | (static_cast<int64_t>(spec.resultWire) << 36);
+// Every setting of the spec, each a field of its own that every rank must pass the same: the codes
+// mean nothing to a rank that decodes them with another code, threshold or block. A setting the code
+// does not read is left out (1-bit's threshold may differ: nothing reads it).
+Agreement withSpec(Agreement agreement, const CompressionSpec& spec) {
+  const CodeInfo& code = codeInfo(spec.code);
+  agreement = withSetting(std::move(agreement), SettingName::Code, static_cast<int32_t>(spec.code));
+  if (code.usesThreshold) {
+    int32_t thresholdBits = 0;
+    std::memcpy(&thresholdBits, &spec.settings.threshold, sizeof(thresholdBits));
+    agreement = withSetting(std::move(agreement), SettingName::Threshold, thresholdBits);
+  }
+  if (code.usesBlock) {
+    agreement = withSetting(std::move(agreement), SettingName::Block, static_cast<int32_t>(spec.settings.block));
+  }
+  agreement = withSetting(std::move(agreement), SettingName::CompressResult, spec.compressResult);
+  return withSetting(std::move(agreement), SettingName::ResultDtype, static_cast<int32_t>(spec.resultWire));
 }
 
 } // namespace
@@ -54,10 +63,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
                         dtypeName(tensor.scalar_type()));
       count += tensor.numel();
     }
-    TORCH_CHECK_VALUE(spec.kind == CompressionKind::TwoBit || spec.kind == CompressionKind::OneBit, op,
-                      ": unknown compression kind");
-    TORCH_CHECK_VALUE(spec.threshold > 0.0f && std::isfinite(spec.threshold), op,
-                      ": threshold must be a positive finite number, got ", spec.threshold);
+    checkCodeSettings(spec.code, spec.settings, op);
     TORCH_CHECK_VALUE(spec.resultWire == at::kFloat || spec.resultWire == at::kHalf || spec.resultWire == at::kBFloat16,
                       op, ": result_dtype must be torch.float32, torch.float16 or torch.bfloat16, got ",
                       dtypeName(spec.resultWire));
@@ -68,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
 
     Agreement agreement = agreeOn(tensors);
     agreement.dtype = at::kFloat;  // the tensors may mix floating dtypes: the sums are float32
-    agreement = withRoot(std::move(agreement), "config", specCode(spec));
+    agreement = withSpec(std::move(agreement), spec);
     std::vector<at::Tensor> kept;  // updated by the op: kept alive (and, on CUDA, from reuse) until it is done
     for (const auto* held : {&residual, &secondResidual}) {
       if (held->defined() && held->numel() > 0) {

@@ -21,13 +21,13 @@ class CpuMover : public Mover {
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) override {
     unpackCpu(packed, wire, parts, scale);
   }
-  void quantize(CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
-                float threshold) override {
-    quantizeCpu(kind, add, residual, block, count, chunk, threshold);
+  void encode(Code code, const CodeSettings& settings, const float* values, float* residual, void* wire, int64_t rows,
+              int64_t rowBytes, int64_t count) override {
+    encodeCpu(code, settings, values, residual, static_cast<uint8_t*>(wire), rows, rowBytes, count);
   }
-  void dequantize(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold,
-                  bool accumulate) override {
-    dequantizeCpu(kind, block, out, count, threshold, accumulate);
+  void decode(Code code, const CodeSettings& settings, const void* wire, int64_t rows, int64_t rowBytes, float* out,
+              int64_t count, bool sum, bool accumulate) override {
+    decodeCpu(code, settings, static_cast<const uint8_t*>(wire), rows, rowBytes, out, count, sum, accumulate);
   }
 };
 } // namespace

@@ -9,7 +9,7 @@
 #pragma once
 
 #include "kernels/pack.h"
-#include "kernels/quantize.h"
+#include "kernels/codes.h"
 
 // The tensor class only, not all of ATen: every strategy includes this header.
 #include <ATen/core/Tensor.h>
@@ -51,11 +51,11 @@ class Mover {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void pack(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale) = 0;
   virtual void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) = 0;
-  // Gradient compression's kernels (kernels/quantize.h), on this device.
-  virtual void quantize(
-      CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) = 0;
-  virtual void dequantize(
-      CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) = 0;
+  // The codes' encode and decode (kernels/codes.h), on this device.
+  virtual void encode(Code code, const CodeSettings& settings, const float* values, float* residual, void* wire,
+                      int64_t rows, int64_t rowBytes, int64_t count) = 0;
+  virtual void decode(Code code, const CodeSettings& settings, const void* wire, int64_t rows, int64_t rowBytes,
+                      float* out, int64_t count, bool sum, bool accumulate) = 0;
   // Bytes the mover itself holds (a device's table of parts).
   virtual size_t bytesHeld() const {
     return 0;
@@ -105,13 +105,15 @@ class Scratch {
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) {
     mover_->unpack(packed, wire, parts, scale);
   }
-  // Error feedback and packing of one block, and its unpacking, on this device (kernels/quantize.h).
-  void quantize(
-      CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
-    mover_->quantize(kind, add, residual, block, count, chunk, threshold);
+  // Error feedback and encoding of `rows` rows of `count` values into wire rows `rowBytes` apart, and
+  // their decoding (with `sum`: out (+)= the rows' sum), on this device (kernels/codes.h).
+  void encode(Code code, const CodeSettings& settings, const float* values, float* residual, void* wire, int64_t rows,
+              int64_t rowBytes, int64_t count) {
+    mover_->encode(code, settings, values, residual, wire, rows, rowBytes, count);
   }
-  void dequantize(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
-    mover_->dequantize(kind, block, out, count, threshold, accumulate);
+  void decode(Code code, const CodeSettings& settings, const void* wire, int64_t rows, int64_t rowBytes, float* out,
+              int64_t count, bool sum, bool accumulate) {
+    mover_->decode(code, settings, wire, rows, rowBytes, out, count, sum, accumulate);
   }
 
   // Bytes held in all slots (for tests that check nothing grows after warm-up).

@@ -275,6 +275,11 @@ void Mailboxes::State::progressLoop() {
       }
       progress(/*onlyIfFree=*/false);
     }
+    if (stopping.load(std::memory_order_acquire)) {
+      // A wake that progress() ran may have destroyed the Mailboxes (see ~Mailboxes), and with them
+      // the segment the rings live in: nothing here may touch the rings again.
+      return;
+    }
     handled = seen;
     const auto idleSince = std::chrono::steady_clock::now();
     // Not on a busy machine; on a rank bound to one CPU, which this thread shares with the caller, it yields.
@@ -353,7 +358,15 @@ Mailboxes::~Mailboxes() {
   if (progress_.joinable()) {
     state_->stopping.store(true, std::memory_order_release);
     state_->rings.ring(state_->rank);
-    progress_.join();
+    // The progress thread itself may be the one that destroys this (a wake it ran dropped the last
+    // reference to the group's worker, which owns the transports): it cannot join itself (that threw
+    // and aborted the process at exit). It holds the State it loops on, sees `stopping` when the wake
+    // returns, and ends by itself.
+    if (progress_.get_id() == std::this_thread::get_id()) {
+      progress_.detach();
+    } else {
+      progress_.join();
+    }
   }
 }
 

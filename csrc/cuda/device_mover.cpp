@@ -1,7 +1,7 @@
 // A CUDA Scratch's moves (buffers/scratch.h): on the current stream of its device, which is the
 // group's inside an op's scope (cuda/device.h), so they are ordered with the op's transport calls.
 #include "cuda/pack_kernels.h"
-#include "cuda/quantize_kernels.h"
+#include "cuda/codes_kernels.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -23,13 +23,14 @@ class DeviceMover : public Mover {
   void unpack(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale) override {
     cuda::unpack(table_, packed, wire, parts, scale, stream());
   }
-  void quantize(CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
-                float threshold) override {
-    cuda::quantize(kind, add, residual, block, count, chunk, threshold, stream());
+  void encode(Code code, const CodeSettings& settings, const float* values, float* residual, void* wire, int64_t rows,
+              int64_t rowBytes, int64_t count) override {
+    cuda::encode(code, settings, values, residual, static_cast<uint8_t*>(wire), rows, rowBytes, count, stream());
   }
-  void dequantize(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold,
-                  bool accumulate) override {
-    cuda::dequantize(kind, block, out, count, threshold, accumulate, stream());
+  void decode(Code code, const CodeSettings& settings, const void* wire, int64_t rows, int64_t rowBytes, float* out,
+              int64_t count, bool sum, bool accumulate) override {
+    cuda::decode(code, settings, static_cast<const uint8_t*>(wire), rows, rowBytes, out, count, sum, accumulate,
+                 stream());
   }
   size_t bytesHeld() const override {
     return table_.bytesHeld();

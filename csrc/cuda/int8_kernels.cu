@@ -6,9 +6,11 @@
 // reads r again (from L1/L2, each lane its own values) for the codes and the new residual.
 // decode: one thread per 4 consecutive values of an output (one 4-byte load of codes per row, one
 // 16-byte store) where the row length allows, else per value; with `sum` it adds the rows' values
-// in row order, starting from row 0's value as the CPU does (so -0 stays -0).
+// in row order, starting from row 0's value as the CPU does (so -0 stays -0), or with `accumulate`
+// from what out holds.
 #include "cuda/int8_kernels.h"
 
+#include "cuda/block_scale.cuh"
 #include "kernels/int8.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -24,7 +26,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;  // quantisation blocks per thread block
-constexpr unsigned kFullMask = 0xffffffffu;
 
 __global__ void encodeInt8Kernel(const float* values, float* residual, uint8_t* wire, int64_t rowBytes, int64_t count,
                                  int64_t block, int64_t blocksPerRow, int64_t totalBlocks) {
@@ -40,18 +41,7 @@ __global__ void encodeInt8Kernel(const float* values, float* residual, uint8_t* 
   const float* v = values + row * count + begin;
   float* kept = residual ? residual + row * count + begin : nullptr;
   uint8_t* out = wire + row * rowBytes;
-  float largest = 0.0f;
-  for (int64_t i = lane; i < n; i += 32) {
-    float r = v[i];
-    if (kept) {
-      r = __fadd_rn(kept[i], r);
-      kept[i] = r;
-    }
-    largest = fmaxf(largest, fabsf(r));
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    largest = fmaxf(largest, __shfl_xor_sync(kFullMask, largest, offset));
-  }
+  const float largest = warpBlockLargest(v, kept, n, lane);
   const float scale = __fdiv_rn(largest, kInt8Levels);
   const float inverse = largest > 0.0f ? __fdiv_rn(kInt8Levels, largest) : 0.0f;  // int8Inverse
   auto* codes = reinterpret_cast<int8_t*>(out) + begin;
@@ -80,8 +70,12 @@ __device__ __forceinline__ float decoded(const uint8_t* row, int8_t code, int64_
 // last) summed.
 template <int Width>
 __device__ __forceinline__ void decodeAt(const uint8_t* wire, int64_t first, int64_t last, int64_t rowBytes,
-                                         int64_t scalesOffset, int64_t i, int64_t block, float* out) {
+                                         int64_t scalesOffset, int64_t i, int64_t block, float* out, bool accumulate) {
   float value[Width];
+#pragma unroll
+  for (int k = 0; k < Width; ++k) {
+    value[k] = accumulate ? out[k] : 0.0f;
+  }
   for (int64_t r = first; r < last; ++r) {
     const uint8_t* row = wire + r * rowBytes;
     int8_t code[Width];
@@ -94,7 +88,7 @@ __device__ __forceinline__ void decodeAt(const uint8_t* wire, int64_t first, int
 #pragma unroll
     for (int k = 0; k < Width; ++k) {
       const float piece = decoded(row, code[k], scalesOffset, i + k, block);
-      value[k] = r == first ? piece : __fadd_rn(value[k], piece);
+      value[k] = r == first && !accumulate ? piece : __fadd_rn(value[k], piece);
     }
   }
   if (Width == 4) {
@@ -107,7 +101,7 @@ __device__ __forceinline__ void decodeAt(const uint8_t* wire, int64_t first, int
 // Width 4: count is a multiple of 4 (every output row starts 16-byte aligned), one thread per 4 values.
 template <int Width>
 __global__ void decodeInt8Kernel(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count,
-                                 int64_t block, bool sum) {
+                                 int64_t block, bool sum, bool accumulate) {
   const int64_t total = (sum ? count : rows * count) / Width;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t scalesOffset = int8ScalesOffset(count);
@@ -115,7 +109,7 @@ __global__ void decodeInt8Kernel(const uint8_t* wire, int64_t rows, int64_t rowB
     const int64_t flat = at * Width;
     const int64_t first = sum ? 0 : flat / count;
     decodeAt<Width>(wire, first, sum ? rows : first + 1, rowBytes, scalesOffset, sum ? flat : flat % count, block,
-                    out + flat);
+                    out + flat, sum && accumulate);
   }
 }
 
@@ -139,7 +133,7 @@ void encodeInt8(const float* values, float* residual, uint8_t* wire, int64_t row
 }
 
 void decodeInt8(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, int64_t block, bool sum,
-                void* rawStream) {
+                bool accumulate, void* rawStream) {
   const int64_t total = sum ? count : rows * count;
   if (total == 0 || rows == 0) {
     return;
@@ -149,9 +143,9 @@ void decodeInt8(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, 65535)));
   auto stream = static_cast<cudaStream_t>(rawStream);
   if (four) {
-    decodeInt8Kernel<4><<<blocks, kThreads, 0, stream>>>(wire, rows, rowBytes, out, count, block, sum);
+    decodeInt8Kernel<4><<<blocks, kThreads, 0, stream>>>(wire, rows, rowBytes, out, count, block, sum, accumulate);
   } else {
-    decodeInt8Kernel<1><<<blocks, kThreads, 0, stream>>>(wire, rows, rowBytes, out, count, block, sum);
+    decodeInt8Kernel<1><<<blocks, kThreads, 0, stream>>>(wire, rows, rowBytes, out, count, block, sum, accumulate);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

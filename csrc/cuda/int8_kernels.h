@@ -14,9 +14,10 @@ namespace cuda {
 void encodeInt8(const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes, int64_t count,
                 int64_t block, void* stream);
 
-// decodeInt8Cpu: out = each row's values ([rows, count]), or with `sum` their sum ([count]). One launch.
+// decodeInt8Cpu: out = each row's values ([rows, count]), or with `sum` their sum ([count]), added to
+// what out holds with `accumulate`. One launch.
 void decodeInt8(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, int64_t block, bool sum,
-                void* stream);
+                bool accumulate, void* stream);
 
 } // namespace cuda
 } // namespace chainermn

@@ -196,7 +196,7 @@ __global__ void dequantize1bitKernel(const uint32_t* block, float* out, int64_t 
 } // namespace
 
 void quantize(
-    CompressionKind kind,
+    Code kind,
     const float* add,
     float* residual,
     uint32_t* block,
@@ -216,7 +216,7 @@ void quantize(
     return;
   }
   const int blocks = blocksFor(count);
-  if (kind == CompressionKind::TwoBit) {
+  if (kind == Code::TwoBit) {
     const int64_t written = std::min(words, (count + 31) / 32 * 2);
     quantize2bitKernel<<<blocks, kThreads, 0, stream>>>(add, residual, block, count, words, written, threshold);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -237,14 +237,14 @@ void quantize(
 }
 
 void dequantize(
-    CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* rawStream) {
+    Code kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* rawStream) {
   TORCH_CHECK(count >= 0, "chainermn: dequantize of ", count, " values");
   if (count == 0) {
     return;
   }
   auto stream = static_cast<cudaStream_t>(rawStream);
   const int blocks = blocksFor(count);
-  if (kind == CompressionKind::TwoBit) {
+  if (kind == Code::TwoBit) {
     if (accumulate) {
       dequantize2bitKernel<true><<<blocks, kThreads, 0, stream>>>(block, out, count, threshold);
     } else {

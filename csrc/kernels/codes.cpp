@@ -1,87 +1,126 @@
 #include "kernels/codes.h"
 
+#include "kernels/int4.h"
 #include "kernels/int8.h"
+#include "kernels/quantize.h"
 
 #include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstring>
 
 namespace chainermn {
 
 namespace {
 
-void checkRows(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, const char* dtypeName) {
-  TORCH_CHECK_VALUE(t.dim() == 2, op, ": ", name, " must be 2-D [rows, values], got shape ", t.sizes());
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, op, ": ", name, " must be ", dtypeName, ", got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
-}
+// Every code, once, in Code's order.
+constexpr CodeInfo kCodes[] = {
+    {Code::Int8, "int8", /*needsResidual=*/false, /*usesThreshold=*/false, /*usesBlock=*/true},
+    {Code::TwoBit, "2bit", true, true, false},
+    {Code::OneBit, "1bit", true, false, false},
+    {Code::FourBit, "4bit", false, false, true},
+};
 
-void checkBlock(int64_t block, const char* op) {
-  TORCH_CHECK_VALUE(block >= 1, op, ": block must be >= 1, got ", block);
+std::string knownNames() {
+  std::string names;
+  for (const auto& info : kCodes) {
+    names += std::string(names.empty() ? "" : ", ") + "'" + info.name + "'";
+  }
+  return names;
 }
 
 } // namespace
 
-Code codeNamed(const std::string& name, const char* op) {
-  if (name == "int8") {
-    return Code::Int8;
-  }
-  if (name == "2bit") {
-    return Code::TwoBit;
-  }
-  if (name == "1bit") {
-    return Code::OneBit;
-  }
-  TORCH_CHECK_VALUE(false, op, ": code must be one of 'int8', '2bit', '1bit', got '", name, "'");
+const CodeInfo& codeInfo(Code code) {
+  const auto index = static_cast<size_t>(code);
+  TORCH_CHECK(index < sizeof(kCodes) / sizeof(kCodes[0]), "unknown code ", index);
+  return kCodes[index];
 }
 
-CompressionKind compressionKindOf(Code code) {
-  return code == Code::TwoBit ? CompressionKind::TwoBit : CompressionKind::OneBit;
+const char* codeName(Code code) {
+  return codeInfo(code).name;
+}
+
+Code codeNamed(const std::string& name, const char* op) {
+  for (const auto& info : kCodes) {
+    if (name == info.name) {
+      return info.code;
+    }
+  }
+  TORCH_CHECK_VALUE(false, op, ": code must be one of ", knownNames(), ", got '", name, "'");
+}
+
+void checkCodeSettings(Code code, const CodeSettings& settings, const char* op) {
+  const CodeInfo& info = codeInfo(code);
+  if (info.usesThreshold) {
+    TORCH_CHECK_VALUE(settings.threshold > 0.0f && std::isfinite(settings.threshold), op,
+                      ": threshold must be a positive finite number, got ", settings.threshold);
+  }
+  if (info.usesBlock) {
+    TORCH_CHECK_VALUE(settings.block >= 1, op, ": block must be >= 1, got ", settings.block);
+    TORCH_CHECK_VALUE(settings.block <= (int64_t{1} << 30), op, ": block must be at most 2**30, got ", settings.block);
+    // 4-bit: two values a byte, and a block starts on a byte (no byte holds values of two blocks).
+    TORCH_CHECK_VALUE(code != Code::FourBit || settings.block % 2 == 0, op, ": block must be even for the 4bit code, got ",
+                      settings.block);
+  }
 }
 
 int64_t wireRowBytes(Code code, int64_t count, int64_t block) {
-  if (code == Code::Int8) {
-    return int8RowBytes(count, block);
+  switch (code) {
+    case Code::Int8:
+      return int8RowBytes(count, block);
+    case Code::FourBit:
+      return int4RowBytes(count, block);
+    case Code::TwoBit:
+    case Code::OneBit:
+      return 4 * blockWords(code, count);
   }
-  return 4 * blockWords(compressionKindOf(code), count);
+  TORCH_CHECK(false, "unknown code");
 }
 
-std::pair<int64_t, int64_t> checkEncode(
-    const at::Tensor& values, const at::Tensor& wire, const std::optional<at::Tensor>& residual, Code code, int64_t block) {
-  constexpr const char* op = "torch_chainermn.encode";
-  checkBlock(block, op);
-  checkRows(values, op, "values", at::kFloat, "float32");
-  checkRows(wire, op, "wire", at::kByte, "uint8");
-  const int64_t rows = values.size(0);
-  const int64_t count = values.size(1);
-  TORCH_CHECK_VALUE(wire.size(0) == rows && wire.size(1) == wireRowBytes(code, count, block), op, ": wire must be [",
-                    rows, ", ", wireRowBytes(code, count, block), "] for values ", values.sizes(), ", got ", wire.sizes());
-  TORCH_CHECK_VALUE(wire.device() == values.device(), op, ": wire is on ", wire.device(), ", values on ", values.device());
-  TORCH_CHECK_VALUE(code == Code::Int8 || (residual && residual->defined()), op,
-                    ": the 2bit and 1bit codes need a residual (error feedback)");
-  if (residual && residual->defined()) {
-    checkRows(*residual, op, "residual", at::kFloat, "float32");
-    TORCH_CHECK_VALUE(residual->sizes() == values.sizes(), op, ": residual must have the values' shape ",
-                      values.sizes(), ", got ", residual->sizes());
-    TORCH_CHECK_VALUE(residual->device() == values.device(), op, ": residual is on ", residual->device(), ", values on ",
-                      values.device());
+void encodeCpu(Code code, const CodeSettings& settings, const float* values, float* residual, uint8_t* wire,
+               int64_t rows, int64_t rowBytes, int64_t count) {
+  TORCH_CHECK(values != nullptr || rows * count == 0 || (residual != nullptr && !codeInfo(code).usesBlock), "encode (",
+              codeName(code),
+              "): the values are needed (2-bit and 1-bit may take them from the residual)");
+  const int64_t used = wireRowBytes(code, count, settings.block);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* rowValues = values ? values + r * count : nullptr;
+    float* rowResidual = residual ? residual + r * count : nullptr;
+    uint8_t* row = wire + r * rowBytes;
+    switch (code) {
+      case Code::Int8:
+        encodeInt8Cpu(rowValues, rowResidual, row, count, settings.block);
+        break;
+      case Code::FourBit:
+        encodeInt4Cpu(rowValues, rowResidual, row, count, settings.block);
+        break;
+      case Code::TwoBit:
+      case Code::OneBit:
+        quantizeCpu(code, rowValues, rowResidual, reinterpret_cast<uint32_t*>(row), count, count, settings.threshold);
+        break;
+    }
+    std::memset(row + used, 0, static_cast<size_t>(rowBytes - used));
   }
-  return {rows, count};
 }
 
-std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor& out, Code code, int64_t block, bool sum) {
-  constexpr const char* op = "torch_chainermn.decode";
-  checkBlock(block, op);
-  checkRows(wire, op, "wire", at::kByte, "uint8");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(), op, ": out must be contiguous float32, got ",
-                    out.scalar_type());
-  TORCH_CHECK_VALUE(out.device() == wire.device(), op, ": out is on ", out.device(), ", wire on ", wire.device());
-  const int64_t rows = wire.size(0);
-  TORCH_CHECK_VALUE(sum ? out.dim() == 1 : (out.dim() == 2 && out.size(0) == rows), op, ": out must be ",
-                    sum ? "1-D [values] (sum=True)" : "2-D [rows, values]", " for wire ", wire.sizes(), ", got ",
-                    out.sizes());
-  const int64_t count = out.size(out.dim() - 1);
-  TORCH_CHECK_VALUE(wire.size(1) == wireRowBytes(code, count, block), op, ": wire rows of ", wire.size(1),
-                    " bytes do not hold ", count, " values (", wireRowBytes(code, count, block), " bytes)");
-  return {rows, count};
+void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
+               int64_t count, bool sum, bool accumulate) {
+  switch (code) {
+    case Code::Int8:
+      decodeInt8Cpu(wire, rows, rowBytes, out, count, settings.block, sum, accumulate);
+      return;
+    case Code::FourBit:
+      decodeInt4Cpu(wire, rows, rowBytes, out, count, settings.block, sum, accumulate);
+      return;
+    case Code::TwoBit:
+    case Code::OneBit:
+      for (int64_t r = 0; r < rows; ++r) {
+        dequantizeCpu(code, reinterpret_cast<const uint32_t*>(wire + r * rowBytes), sum ? out : out + r * count, count,
+                      settings.threshold, sum && (r > 0 || accumulate));
+      }
+      return;
+  }
 }
 
 } // namespace chainermn

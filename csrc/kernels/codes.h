@@ -1,41 +1,54 @@
-// The codes that carry float32 rows over a slow link, as torch operators see them
-// (torch.ops.torch_chainermn.encode / decode, registered in python/codes_ops.cpp for the CPU and in
-// cuda/codes_ops.cpp for CUDA): what a code is called, how many bytes a row takes, and the checks
-// every device's implementation makes of its arguments.
+// The codes that carry float32 values over a slow link: the one registry. Every code has one name,
+// one set of settings, one row layout, and one CPU implementation of encode and decode here (CUDA's:
+// cuda/codes_kernels.h). The torch operators (python/codes_ops.cpp, cuda/codes_ops.cpp: FSDP2) and
+// the backend's compressed mean (strategies/compressed.h, through a Scratch's Mover: the DDP hooks,
+// double buffering, the optimizer, the communicator, DiLoCo) both encode and decode through it.
 //
-//   "int8"  block-quantised int8, one float32 scale per `block` values (kernels/int8.h); the residual
-//           (error feedback) is optional: gradients have one, weights do not.
-//   "2bit"  MXNet's 2-bit code with `threshold`, "1bit" sign x mean |r| (kernels/quantize.h): a row
-//           is one block of blockWords(kind, count) words; the residual is required.
+//   "int8"  block-quantised int8, one float32 scale per `block` values (kernels/int8.h)
+//   "4bit"  block-quantised 4-bit, two values a byte, one float32 scale per `block` (kernels/int4.h)
+//   "2bit"  MXNet's 2-bit code with `threshold` (kernels/quantize.h)
+//   "1bit"  sign x mean |r| of the row (kernels/quantize.h)
+// The residual (error feedback) is optional for the block codes (gradients have one, weights do not)
+// and required for 2-bit and 1-bit, which carry a fraction of a value.
+//
+// To add a code: its CPU kernel (kernels/), its CUDA kernel (cuda/), its row in kCodes and its
+// branches in encodeCpu / decodeCpu here and in cuda/codes_kernels.cu, its tests, docs/codes.md.
 #pragma once
 
-#include "kernels/quantize.h"
-
-#include <ATen/core/Tensor.h>
+#include "kernels/code.h"
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
 namespace chainermn {
 
-enum class Code : int32_t { Int8 = 0, TwoBit = 1, OneBit = 2 };
+struct CodeInfo {
+  Code code;
+  const char* name;
+  bool needsResidual;  // carries a fraction of each value: error feedback is required
+  bool usesThreshold;
+  bool usesBlock;
+};
 
+const CodeInfo& codeInfo(Code code);
+const char* codeName(Code code);
 // The code called `name`; a ValueError naming `op` and the known names otherwise.
 Code codeNamed(const std::string& name, const char* op);
-CompressionKind compressionKindOf(Code code);  // TwoBit or OneBit
+// The settings `code` reads, checked (a ValueError naming `op` and the setting otherwise).
+void checkCodeSettings(Code code, const CodeSettings& settings, const char* op);
 
-// Bytes of the wire row for `count` values (a multiple of 4).
+// Bytes of the wire row for `count` values: always a multiple of 4.
 int64_t wireRowBytes(Code code, int64_t count, int64_t block);
 
-// encode(values [rows, count] float32, wire [rows, wireRowBytes] uint8, residual [rows, count]
-// float32 or undefined, ...): ValueErrors for shapes, dtypes, devices, layouts and `block`, naming
-// the op and the argument. Returns (rows, count).
-std::pair<int64_t, int64_t> checkEncode(
-    const at::Tensor& values, const at::Tensor& wire, const std::optional<at::Tensor>& residual, Code code, int64_t block);
+// `rows` rows at once: row r's values at values + r * count (residual likewise; null for none, which
+// only the block codes allow; 2-bit and 1-bit also take null values: the residual holds them), its
+// wire row at wire + r * rowBytes, rowBytes >= wireRowBytes(code, count, block), zero past the codes.
+void encodeCpu(Code code, const CodeSettings& settings, const float* values, float* residual, uint8_t* wire,
+               int64_t rows, int64_t rowBytes, int64_t count);
 
-// decode(wire [rows, wireRowBytes] uint8, out [count] when `sum` else [rows, count] float32, ...).
-// Returns (rows, count).
-std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor& out, Code code, int64_t block, bool sum);
+// With `sum`: out [count] (+)= the sum of the rows' values (added to what out holds when `accumulate`);
+// without: out [rows, count] = each row's values.
+void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
+               int64_t count, bool sum, bool accumulate);
 
 } // namespace chainermn

@@ -1,5 +1,7 @@
 #include "kernels/int8.h"
 
+#include "kernels/block_scale.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,37 +25,6 @@ inline int32_t roundEven(float x) {
 
 inline int8_t codeOf(float r, float inverse) {
   return static_cast<int8_t>(std::max(-127, std::min(127, roundEven(r * inverse))));
-}
-
-// r = value (+ residual) for the block's n values, kept in the residual when there is one; returns
-// the largest |r|.
-float loadBlock(const float* values, float* residual, int64_t n) {
-  float largest = 0.0f;
-  int64_t i = 0;
-#if defined(__SSE2__)
-  const __m128 sign = _mm_set1_ps(-0.0f);
-  __m128 most = _mm_setzero_ps();
-  for (; i + 4 <= n; i += 4) {
-    __m128 r = _mm_loadu_ps(values + i);
-    if (residual) {
-      r = _mm_add_ps(_mm_loadu_ps(residual + i), r);
-      _mm_storeu_ps(residual + i, r);
-    }
-    most = _mm_max_ps(most, _mm_andnot_ps(sign, r));
-  }
-  float lanes[4];
-  _mm_storeu_ps(lanes, most);
-  largest = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
-#endif
-  for (; i < n; ++i) {
-    float r = values[i];
-    if (residual) {
-      r = residual[i] + r;
-      residual[i] = r;
-    }
-    largest = std::max(largest, std::fabs(r));
-  }
-  return largest;
 }
 
 // The block's codes from r (the residual when there is one, else the values); the residual keeps
@@ -133,7 +104,7 @@ void encodeInt8Cpu(const float* values, float* residual, uint8_t* row, int64_t c
 }
 
 void decodeInt8Cpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, float* out, int64_t count, int64_t block,
-                   bool sum) {
+                   bool sum, bool accumulate) {
   // Block by block, every row's piece of it: with `sum` the block's out stays in the L1 cache while
   // the rows are added into it.
   for (int64_t begin = 0, b = 0; begin < count; begin += block, ++b) {
@@ -145,7 +116,7 @@ void decodeInt8Cpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, floa
       std::memcpy(&scale, row + int8ScalesOffset(count) + 4 * b, sizeof(float));
       if (!sum) {
         decodeBlock<false>(codes, scale, out + r * count + begin, n);
-      } else if (r == 0) {
+      } else if (r == 0 && !accumulate) {
         decodeBlock<false>(codes, scale, out + begin, n);
       } else {
         decodeBlock<true>(codes, scale, out + begin, n);

@@ -32,8 +32,9 @@ constexpr int64_t int8RowBytes(int64_t count, int64_t block) {
 // One row: `row` gets the codes and scales of values (+ residual, updated in place when not null).
 void encodeInt8Cpu(const float* values, float* residual, uint8_t* row, int64_t count, int64_t block);
 
-// out[i] = code x scale of one row (sum: the sum over `rows` rows, `rowBytes` apart, into one out).
+// out[i] = code x scale of one row (sum: the sum over `rows` rows, `rowBytes` apart, into one out;
+// `accumulate`: added to what out holds, with `sum` only).
 void decodeInt8Cpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, float* out, int64_t count, int64_t block,
-                   bool sum);
+                   bool sum, bool accumulate = false);
 
 } // namespace chainermn

@@ -208,17 +208,17 @@ void dequantize1bit(const uint32_t* block, float* out, int64_t count) {
 } // namespace
 
 void quantizeCpu(
-    CompressionKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
+    Code kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
   const int64_t words = blockWords(kind, chunk);
-  if (kind == CompressionKind::TwoBit) {
+  if (kind == Code::TwoBit) {
     quantize2bit(add, residual, block, count, words, threshold);
   } else {
     quantize1bit(add, residual, block, count, words);
   }
 }
 
-void dequantizeCpu(CompressionKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
-  if (kind == CompressionKind::TwoBit) {
+void dequantizeCpu(Code kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
+  if (kind == Code::TwoBit) {
     accumulate ? dequantize2bit<true>(block, out, count, threshold) : dequantize2bit<false>(block, out, count, threshold);
   } else {
     accumulate ? dequantize1bit<true>(block, out, count) : dequantize1bit<false>(block, out, count);

@@ -198,30 +198,32 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "compressed_mean",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::Tensor> residual,
-             std::optional<at::Tensor> secondResidual, const std::string& kind, double threshold, bool compressResult,
-             at::ScalarType resultDtype) {
+             std::optional<at::Tensor> secondResidual, const std::string& code, double threshold, int64_t block,
+             bool compressResult, at::ScalarType resultDtype) {
             return pg.compressedMean(tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
-                                     chainermn::compressionSpec(kind, threshold, compressResult, resultDtype));
+                                     chainermn::compressionSpec(code, threshold, block, compressResult, resultDtype));
           },
           py::arg("tensors"),
           py::arg("residual"),
           py::arg("second_residual"),
-          py::arg("kind"),
+          py::arg("code"),
           py::arg("threshold"),
+          py::arg("block"),
           py::arg("compress_result"),
           py::arg("result_dtype"),
           py::call_guard<py::gil_scoped_release>())
       .def(
           "compression_residuals",
-          [](const ProcessGroupChainerMN& pg, int64_t count, const std::string& kind, double threshold,
+          [](const ProcessGroupChainerMN& pg, int64_t count, const std::string& code, double threshold, int64_t block,
              bool compressResult, at::ScalarType resultDtype) {
-            const chainermn::ResidualShape shape =
-                pg.compressionResiduals(chainermn::compressionSpec(kind, threshold, compressResult, resultDtype), count);
+            const chainermn::ResidualShape shape = pg.compressionResiduals(
+                chainermn::compressionSpec(code, threshold, block, compressResult, resultDtype), count);
             return py::make_tuple(shape.first, shape.second, shape.secondOffset, shape.secondCount);
           },
           py::arg("count"),
-          py::arg("kind"),
+          py::arg("code"),
           py::arg("threshold"),
+          py::arg("block"),
           py::arg("compress_result"),
           py::arg("result_dtype"),
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")

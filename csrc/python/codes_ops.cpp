@@ -6,52 +6,37 @@
 //       wire row; the residual keeps what the codes did not carry
 //   decode(wire, out, code, block, threshold, sum)          the rows back into out, or their sum
 //   wire_row_bytes(code, count, block)                      a wire row's bytes
-#include "kernels/codes.h"
-#include "kernels/int8.h"
+#include "kernels/code_checks.h"
 
 #include <torch/library.h>
 
 namespace chainermn {
 namespace {
 
-void encodeCpu(const at::Tensor& values, const at::Tensor& wire, const std::optional<at::Tensor>& residual,
-               c10::string_view codeName, int64_t block, double threshold) {
-  const Code code = codeNamed(std::string(codeName), "torch_chainermn.encode");
-  const auto [rows, count] = checkEncode(values, wire, residual, code, block);
-  const int64_t rowBytes = wire.size(1);
-  const float* in = values.data_ptr<float>();
-  float* kept = residual && residual->defined() ? residual->data_ptr<float>() : nullptr;
-  uint8_t* out = wire.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* rowResidual = kept ? kept + r * count : nullptr;
-    if (code == Code::Int8) {
-      encodeInt8Cpu(in + r * count, rowResidual, out + r * rowBytes, count, block);
-    } else {
-      quantizeCpu(compressionKindOf(code), in + r * count, rowResidual, reinterpret_cast<uint32_t*>(out + r * rowBytes),
-                  count, count, static_cast<float>(threshold));
-    }
-  }
+CodeSettings settingsOf(int64_t block, double threshold) {
+  return CodeSettings{static_cast<float>(threshold), block};
 }
 
-void decodeCpu(const at::Tensor& wire, const at::Tensor& out, c10::string_view codeName, int64_t block, double threshold,
-               bool sum) {
+void encodeCpuOp(const at::Tensor& values, const at::Tensor& wire, const std::optional<at::Tensor>& residual,
+                 c10::string_view codeName, int64_t block, double threshold) {
+  const Code code = codeNamed(std::string(codeName), "torch_chainermn.encode");
+  const CodeSettings settings = settingsOf(block, threshold);
+  const auto [rows, count] = checkEncode(values, wire, residual, code, settings);
+  float* kept = residual && residual->defined() ? residual->data_ptr<float>() : nullptr;
+  encodeCpu(code, settings, values.data_ptr<float>(), kept, wire.data_ptr<uint8_t>(), rows, wire.size(1), count);
+}
+
+void decodeCpuOp(const at::Tensor& wire, const at::Tensor& out, c10::string_view codeName, int64_t block,
+                 double threshold, bool sum) {
   const Code code = codeNamed(std::string(codeName), "torch_chainermn.decode");
-  const auto [rows, count] = checkDecode(wire, out, code, block, sum);
+  const CodeSettings settings = settingsOf(block, threshold);
+  const auto [rows, count] = checkDecode(wire, out, code, settings, sum);
   if (rows == 0) {
     out.zero_();
     return;
   }
-  const int64_t rowBytes = wire.size(1);
-  const uint8_t* in = wire.data_ptr<uint8_t>();
-  float* values = out.data_ptr<float>();
-  if (code == Code::Int8) {
-    decodeInt8Cpu(in, rows, rowBytes, values, count, block, sum);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    dequantizeCpu(compressionKindOf(code), reinterpret_cast<const uint32_t*>(in + r * rowBytes),
-                  sum ? values : values + r * count, count, static_cast<float>(threshold), sum && r > 0);
-  }
+  decodeCpu(code, settings, wire.data_ptr<uint8_t>(), rows, wire.size(1), out.data_ptr<float>(), count, sum,
+            /*accumulate=*/false);
 }
 
 int64_t wireRowBytesOp(c10::string_view codeName, int64_t count, int64_t block) {
@@ -69,8 +54,8 @@ TORCH_LIBRARY(torch_chainermn, m) {
 }
 
 TORCH_LIBRARY_IMPL(torch_chainermn, CPU, m) {
-  m.impl("encode", &encodeCpu);
-  m.impl("decode", &decodeCpu);
+  m.impl("encode", &encodeCpuOp);
+  m.impl("decode", &decodeCpuOp);
 }
 
 } // namespace chainermn

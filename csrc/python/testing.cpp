@@ -7,6 +7,7 @@
 #include "runtime/store_courier.h"
 #include "comm/waiter_pool.h"
 #include "buffers/scratch.h"
+#include "kernels/quantize.h"
 #include "linger.h"
 #include "spin.h"
 #include "strategies/compressed.h"
@@ -122,9 +123,6 @@ std::vector<std::vector<at::Tensor>> allreduceCases(
   return outputs;
 }
 
-CompressionKind compressionKind(const std::string& name) {
-  return compressionSpec(name, 1.0, false, at::kFloat).kind;
-}
 
 // The compressed mean of inputs[r] on rank r (threads), `steps` times with the same inputs, each rank
 // keeping its residuals as a process group's caller would. Returns [step][rank] results, and the
@@ -137,9 +135,11 @@ py::tuple compressedMeanSteps(
     double threshold,
     bool compressResult,
     at::ScalarType resultWire,
+    int64_t block,
     bool sharedMemory) {
   TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
-  const CompressionSpec spec = compressionSpec(kind, threshold, compressResult, resultWire);
+  const CompressionSpec spec = compressionSpec(kind, threshold, block, compressResult, resultWire);
+  checkCodeSettings(spec.code, spec.settings, "compressed_mean_steps");
   const size_t size = inputs.size();
   std::vector<std::vector<at::Tensor>> results(steps, std::vector<at::Tensor>(size));
   std::vector<at::Tensor> first(size), second(size);
@@ -302,11 +302,13 @@ void bindTesting(py::module_& testing) {
       "Gradient compression's mean of inputs[r] on rank r (threads), `steps` times; returns "
       "([step][rank] results, first residuals, second residuals)",
       py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("kind"), py::arg("threshold") = 0.5,
-      py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("shared_memory") = false);
+      py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("block") = 256,
+      py::arg("shared_memory") = false);
   testing.def(
       "quantize",
       [](const std::string& kind, std::optional<at::Tensor> add, at::Tensor& residual, int64_t chunk, double threshold) {
-        const CompressionKind which = compressionKind(kind);
+        const Code which = codeNamed(kind, "quantize");
+        TORCH_CHECK_VALUE(which == Code::TwoBit || which == Code::OneBit, "quantize: the 2bit or 1bit code");
         TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual: contiguous float32");
         TORCH_CHECK_VALUE(chunk >= residual.numel(), "chunk must hold the residual's values");
         TORCH_CHECK_VALUE(!add || (add->scalar_type() == at::kFloat && add->numel() == residual.numel() &&
@@ -315,9 +317,8 @@ void bindTesting(py::module_& testing) {
         at::Tensor block = at::empty({blockWords(which, chunk)}, residual.options().dtype(at::kInt));
         const at::Tensor values = add ? add->contiguous() : at::Tensor();  // kept alive through the call
         moverFor(residual.device())
-            ->quantize(which, add ? values.data_ptr<float>() : nullptr, residual.data_ptr<float>(),
-                       reinterpret_cast<uint32_t*>(block.data_ptr<int32_t>()), residual.numel(), chunk,
-                       static_cast<float>(threshold));
+            ->encode(which, CodeSettings{static_cast<float>(threshold)}, add ? values.data_ptr<float>() : nullptr,
+                     residual.data_ptr<float>(), block.data_ptr<int32_t>(), 1, block.numel() * 4, residual.numel());
         return block;
       },
       "One block of codes for residual (+ add), updating residual in place (kernels/quantize.h)",
@@ -328,13 +329,14 @@ void bindTesting(py::module_& testing) {
          bool accumulate) {
         TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= count,
                           "out: contiguous float32 of at least count values");
-        const CompressionKind which = compressionKind(kind);
+        const Code which = codeNamed(kind, "dequantize");
+        TORCH_CHECK_VALUE(which == Code::TwoBit || which == Code::OneBit, "dequantize: the 2bit or 1bit code");
         TORCH_CHECK_VALUE(block.scalar_type() == at::kInt && block.is_contiguous() &&
                               block.numel() >= blockWords(which, count) && block.device() == out.device(),
                           "block: contiguous int32 words enough for count values, on out's device");
         moverFor(out.device())
-            ->dequantize(which, reinterpret_cast<const uint32_t*>(block.data_ptr<int32_t>()),
-                         out.data_ptr<float>(), count, static_cast<float>(threshold), accumulate);
+            ->decode(which, CodeSettings{static_cast<float>(threshold)}, block.data_ptr<int32_t>(), 1, block.numel() * 4,
+                     out.data_ptr<float>(), count, /*sum=*/true, accumulate);
       },
       "out (+)= the values a block of codes carries (kernels/quantize.h)",
       py::arg("kind"), py::arg("block"), py::arg("out"), py::arg("count"), py::arg("threshold") = 0.5,

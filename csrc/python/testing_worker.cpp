@@ -44,16 +44,31 @@ class ScriptedDevice : public AbortableComms {
   std::atomic<int> aborts_{0};
 };
 
+// What the test's device has done, and what the watchdog has seen of it: the events a test waits for
+// before it says that something has not happened yet (no sleep stands in for them).
+struct DeviceCounters {
+  std::atomic<int> finished{0};  // ops the device has run (finish())
+  std::atomic<int> endPolls{0};  // times the watchdog asked whether an op's end is reached
+  std::atomic<int> endsSeen{0};  // ... and was told yes
+  std::atomic<int> verdictsAwaited{0};  // cross-rank checks the worker has begun to wait for
+  std::atomic<int> verdictsTaken{0};  // cross-rank verdicts the worker has taken (check())
+};
+
 // The end of the op numbered `index` (from 0): reached once the test has finished that many ops.
 class ScriptedEnd : public Request {
  public:
-  ScriptedEnd(std::shared_ptr<std::atomic<int>> finished, int index) : finished_(std::move(finished)), index_(index) {}
+  ScriptedEnd(std::shared_ptr<DeviceCounters> counters, int index) : counters_(std::move(counters)), index_(index) {}
   bool test() override {
-    return finished_->load() > index_;
+    const bool reached = counters_->finished.load() > index_;
+    counters_->endPolls.fetch_add(1);
+    if (reached) {
+      counters_->endsSeen.fetch_add(1);
+    }
+    return reached;
   }
 
  private:
-  std::shared_ptr<std::atomic<int>> finished_;
+  std::shared_ptr<DeviceCounters> counters_;
   int index_;
 };
 
@@ -70,9 +85,11 @@ class Verdict {
     cv_.notify_all();
   }
   // On the worker: waits for the test's verdict (at most 30 s) and throws a disagreement.
-  void await() {
+  void await(std::atomic<int>& awaited, std::atomic<int>& taken) {
+    awaited.fetch_add(1);
     std::unique_lock<std::mutex> lock(mutex_);
     TORCH_CHECK(cv_.wait_for(lock, std::chrono::seconds(30), [this] { return given_; }), "no verdict given");
+    taken.fetch_add(1);
     TORCH_CHECK_VALUE(mismatch_.empty(), mismatch_);
   }
 
@@ -94,8 +111,8 @@ class DeviceQueue {
   c10::intrusive_ptr<c10d::Work> post() {
     const int index = posted_++;
     auto work = makeWork(index, "nccl");
-    worker_->enqueue(work, [finished = finished_, index] {
-      Pending queued(std::make_unique<ScriptedEnd>(finished, index));
+    worker_->enqueue(work, [counters = counters_, index] {
+      Pending queued(std::make_unique<ScriptedEnd>(counters, index));
       queued.onDevice = true;
       return queued;
     });
@@ -109,11 +126,12 @@ class DeviceQueue {
     const int index = posted_++;
     auto work = makeWork(index, "nccl");
     work->completeQueued();
-    worker_->watchOnDevice(work, std::make_unique<ScriptedEnd>(finished_, index), checked);
+    worker_->watchOnDevice(work, std::make_unique<ScriptedEnd>(counters_, index), checked);
     if (checked) {
       auto verdict = std::make_shared<Verdict>();
       verdicts_[index] = verdict;
-      worker_->enqueueCheck(makeWork(index, "gloo"), work, [verdict] { verdict->await(); });
+      worker_->enqueueCheck(makeWork(index, "gloo"), work,
+                            [verdict, counters = counters_] { verdict->await(counters->verdictsAwaited, counters->verdictsTaken); });
     }
     return work;
   }
@@ -129,13 +147,16 @@ class DeviceQueue {
 
   // The device has run the first `count` ops.
   void finish(int count) {
-    finished_->store(count);
+    counters_->finished.store(count);
   }
   void setError(const std::string& error) {
     device_->setError(error);
   }
   int aborts() const {
     return device_->aborts();
+  }
+  const DeviceCounters& counters() const {
+    return *counters_;
   }
 
  private:
@@ -150,7 +171,7 @@ class DeviceQueue {
 
   const std::chrono::milliseconds timeout_;
   std::shared_ptr<ScriptedDevice> device_;
-  std::shared_ptr<std::atomic<int>> finished_ = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<DeviceCounters> counters_ = std::make_shared<DeviceCounters>();
   std::unique_ptr<Worker> worker_;
   int posted_ = 0;
   std::map<int, std::shared_ptr<Verdict>> verdicts_;
@@ -173,7 +194,19 @@ void bindWorkerTesting(py::module_& testing) {
       .def("finish", &DeviceQueue::finish, "The device has run the first `count` ops", py::arg("count"))
       .def("set_error", &DeviceQueue::setError, "What the transports report as an asynchronous error",
            py::arg("error"))
-      .def_property_readonly("aborts", &DeviceQueue::aborts, "How often the watchdog aborted the transports");
+      .def_property_readonly("aborts", &DeviceQueue::aborts, "How often the watchdog aborted the transports")
+      .def_property_readonly(
+          "end_polls", [](const DeviceQueue& q) { return q.counters().endPolls.load(); },
+          "How often the watchdog asked the device whether an op's end is reached")
+      .def_property_readonly(
+          "ends_seen", [](const DeviceQueue& q) { return q.counters().endsSeen.load(); },
+          "How often it was told an end is reached")
+      .def_property_readonly(
+          "verdicts_awaited", [](const DeviceQueue& q) { return q.counters().verdictsAwaited.load(); },
+          "Cross-rank checks the worker has begun to wait for")
+      .def_property_readonly(
+          "verdicts_taken", [](const DeviceQueue& q) { return q.counters().verdictsTaken.load(); },
+          "Cross-rank verdicts the worker has taken");
 }
 
 } // namespace chainermn

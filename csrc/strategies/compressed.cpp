@@ -8,7 +8,7 @@ namespace chainermn {
 
 namespace {
 
-constexpr c10::ScalarType kCodes = c10::ScalarType::Int;  // codes travel as 32-bit words
+constexpr c10::ScalarType kCodes = c10::ScalarType::Int;  // codes travel as 32-bit words (rows are whole words)
 
 int64_t countOfChunk(int64_t count, int64_t chunk, int index) {
   return std::clamp<int64_t>(count - index * chunk, 0, chunk);
@@ -27,31 +27,32 @@ void* exchangeBetweenNodes(
     float* secondResidual) {
   const int nodes = inter.size();
   const int node = inter.rank();
-  const int64_t chunk = compressionChunk(count, nodes);
-  const int64_t words = blockWords(spec.kind, chunk);
-  auto* codes = static_cast<uint32_t*>(scratch.get(Slot::Compressed, 2 * nodes * words * sizeof(uint32_t)));
-  uint32_t* received = codes + nodes * words;
+  const int64_t chunk = compressionChunk(count, nodes, spec);
+  const int64_t rowBytes = wireRowBytes(spec.code, chunk, spec.settings.block);  // a multiple of 4
+  const int64_t words = rowBytes / 4;
+  auto* codes = static_cast<uint8_t*>(scratch.get(Slot::Compressed, 2 * nodes * rowBytes));
+  uint8_t* received = codes + nodes * rowBytes;
 
   for (int i = 0; i < nodes; ++i) {
     const int64_t start = std::min<int64_t>(i * chunk, count);  // a chunk past the end is empty
-    scratch.quantize(spec.kind, sum + start, residual + start, codes + i * words, countOfChunk(count, chunk, i), chunk,
-                     spec.threshold);
+    scratch.encode(spec.code, spec.settings, sum + start, residual + start, codes + i * rowBytes, 1, rowBytes,
+                   countOfChunk(count, chunk, i));
   }
   const std::vector<int64_t> blocks(nodes, words);
   inter.alltoallv(codes, blocks, received, blocks, kCodes);
 
+  // Every node's row of this node's chunk, summed in node order.
   const int64_t mine = countOfChunk(count, chunk, node);
   auto* chunkSum = static_cast<float*>(scratch.get(Slot::StrategyBlock, chunk * sizeof(float)));
-  for (int i = 0; i < nodes; ++i) {
-    scratch.dequantize(spec.kind, received + i * words, chunkSum, mine, spec.threshold, /*accumulate=*/i > 0);
-  }
+  scratch.decode(spec.code, spec.settings, received, nodes, rowBytes, chunkSum, mine, /*sum=*/true,
+                 /*accumulate=*/false);
 
   if (spec.compressResult) {
-    scratch.quantize(spec.kind, chunkSum, secondResidual, codes, mine, chunk, spec.threshold);
+    scratch.encode(spec.code, spec.settings, chunkSum, secondResidual, codes, 1, rowBytes, mine);
     inter.allgather(codes, received, words, kCodes);
     for (int i = 0; i < nodes; ++i) {
-      scratch.dequantize(spec.kind, received + i * words, sum + i * chunk, countOfChunk(count, chunk, i),
-                         spec.threshold, /*accumulate=*/false);
+      scratch.decode(spec.code, spec.settings, received + i * rowBytes, 1, rowBytes, sum + i * chunk,
+                     countOfChunk(count, chunk, i), /*sum=*/false, /*accumulate=*/false);
     }
     return sum;
   }
@@ -70,17 +71,20 @@ void* exchangeBetweenNodes(
 
 } // namespace
 
-CompressionSpec compressionSpec(const std::string& type, double threshold, bool compressResult, c10::ScalarType resultWire) {
-  TORCH_CHECK_VALUE(type == "2bit" || type == "1bit", "gradient compression: type must be '2bit' or '1bit', got '",
-                    type, "'");
-  return CompressionSpec{
-      type == "2bit" ? CompressionKind::TwoBit : CompressionKind::OneBit, static_cast<float>(threshold), compressResult,
-      resultWire};
+CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, bool compressResult,
+                                c10::ScalarType resultWire) {
+  return CompressionSpec{codeNamed(code, "gradient_compression"), CodeSettings{static_cast<float>(threshold), block},
+                         compressResult, resultWire};
 }
 
-int64_t compressionChunk(int64_t count, int nodes) {
+int64_t compressionChunk(int64_t count, int nodes, const CompressionSpec& spec) {
   const int64_t even = (count + nodes - 1) / nodes;
-  return (even + 31) / 32 * 32;
+  const int64_t words = (even + 31) / 32 * 32;
+  if (!codeInfo(spec.code).usesBlock) {
+    return words;
+  }
+  const int64_t block = spec.settings.block;
+  return (words + block - 1) / block * block;
 }
 
 ResidualShape residualShape(const Topology& topology, const CompressionSpec& spec, int64_t count) {
@@ -90,7 +94,7 @@ ResidualShape residualShape(const Topology& topology, const CompressionSpec& spe
   }
   shape.first = count;
   if (spec.compressResult) {
-    const int64_t chunk = compressionChunk(count, topology.interSize);
+    const int64_t chunk = compressionChunk(count, topology.interSize, spec);
     shape.second = chunk;
     shape.secondOffset = std::min<int64_t>(topology.interRank * chunk, count);
     shape.secondCount = countOfChunk(count, chunk, topology.interRank);
@@ -116,7 +120,7 @@ void compressedMean(
   // A single float32 buffer (a DDP bucket) is read and written where it lies: no pack, no unpack
   // off the node's leader. Anything else is packed into float32 first.
   const bool inPlace = parts.size() == 1 && parts[0].dtype == kFloat;
-  const int64_t room = nodes > 1 ? compressionChunk(count, nodes) * nodes : count;
+  const int64_t room = nodes > 1 ? compressionChunk(count, nodes, spec) * nodes : count;
   auto* sum = static_cast<float*>(scratch.get(Slot::Packed, room * sizeof(float)));
   Transport& intra = *transports.intra;
   // A one-rank node's exchange works on its sum in scratch (room for every chunk): packed there too.

@@ -1,21 +1,22 @@
-// Gradient compression between nodes (MXNet's 2-bit with error feedback, and 1-bit sign with a
-// scale): the mean of a set of gradients where only the links between nodes carry compressed values.
+// Gradient compression between nodes (any code of kernels/codes.h: block int8 and 4-bit, MXNet's 2-bit,
+// 1-bit sign with a scale; with error feedback): the mean of a set of gradients where only the links
+// between nodes carry compressed values.
 //
 //   1. within each node, the ranks' gradients are summed at full precision (float32) on the node's
 //      first rank (its leader);
-//   2. each leader adds the sum to its residual and quantizes it (kernels/quantize.h), chunk by
-//      chunk: one chunk per node;
+//   2. each leader adds the sum to its residual and encodes it (kernels/codes.h), chunk by chunk: one
+//      chunk per node, a whole number of the code's blocks or words;
 //   3. the leaders exchange chunks all-to-all (node j receives every node's chunk j) and node j sums
 //      its chunk from the codes;
 //   4. the chunk sums are all-gathered: as float32 (or resultWire), or, with compressResult,
-//      quantized again against a second residual (the two-stage error feedback of 1-bit Adam);
+//      encoded again against a second residual (the two-stage error feedback of 1-bit Adam);
 //   5. each leader broadcasts the sum within its node; every rank writes sum / world size.
 // Both exchanges move (nodes - 1) / nodes of the compressed buffer per leader, whatever the number
 // of nodes. With one node nothing is compressed: the mean is a plain float32 allreduce.
 #pragma once
 
 #include "comm/transport.h"
-#include "kernels/quantize.h"
+#include "kernels/codes.h"
 #include "buffers/scratch.h"
 #include "topology.h"
 #include "types.h"
@@ -29,14 +30,16 @@
 namespace chainermn {
 
 struct CompressionSpec {
-  CompressionKind kind = CompressionKind::TwoBit;
-  float threshold = 0.5f;  // 2-bit's t (1-bit's scale is the chunk's mean magnitude)
+  Code code = Code::TwoBit;
+  CodeSettings settings;  // what the code reads: 2-bit's threshold, the block codes' block
   bool compressResult = false;
   c10::ScalarType resultWire = c10::ScalarType::Float;  // the sums' dtype when not compressed
 };
 
-// A spec from its Python spelling: type "2bit" or "1bit" (anything else: ValueError).
-CompressionSpec compressionSpec(const std::string& type, double threshold, bool compressResult, c10::ScalarType resultWire);
+// A spec from its Python spelling: a code's name (kernels/codes.h; anything else: ValueError). The
+// settings are checked where the op is validated (backend/compression.cpp).
+CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, bool compressResult,
+                                c10::ScalarType resultWire);
 
 // The residuals one rank keeps for a buffer of `count` values: a node's leader keeps `first`
 // (every value), and with compressResult `second` (its node's chunk of the sums, which is
@@ -49,8 +52,9 @@ struct ResidualShape {
 };
 ResidualShape residualShape(const Topology& topology, const CompressionSpec& spec, int64_t count);
 
-// Values per node chunk: count split over `nodes`, rounded up to whole words of codes.
-int64_t compressionChunk(int64_t count, int nodes);
+// Values per node chunk: count split over `nodes`, rounded up to whole words of codes (32 values)
+// and, for a block code, whole blocks.
+int64_t compressionChunk(int64_t count, int nodes, const CompressionSpec& spec);
 
 // Every part (floating dtypes) becomes the mean over the group of what the nodes sent. `residual` and
 // `secondResidual` are float32 on the scratch's device, as residualShape gives them (null when none).

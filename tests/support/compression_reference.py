@@ -1,5 +1,6 @@
-"""Gradient compression written plainly in PyTorch, value by value, as kernels/quantize.h and
-strategies/compressed.h specify it: what the kernels and the backend's mean must equal bit for bit."""
+"""Gradient compression written plainly in PyTorch, value by value, as kernels/codes.h (int8.h, int4.h,
+quantize.h) and strategies/compressed.h specify it: what the kernels and the backend's mean must equal
+bit for bit."""
 from __future__ import annotations
 
 import math
@@ -18,10 +19,35 @@ def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
-def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: float):
-    """(block as int32 words, new residual, the values the block carries)."""
+LEVELS = {"int8": 127.0, "4bit": 7.0}  # the block codes: codes from -levels to levels
+
+
+def block_code(kind: str, r: torch.Tensor, block: int):
+    """(new residual, the values sent) of a block code: per block of `block` values, scale = largest
+    |r| / levels, code = round_half_even(r x (levels / largest)), 0 where largest is 0."""
+    levels = LEVELS[kind]
+    sent = torch.zeros_like(r)
+    for start in range(0, r.numel(), block):
+        piece = r[start:start + block]
+        largest = piece.abs().max()
+        scale = largest / levels
+        if largest > 0:
+            # A true float32 division (a Python number over a tensor is a reciprocal times the number:
+            # two roundings, which moves a code at a tie).
+            inverse = torch.tensor(levels, dtype=torch.float32) / largest
+            codes = torch.round(piece * inverse).clamp(-levels, levels)
+            sent[start:start + block] = codes * scale
+    return r - sent, sent
+
+
+def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: float, block: int = 256):
+    """(block as int32 words, new residual, the values the block carries); for the block codes (int8,
+    4bit) the words are not written (None): their rows are checked in tests/test_codes.py."""
     r = residual + add if add is not None else residual.clone()
     count = r.numel()
+    if kind in LEVELS:
+        new, sent = block_code(kind, r, block)
+        return None, new, sent
     if kind == "2bit":
         t = torch.tensor(threshold, dtype=torch.float32)
         pos, neg = r >= t, r <= -t
@@ -41,12 +67,13 @@ def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: floa
     return block, r - sent, sent
 
 
-def chunk_of(count: int, nodes: int) -> int:
-    return math.ceil(math.ceil(count / nodes) / 32) * 32
+def chunk_of(count: int, nodes: int, kind: str = "2bit", block: int = 256) -> int:
+    words = math.ceil(math.ceil(count / nodes) / 32) * 32
+    return math.ceil(words / block) * block if kind in LEVELS else words
 
 
 def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_result=False,
-                          result_dtype=torch.float32, residuals=None):
+                          result_dtype=torch.float32, residuals=None, block=256):
     """The backend's compressed mean of inputs[step][rank] (flat float32), step after step.
 
     nodes: the ranks of each node, in order. residuals: each node's starting first residual.
@@ -55,7 +82,7 @@ def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_re
     world = sum(len(ranks) for ranks in nodes)
     count = inputs[0][0].numel()
     first = [torch.zeros(count) if residuals is None else residuals[j].clone() for j in range(len(nodes))]
-    chunk = chunk_of(count, len(nodes))
+    chunk = chunk_of(count, len(nodes), kind, block)
     second = [torch.zeros(chunk) for _ in nodes]
     means = []
     for step in range(steps):
@@ -73,10 +100,11 @@ def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_re
             lo, hi = min(i * chunk, count), min((i + 1) * chunk, count)
             chunk_sum = None
             for j in range(len(nodes)):
-                _, first[j][lo:hi], sent = quantize(kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold)
+                _, first[j][lo:hi], sent = quantize(kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold, block)
                 chunk_sum = sent if chunk_sum is None else chunk_sum + sent
             if compress_result:
-                _, second[i][:hi - lo], chunk_sum = quantize(kind, second[i][:hi - lo], chunk_sum, chunk, threshold)
+                _, second[i][:hi - lo], chunk_sum = quantize(kind, second[i][:hi - lo], chunk_sum, chunk, threshold,
+                                                             block)
             elif result_dtype != torch.float32:
                 chunk_sum = chunk_sum.to(result_dtype).float()
             result[lo:hi] = chunk_sum

@@ -22,6 +22,7 @@ what a whole job does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import pickle
@@ -42,6 +43,28 @@ MPIEXEC = shutil.which("mpiexec")
 
 class RankFailure(AssertionError):
     """One or more ranks raised; the message holds their tracebacks."""
+
+
+def cached_launch(launch):
+    """functools.cache for a function that launches a job shared by many test IDs, caching a failure too:
+    the first ID that needs the job runs it, and every later one gets its result or raises its error again
+    (a hung launch costs its timeout once, not once per ID)."""
+    outcomes = {}
+
+    @functools.wraps(launch)
+    def cached(*args):
+        if args not in outcomes:
+            try:
+                outcomes[args] = (True, launch(*args))
+            except Exception as error:  # noqa: BLE001  raised again to every ID that needs this launch
+                outcomes[args] = (False, error)
+        succeeded, value = outcomes[args]
+        if not succeeded:
+            raise RankFailure(f"the shared launch {launch.__name__}{args} failed (reported once per test "
+                              f"that needs it):\n{value}") from value
+        return value
+
+    return cached
 
 
 def free_port() -> int:

@@ -48,25 +48,37 @@ def buffers_stop_growing(group, rank, size):
     assert backend.scratch_bytes() == warmed, (warmed, backend.scratch_bytes())
 
 
+def ranks_of_one_node(topology) -> list[int]:
+    """The ranks of the first node that holds two or more (the whole world when it is one node)."""
+    return next(list(ranks) for ranks in topology.ranks_of_node if len(ranks) > 1)
+
+
 def run_strategy_cases() -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     topology = torch_chainermn.topology()
     outcome = {"__topology__": (topology.intra_size, topology.inter_size), "__transport__": torch_chainermn.transport()}
+    node_ranks = ranks_of_one_node(topology)
+    outcome["__single_node_ranks__"] = node_ranks
     for name in STRATEGIES:
-        if name == "single_node" and topology.inter_size > 1:
-            continue  # refused at creation: see test_single_node_refuses_several_nodes
-        group = dist.new_group(list(range(size)), backend="chainermn",
-                               pg_options=torch_chainermn.Options(communicator=name))
+        # single_node on several nodes is refused at creation (test_single_node_refuses_several_nodes):
+        # it runs on the ranks of one node, the others only taking part in new_group.
+        ranks = node_ranks if name == "single_node" else list(range(size))
+        group = dist.new_group(ranks, backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
+        cases = [f"{name}-{dtype_name}" for dtype_name in DTYPES] + [f"{name}-buffers"]
+        if rank not in ranks:
+            outcome.update({case: None for case in cases})
+            continue
         assert torch_chainermn.get_options(group).communicator == name
+        group_rank, group_size = dist.get_rank(group), len(ranks)
         for dtype_name in DTYPES:
             case = f"{name}-{dtype_name}"
             try:
-                check_strategy(group, rank, size, dtype_name)
+                check_strategy(group, group_rank, group_size, dtype_name)
                 outcome[case] = None
             except Exception:  # noqa: BLE001
                 outcome[case] = traceback.format_exc()
         try:
-            buffers_stop_growing(group, rank, size)
+            buffers_stop_growing(group, group_rank, group_size)
             outcome[f"{name}-buffers"] = None
         except Exception:  # noqa: BLE001
             outcome[f"{name}-buffers"] = traceback.format_exc()
