@@ -28,9 +28,11 @@ from .nn import (MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3
                  create_mnbn_model)
 from .optimizers import create_multi_node_optimizer
 from .options import Options
+from .overlap import OverlapNextForward
 from ._topology import node_group, topology
 
 __all__ = [
+    "OverlapNextForward",
     "AllreducePersistent", "Communicator", "DiLoCo", "LocalSGD", "MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d",
     "Options", "Topology", "communicator", "convert_mnbn_model", "create_communicator", "create_empty_dataset",
     "create_mnbn_model", "create_multi_node_checkpoint", "create_multi_node_checkpointer",

@@ -12,6 +12,9 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
                 threshold=--threshold); +cr: compress_result=True (the sums come back compressed too)
     int8, 4bit  the same hook with the block codes (one scale per --block values, error feedback);
                 +cr: the sums come back compressed too
+    overlap     chainermn DDP, torch_chainermn.OverlapNextForward: the exchange runs on into the next
+                forward, each module stepped when its own parameters' mean arrives (DDP's result);
+                overlap+int8, overlap+4bit: with that code between nodes (compress_result)
     powersgd    chainermn DDP, torch's PowerSGD hook (rank --powersgd-rank, plain allreduce for the
                 first --powersgd-start steps)
     localsgd    one replica per node (DDP over torch_chainermn.node_group(): gradients averaged in the
@@ -70,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm  # noqa: E402
 
 DDP_MODES = ("gloo", "chainermn", "fp16+db", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
-             "4bit+cr", "powersgd")
+             "4bit+cr", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
 CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr")
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks")  # replicas synced every H steps
 FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
@@ -156,6 +159,15 @@ def setup(args, model):
         return ddp, inner, diloco, lambda: None
     ddp = DDP(model, init_sync=False)
     flush = lambda: None  # noqa: E731
+    if args.mode.startswith("overlap"):
+        import torch_chainermn
+        from torch_chainermn import hooks
+        code = args.mode.partition("+")[2]
+        compression = (hooks.GradientCompressionState(type=code, block=args.block, compress_result=True)
+                       if code else None)
+        overlap = torch_chainermn.OverlapNextForward(ddp, torch.optim.AdamW, compression=compression, lr=args.lr,
+                                                     weight_decay=args.weight_decay)
+        return ddp, overlap, contextlib.nullcontext(), overlap.finish
     if args.mode == "fp16+db":
         from torch_chainermn import hooks
         state = hooks.DoubleBufferingState(compress=torch.float16)
