@@ -9,6 +9,7 @@ import torch_chainermn
 from torch_chainermn import _C, hooks
 from torch_chainermn.compression import GradientCompression, layout_of
 from tests.support import compression_reference as reference
+from tests.support.collective_cases import value_errors
 from tests.support.harness import run_spawn
 
 
@@ -210,17 +211,11 @@ def process_cases():
     outcome["optimizer has it"] = optimizer.gradient_compression is comm.gradient_compression
 
     # Bad input: a clear ValueError on every rank.
-    errors = []
-    for make in (lambda: hooks.GradientCompressionState(threshold=0),
-                 lambda: hooks.GradientCompressionState(type="3bit"),
-                 lambda: torch_chainermn.create_communicator(gradient_compression={"type": "2bit", "thresh": 1}),
-                 lambda: compression.start([torch.ones(4, dtype=torch.int64)], ((0, 0, 4),)).wait()):
-        try:
-            make()
-            errors.append("")
-        except ValueError as error:
-            errors.append(str(error))
-    outcome["errors"] = errors
+    outcome["errors"] = value_errors((
+        lambda: hooks.GradientCompressionState(threshold=0),
+        lambda: hooks.GradientCompressionState(type="3bit"),
+        lambda: torch_chainermn.create_communicator(gradient_compression={"type": "2bit", "thresh": 1}),
+        lambda: compression.start([torch.ones(4, dtype=torch.int64)], ((0, 0, 4),)).wait()))
     comm.finalize()
     return outcome
 
@@ -307,17 +302,10 @@ def block_code_cases(kind: str, block: int):
     dist.all_reduce(after)
     outcome["after"] = after.tolist()
 
-    errors = []
     gloo = dist.new_group(backend="gloo")
-    for make in (lambda: hooks.GradientCompressionState(type=kind, block=0),
-                 lambda: hooks.GradientCompressionState(type="int4"),
-                 lambda: hooks.GradientCompressionState(gloo, type=kind)):
-        try:
-            make()
-            errors.append("")
-        except ValueError as error:
-            errors.append(str(error))
-    outcome["errors"] = errors
+    outcome["errors"] = value_errors((lambda: hooks.GradientCompressionState(type=kind, block=0),
+                                      lambda: hooks.GradientCompressionState(type="int4"),
+                                      lambda: hooks.GradientCompressionState(gloo, type=kind)))
     return outcome
 
 

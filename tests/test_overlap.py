@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_chainermn
+from tests.support.collective_cases import value_errors
 from tests.support.harness import run_spawn
 from torch_chainermn import hooks
 
@@ -104,16 +105,10 @@ def overlap_cases():
     outcome["int8 replicas equal"] = all(torch.equal(everyone[0], other) for other in everyone)
     outcome["int8 moved"] = not torch.equal(mine, torch.cat([p.detach().reshape(-1) for p in Net().parameters()]))
 
-    errors = []
-    for make in (lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), torch.optim.AdamW, compression="int8"),
-                 lambda: torch_chainermn.OverlapNextForward(Net(), torch.optim.AdamW),
-                 lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), "adamw")):
-        try:
-            make()
-            errors.append("")
-        except ValueError as error:
-            errors.append(str(error))
-    outcome["errors"] = errors
+    outcome["errors"] = value_errors((
+        lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), torch.optim.AdamW, compression="int8"),
+        lambda: torch_chainermn.OverlapNextForward(Net(), torch.optim.AdamW),
+        lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), "adamw")))
     return outcome
 
 
