@@ -22,8 +22,13 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
     backend/funnel.cpp), the shutdown in an async one (on the group's worker)."""
     group = dist.new_group([0, 1], backend="chainermn", timeout=datetime.timedelta(seconds=60))
     dist.barrier(group=group)
+    store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 1:
-        time.sleep(0.5)  # rank 0 is in its all_reduce by now
+        if how == "abort":
+            # A blocking op on rank 0's own thread cannot say it has begun: the sleep stands for that.
+            time.sleep(0.5)
+        else:
+            store.wait([f"{key}: posted"])  # rank 0's async all_reduce is on its worker, waiting for us
         if how == "abort":
             group.abort()
         else:
@@ -34,6 +39,7 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
         try:
             work = dist.all_reduce(torch.ones(10), group=group, async_op=how != "abort")
             if work is not None:
+                store.set(f"{key}: posted", "1")
                 work.wait()
             outcome[key] = "completed"
         except dist.DistBackendError as error:
