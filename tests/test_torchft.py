@@ -20,7 +20,7 @@ def replica_groups():
     import torch_chainermn.torchft as ft
 
     rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)  # noqa: F841
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
     pg = ft.ProcessGroupChainerMN(timeout=timedelta(seconds=30))
     sums = []
     for quorum in (1, 2):
@@ -30,15 +30,19 @@ def replica_groups():
         sums.append(value[0].item())
     outcome = {"sums": sums, "name": pg.getBackendName(), "errored before": pg.errored()}
     if rank == 1:
-        time.sleep(0.5)
+        store.wait(["rank 0's allreduce posted"])  # rank 0 now waits for rank 1 in it
         pg.abort()
+        store.wait(["rank 0 has its error"])  # alive until then: rank 0 must learn of the abort, not a death
     else:
         try:
-            pg.allreduce([torch.ones(10)], dist.ReduceOp.SUM).wait()
+            work = pg.allreduce([torch.ones(10)], dist.ReduceOp.SUM)
+            store.set("rank 0's allreduce posted", "1")
+            work.wait()
             outcome["after abort"] = "completed"
         except Exception as error:  # noqa: BLE001  torchft passes the backend's error on
             outcome["after abort"] = str(error)
         outcome["errored after"] = str(pg.errored())
+        store.set("rank 0 has its error", "1")
     return outcome
 
 
