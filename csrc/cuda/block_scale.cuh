@@ -1,11 +1,38 @@
 // What the block codes' CUDA encoders (int8_kernels.cu, int4_kernels.cu) share, as
-// kernels/block_scale.h on the CPU: a warp's pass over one block that forms r = value (+ residual),
-// keeps it in the residual, and returns the block's largest |r| on every lane.
+// kernels/block_scale.h on the CPU: their launch (a warp per quantisation block), and a warp's pass
+// over one block that forms r = value (+ residual), keeps it in the residual, and returns the
+// block's largest |r| on every lane.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <cstdint>
+#include <limits>
 
 namespace chainermn::cuda {
+
+constexpr int kBlockCodeThreads = 256;
+constexpr int kBlockCodeWarps = kBlockCodeThreads / 32;  // quantisation blocks per thread block
+
+// An encoder's launch: one warp per quantisation block of `block` values, `rows` rows of `count`.
+struct BlockCodeLaunch {
+  int64_t blocksPerRow = 0;
+  int64_t totalBlocks = 0;  // 0: nothing to launch
+  int grid = 0;
+};
+
+inline BlockCodeLaunch blockCodeLaunch(const char* what, int64_t rows, int64_t count, int64_t block) {
+  TORCH_CHECK(rows >= 0 && count >= 0 && block >= 1, "chainermn: ", what, " of ", rows, " x ", count, " in blocks of ",
+              block);
+  BlockCodeLaunch launch;
+  launch.blocksPerRow = (count + block - 1) / block;
+  launch.totalBlocks = rows * launch.blocksPerRow;
+  const int64_t grid = (launch.totalBlocks + kBlockCodeWarps - 1) / kBlockCodeWarps;
+  TORCH_CHECK(grid <= std::numeric_limits<int>::max(), "chainermn: ", what, ": ", launch.totalBlocks, " blocks of ",
+              block, " values, more than one launch takes: use a larger block");
+  launch.grid = static_cast<int>(grid);
+  return launch;
+}
 
 __device__ __forceinline__ float warpBlockLargest(const float* v, float* kept, int64_t n, int lane) {
   float largest = 0.0f;

@@ -14,14 +14,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <limits>
 
 namespace chainermn::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;  // quantisation blocks per thread block
+constexpr int kThreads = kBlockCodeThreads;
+constexpr int kWarps = kBlockCodeWarps;
 
 __device__ __forceinline__ uint32_t nibbleOf(float x, float inverse, float scale, float* kept) {
   const int q = max(-7, min(7, __float2int_rn(__fmul_rn(x, inverse))));
@@ -90,18 +89,13 @@ __global__ void decodeInt4Kernel(const uint8_t* wire, int64_t rows, int64_t rowB
 
 void encodeInt4(const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes, int64_t count,
                 int64_t block, void* rawStream) {
-  TORCH_CHECK(rows >= 0 && count >= 0 && block >= 2 && block % 2 == 0, "chainermn: encodeInt4 of ", rows, " x ", count,
-              " in blocks of ", block, " (an even block)");
-  const int64_t blocksPerRow = (count + block - 1) / block;
-  const int64_t totalBlocks = rows * blocksPerRow;
-  if (totalBlocks == 0) {
+  TORCH_CHECK(block % 2 == 0, "chainermn: encodeInt4: the block must be even, got ", block);
+  const BlockCodeLaunch launch = blockCodeLaunch("encodeInt4", rows, count, block);
+  if (launch.totalBlocks == 0) {
     return;
   }
-  const int64_t grid = (totalBlocks + kWarps - 1) / kWarps;
-  TORCH_CHECK(grid <= std::numeric_limits<int>::max(), "chainermn: encodeInt4: ", totalBlocks, " blocks of ", block,
-              " values, more than one launch takes: use a larger block");
-  encodeInt4Kernel<<<static_cast<int>(grid), kThreads, 0, static_cast<cudaStream_t>(rawStream)>>>(
-      values, residual, wire, rowBytes, count, block, blocksPerRow, totalBlocks);
+  encodeInt4Kernel<<<launch.grid, kBlockCodeThreads, 0, static_cast<cudaStream_t>(rawStream)>>>(
+      values, residual, wire, rowBytes, count, block, launch.blocksPerRow, launch.totalBlocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

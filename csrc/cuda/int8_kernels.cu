@@ -18,14 +18,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <limits>
 
 namespace chainermn::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;  // quantisation blocks per thread block
+constexpr int kThreads = kBlockCodeThreads;
+constexpr int kWarps = kBlockCodeWarps;
 
 __global__ void encodeInt8Kernel(const float* values, float* residual, uint8_t* wire, int64_t rowBytes, int64_t count,
                                  int64_t block, int64_t blocksPerRow, int64_t totalBlocks) {
@@ -117,18 +116,12 @@ __global__ void decodeInt8Kernel(const uint8_t* wire, int64_t rows, int64_t rowB
 
 void encodeInt8(const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes, int64_t count,
                 int64_t block, void* rawStream) {
-  TORCH_CHECK(rows >= 0 && count >= 0 && block >= 1, "chainermn: encodeInt8 of ", rows, " x ", count, " in blocks of ",
-              block);
-  const int64_t blocksPerRow = (count + block - 1) / block;
-  const int64_t totalBlocks = rows * blocksPerRow;
-  if (totalBlocks == 0) {
+  const BlockCodeLaunch launch = blockCodeLaunch("encodeInt8", rows, count, block);
+  if (launch.totalBlocks == 0) {
     return;
   }
-  const int64_t grid = (totalBlocks + kWarps - 1) / kWarps;
-  TORCH_CHECK(grid <= std::numeric_limits<int>::max(), "chainermn: encodeInt8: ", totalBlocks, " blocks of ", block,
-              " values, more than one launch takes: use a larger block");
-  encodeInt8Kernel<<<static_cast<int>(grid), kThreads, 0, static_cast<cudaStream_t>(rawStream)>>>(
-      values, residual, wire, rowBytes, count, block, blocksPerRow, totalBlocks);
+  encodeInt8Kernel<<<launch.grid, kBlockCodeThreads, 0, static_cast<cudaStream_t>(rawStream)>>>(
+      values, residual, wire, rowBytes, count, block, launch.blocksPerRow, launch.totalBlocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
