@@ -128,6 +128,11 @@ class GradientCompression:
             self.compress_result, self.result_dtype)
         return residual.work
 
+    def end_step(self) -> None:
+        """The step's means have all started (as start(..., last=True) says): a relayout of the residuals
+        is complete. For a caller whose last mean of the step went elsewhere."""
+        self._carried = None
+
     def reserve(self, params, device) -> None:
         """Make a layout's residuals before its first mean, so that state_dict() holds them from the
         start, in the order reserved (DiLoCo reserves its fragments so: a checkpoint's structure is

@@ -28,12 +28,18 @@ find_unused_parameters=True) is not stepped, as in plain DDP. Checkpoints: `fini
 `overlap.state_dict()` (every parameter's optimizer state, by parameter index), as in plain DDP.
 A parameter must be used by the module that owns it (registered with it): a model that reads
 another module's parameter before that module's forward must call `finish()` first.
+
+The bucket backward makes last (the first layers) goes on a priority lane, a second chainermn group
+over the same ranks, made by the constructor (so every rank constructs it, in the same order as its
+other groups). With `compression`, each lane keeps the residuals of the parameters it carries; a
+parameter that changes lanes when DDP rebuilds its buckets (once, after the first step) leaves what
+its old lane still owed behind.
 """
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 import torch
 import torch.distributed as dist
 
-from ._backend import backend_of
+from ._backend import backend_of, get_options
 from .compression import GradientCompression
 
 __all__ = ["OverlapNextForward"]
@@ -71,6 +77,14 @@ class OverlapNextForward:
         if compression is not None and not isinstance(compression, GradientCompression):
             raise ValueError(f"{op}: compression must be None or a hooks.GradientCompressionState, got {compression!r}")
         self.compression = compression
+        # The priority lane. The bucket backward makes last holds the first layers, which the next forward
+        # needs first; it travels on a group of its own (a worker and a queue of its own: chainermn runs a
+        # group's ops in issue order), so it does not wait behind the later layers' buckets still in
+        # flight, and the next forward starts as soon as it has arrived.
+        ranks = dist.get_process_group_ranks(self.process_group)
+        self._urgent_group = dist.new_group(ranks, backend="chainermn", pg_options=get_options(self.process_group))
+        self._urgent_compression = (None if compression is None
+                                    else GradientCompression(self._urgent_group, **compression.settings(), op=op))
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self._index = {id(p): i for i, p in enumerate(params)}
         self.optimizers = [optimizer_class([p], **kwargs) for p in params]
@@ -94,14 +108,19 @@ class OverlapNextForward:
         base = grads.data_ptr()
         places = [(p, (g.data_ptr() - base) // grads.element_size())
                   for p, g in zip(bucket.parameters(), bucket.gradients())]
+        urgent = bucket.is_last()  # the first layers: on the priority lane
         if self.compression is not None:
             buffer.copy_(grads)
             layout = tuple((id(p), offset, p.numel()) for p, offset in places)
-            work = self.compression.start([buffer], layout, last=bucket.is_last())
+            if urgent:  # the step's last bucket: the other lane's relayout, if any, is complete too
+                work = self._urgent_compression.start([buffer], layout, last=True)
+                self.compression.end_step()
+            else:
+                work = self.compression.start([buffer], layout, last=False)
         else:
             # DDP's own mean: every gradient divided by the world size, then summed (the reducer's order).
             torch.div(grads, self.world_size, out=buffer)
-            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+            work = dist.all_reduce(buffer, group=self._urgent_group if urgent else self.process_group, async_op=True)
         in_flight = _InFlight(work, buffer, places)
         for p, _ in places:
             self._pending[id(p)] = in_flight

@@ -157,7 +157,12 @@ def setup(args, model):
                                         fragment_delay=args.fragment_delay if streaming else 0,
                                         compression=compression)
         return ddp, inner, diloco, lambda: None
-    ddp = DDP(model, init_sync=False)
+    if args.mode.startswith("overlap"):
+        # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = DDP(model, init_sync=False, bucket_cap_mb=grad_mb / 8)
+    else:
+        ddp = DDP(model, init_sync=False)
     flush = lambda: None  # noqa: E731
     if args.mode.startswith("overlap"):
         import torch_chainermn
