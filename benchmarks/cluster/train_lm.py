@@ -8,6 +8,8 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     gloo        DDP on init_process_group("gloo")
     chainermn   DDP on init_process_group("chainermn") (its default, hierarchical communicator)
     fp16+db     chainermn DDP, hooks.double_buffering_hook with DoubleBufferingState(compress=float16)
+    fp16+db+dc  the same with DC-ASGD's delay compensation (delay_compensation.py, --dc-lambda)
+    db          double buffering with a float32 wire
     2bit, 1bit  chainermn DDP, hooks.gradient_compression_hook, GradientCompressionState(type=...,
                 threshold=--threshold); +cr: compress_result=True (the sums come back compressed too)
     int8, 4bit  the same hook with the block codes (one scale per --block values, error feedback);
@@ -72,7 +74,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm  # noqa: E402
 
-DDP_MODES = ("gloo", "chainermn", "fp16+db", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
+DDP_MODES = ("gloo", "chainermn", "db", "fp16+db", "fp16+db+dc", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
              "4bit+cr", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
 CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr")
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks")  # replicas synced every H steps
@@ -92,6 +94,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # percentile, is the one that did not blow up (codes fire rarely). See the README.
     p.add_argument("--threshold", type=float, default=2e-3, help="2-bit threshold for the gradients")
     p.add_argument("--block", type=int, default=256, help="values per scale of the int8 and 4bit codes")
+    p.add_argument("--dc-lambda", type=float, default=1.0, help="fp16+db+dc: DC-ASGD's lambda")
     # FSDP2 averages (ReduceOp.AVG): the node's value that 2-bit codes is the mean of its ranks'
     # gradients, half the DDP hook's sum, so half its threshold.
     p.add_argument("--fsdp-threshold", type=float, default=1e-3, help="2-bit threshold for FSDP's gradients")
@@ -173,10 +176,14 @@ def setup(args, model):
         overlap = torch_chainermn.OverlapNextForward(ddp, torch.optim.AdamW, compression=compression, lr=args.lr,
                                                      weight_decay=args.weight_decay)
         return ddp, overlap, contextlib.nullcontext(), overlap.finish
-    if args.mode == "fp16+db":
+    if args.mode in ("fp16+db", "fp16+db+dc", "db"):
         from torch_chainermn import hooks
-        state = hooks.DoubleBufferingState(compress=torch.float16)
-        ddp.register_comm_hook(state, hooks.double_buffering_hook)
+        state = hooks.DoubleBufferingState(compress=torch.float32 if args.mode == "db" else torch.float16)
+        if args.mode.endswith("+dc"):
+            import delay_compensation as dc
+            ddp.register_comm_hook(dc.DelayCompensation(state, args.dc_lambda), dc.delay_compensated_hook)
+        else:
+            ddp.register_comm_hook(state, hooks.double_buffering_hook)
         flush = state.flush
     elif args.mode in CODE_MODES:
         from torch_chainermn import hooks
