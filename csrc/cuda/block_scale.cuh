@@ -34,6 +34,37 @@ inline BlockCodeLaunch blockCodeLaunch(const char* what, int64_t rows, int64_t c
   return launch;
 }
 
+// The quantisation block one warp of an encoder codes (a warp per block, kBlockCodeWarps per thread
+// block): its place in its row, and where its values, residual and wire row are.
+struct WarpBlock {
+  bool valid;  // false past the last block (the whole warp returns: its shuffles need every lane)
+  int lane;
+  int64_t index, begin, n;  // the block's number in its row, its first value, its values
+  const float* values;
+  float* kept;  // the residual, or null
+  uint8_t* row;
+};
+
+__device__ __forceinline__ WarpBlock warpBlock(const float* values, float* residual, uint8_t* wire, int64_t rowBytes,
+                                               int64_t count, int64_t block, int64_t blocksPerRow,
+                                               int64_t totalBlocks) {
+  WarpBlock w{};
+  w.lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t id = static_cast<int64_t>(blockIdx.x) * kBlockCodeWarps + (threadIdx.x >> 5);
+  w.valid = id < totalBlocks;
+  if (!w.valid) {
+    return w;
+  }
+  const int64_t row = id / blocksPerRow;
+  w.index = id % blocksPerRow;
+  w.begin = w.index * block;
+  w.n = min(block, count - w.begin);
+  w.values = values + row * count + w.begin;
+  w.kept = residual ? residual + row * count + w.begin : nullptr;
+  w.row = wire + row * rowBytes;
+  return w;
+}
+
 __device__ __forceinline__ float warpBlockLargest(const float* v, float* kept, int64_t n, int lane) {
   float largest = 0.0f;
   for (int64_t i = lane; i < n; i += 32) {

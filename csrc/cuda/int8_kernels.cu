@@ -24,22 +24,18 @@ namespace chainermn::cuda {
 namespace {
 
 constexpr int kThreads = kBlockCodeThreads;
-constexpr int kWarps = kBlockCodeWarps;
 
 __global__ void encodeInt8Kernel(const float* values, float* residual, uint8_t* wire, int64_t rowBytes, int64_t count,
                                  int64_t block, int64_t blocksPerRow, int64_t totalBlocks) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t id = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (id >= totalBlocks) {
+  const WarpBlock w = warpBlock(values, residual, wire, rowBytes, count, block, blocksPerRow, totalBlocks);
+  if (!w.valid) {
     return;  // the whole warp: its shuffles below need every lane
   }
-  const int64_t row = id / blocksPerRow;
-  const int64_t b = id % blocksPerRow;
-  const int64_t begin = b * block;
-  const int64_t n = min(block, count - begin);
-  const float* v = values + row * count + begin;
-  float* kept = residual ? residual + row * count + begin : nullptr;
-  uint8_t* out = wire + row * rowBytes;
+  const int lane = w.lane;
+  const int64_t b = w.index, begin = w.begin, n = w.n;
+  const float* v = w.values;
+  float* kept = w.kept;
+  uint8_t* out = w.row;
   const float largest = warpBlockLargest(v, kept, n, lane);
   const float scale = __fdiv_rn(largest, kInt8Levels);
   const float inverse = largest > 0.0f ? __fdiv_rn(kInt8Levels, largest) : 0.0f;  // int8Inverse
