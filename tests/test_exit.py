@@ -83,3 +83,15 @@ def test_a_group_released_by_ddp_while_its_op_finishes(tmp_path):
     status, output = run_job(command, env, timeout=90)  # a hang fails (RankFailure), its ranks killed
     assert status == 0, output[-4000:]
     assert "rank 0 released" in output and "rank 1 released" in output, output[-4000:]
+
+
+def test_a_terminate_names_its_thread():
+    """std::terminate on one of the backend's threads (at exit, the ones above) prints the thread's name
+    and its native stack before the process aborts, not only libstdc++'s "terminate called"."""
+    code = "import torch_chainermn._C as C; C.testing.terminate_on_thread('cmn-probe')"
+    env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == -6, result.stderr[-3000:]  # SIGABRT, as before the report
+    assert "chainermn: std::terminate on thread cmn-probe (no exception" in result.stderr, result.stderr[-3000:]
+    assert "terminate called without an active exception" in result.stderr, result.stderr[-3000:]

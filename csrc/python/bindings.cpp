@@ -8,6 +8,7 @@
 #include "python/testing.h"
 #endif
 #include "strategies/strategy.h"
+#include "terminate_report.h"
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
 #include "comm/mpi.h"
@@ -28,9 +29,23 @@ using chainermn::GroupOptions;
 using chainermn::GroupSetup;
 using chainermn::Level;
 
-// A Python callable C++ keeps: dropping the last copy, on whatever thread, takes the GIL first.
+bool interpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// A Python callable C++ keeps: dropping the last copy, on whatever thread, takes the GIL first. Not
+// once the interpreter finalizes: a thread other than the finalizing one that asks for the GIL then is
+// ended by pthread_exit, and an unwind through this deleter (noexcept) aborts the process. The
+// callable is left to the process's end instead.
 std::shared_ptr<py::function> heldWithGil(py::function function) {
   return std::shared_ptr<py::function>(new py::function(std::move(function)), [](py::function* f) {
+    if (interpreterFinalizing()) {
+      return;
+    }
     py::gil_scoped_acquire gil;
     delete f;
   });
@@ -55,6 +70,7 @@ chainermn::TransportFactory glooFactory(py::function make) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch-chainermn's C++ backend";
+  chainermn::installTerminateReport();  // a terminate in one of the backend's threads names the thread
   // Registers c10d::Backend, Store and Work with pybind11 so the classes below can refer to them.
   py::module::import("torch.distributed");
 

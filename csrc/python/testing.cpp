@@ -2,6 +2,7 @@
 // threads; every call below releases the GIL while they run, and a rank's Python function takes it
 // only while it runs Python code.
 #include "python/testing.h"
+#include "thread_name.h"
 
 #include "backend/device_context.h"
 #include "runtime/store_courier.h"
@@ -427,6 +428,16 @@ void bindTesting(py::module_& testing) {
       },
       "StoreCourier (runtime/store_courier.h) through a hanging call: [(returned ok, ms waited)]",
       py::arg("patience_ms"), py::call_guard<py::gil_scoped_release>());
+  testing.def(
+      "terminate_on_thread",
+      [](const std::string& name) {
+        std::thread([name] {
+          nameThisThread(name.c_str());
+          std::terminate();
+        }).join();
+      },
+      "Ends the process with std::terminate on a new thread called `name` (terminate_report.h's test)",
+      py::arg("name"), py::call_guard<py::gil_scoped_release>());
   bindTransport(testing);
   bindWorkerTesting(testing);
   bindCallerTesting(testing);
