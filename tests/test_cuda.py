@@ -444,12 +444,14 @@ def shrink_and_abort_on_cuda():
     dist.all_reduce(tensor)
     torch.cuda.synchronize()
     outcome = {"joined": tensor[0].item()}
+    store = dist.distributed_c10d._get_default_store()
     if rank == 2:
-        time.sleep(1.0)  # the others are in their all_reduce by now
+        store.wait(["rank 0 posted", "rank 1 posted"])  # the others' all_reduce is posted and waits for this rank
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         work = dist.all_reduce(tensor, async_op=True)
+        store.set(f"rank {rank} posted", "1")
         work.wait()
         torch.cuda.synchronize()
         work.wait()  # over NCCL the first wait returns once queued: this one reports the failure
@@ -466,12 +468,13 @@ def shrink_and_abort_on_cuda():
     dist.all_reduce(value, group=pair)
     torch.cuda.synchronize()
     if rank == 1:
-        time.sleep(1.0)
+        store.wait(["pair posted"])  # rank 0's all_reduce on the pair is posted and waits for this rank
         pair.abort()
     else:
         start = time.monotonic()
         try:
             work = dist.all_reduce(value, group=pair, async_op=True)
+            store.set("pair posted", "1")
             work.wait()
             torch.cuda.synchronize()
             work.wait()

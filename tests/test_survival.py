@@ -3,6 +3,7 @@ ProcessGroup.abort() reaches the peers at once, named; dist.shrink_group gives t
 group (torchft and elastic training's ways to survive a lost rank without a restart)."""
 import datetime
 import os
+import threading
 import time
 
 import pytest
@@ -24,11 +25,7 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
     dist.barrier(group=group)
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 1:
-        if how == "abort":
-            # A blocking op on rank 0's own thread cannot say it has begun: the sleep stands for that.
-            time.sleep(0.5)
-        else:
-            store.wait([f"{key}: posted"])  # rank 0's async all_reduce is on its worker, waiting for us
+        store.wait([f"{key}: posted"])  # rank 0's all_reduce is posted, and waits for us
         if how == "abort":
             group.abort()
         else:
@@ -36,6 +33,12 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
     else:
         backend = _backend.backend_of(group)
         before = backend.ops_run_on_caller()
+        if how == "abort":
+            # A blocking op on this thread cannot say it has begun: another thread watches the group's
+            # sequence number (collectives posted) and tells rank 1 once it moves.
+            posted = backend._get_sequence_number_for_group() + 1
+            watcher = threading.Thread(target=_say_when_posted, args=(backend, posted, store, f"{key}: posted"))
+            watcher.start()
         try:
             work = dist.all_reduce(torch.ones(10), group=group, async_op=how != "abort")
             if work is not None:
@@ -45,7 +48,15 @@ def left_by_one_rank(how: str, outcome: dict, key: str) -> dist.ProcessGroup:
         except dist.DistBackendError as error:
             outcome[key] = str(error)
         outcome[key + " on the caller"] = backend.ops_run_on_caller() - before
+        if how == "abort":
+            watcher.join()
     return group
+
+
+def _say_when_posted(backend, posted: int, store, key: str) -> None:
+    while backend._get_sequence_number_for_group() < posted:
+        time.sleep(0.001)
+    store.set(key, "1")
 
 
 def aborted_by_one_rank():
@@ -111,18 +122,23 @@ def shrink_without_the_last_rank(state: str):
                 outcome.setdefault("bad lists", []).append(str(error))
         ended = time.time()
     elif rank == last:
-        time.sleep(0.5)  # the survivors are in their all_reduce by now
+        store.wait([f"rank {r} posted" for r in range(last)])  # the survivors wait in their all_reduce
         store.set("ended at", repr(time.time()))
         if state == "exited":
             dist.destroy_process_group()
             os._exit(0)
         os.kill(os.getpid(), signal.SIGKILL)
     else:
+        backend = _backend.backend_of(dist.group.WORLD)
+        posted = backend._get_sequence_number_for_group() + 1
+        watcher = threading.Thread(target=_say_when_posted, args=(backend, posted, store, f"rank {rank} posted"))
+        watcher.start()
         try:
             dist.all_reduce(torch.ones(10))
             outcome["failed"] = "completed"
         except dist.DistBackendError as error:
             outcome["failed"] = str(error)
+        watcher.join()
         ended = float(store.get("ended at"))
     # SHRINK_ABORT where an op may still be pending on the old group; without it, shrinking must not
     # wait for the excluded rank either.

@@ -86,8 +86,8 @@ def test_torchft_replica_killed_and_restarted_on_chainermn(tmp_path):
         # Both replicas in one quorum for a few steps; then kill replica 1 in the middle of a step.
         groups.wait_for(lambda: groups.step(1) >= 3 and groups.commits(1)[-1]["participants"] == 2, 90,
                         "both replicas training in one quorum")
-        groups.hold(1)
-        time.sleep(0.3)  # replica 0 now waits for replica 1 in the step's allreduce
+        held = groups.hold(1)
+        groups.in_backward(0, held)  # replica 0 is in that step's exchange, which waits for replica 1
         killed_at = groups.kill(1)
         step_at_kill = groups.step(0)
 

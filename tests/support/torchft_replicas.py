@@ -243,6 +243,9 @@ def _train(config: dict, out: Path, name: str) -> None:
                 progress.write(json.dumps({"event": "holding", "t": time.time(), "step": before}) + "\n")
                 while hold_file.exists():
                     time.sleep(0.01)
+            # Before the backward whose allreduce waits for every replica of the quorum: the controller
+            # knows a replica is in that step's exchange (ReplicaGroups.in_backward).
+            progress.write(json.dumps({"event": "backward", "t": time.time(), "step": before}) + "\n")
             loss.backward()
             flat = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
             gathered = torch.empty(ranks * flat.numel())
@@ -407,6 +410,16 @@ class ReplicaGroups:
         self.wait_for(lambda: all(holding(rank) for rank in range(self.ranks)), timeout,
                       f"replica {replica} holding at step {step}")
         return step
+
+    def in_backward(self, replica: int, step: int, timeout: float = 30.0) -> None:
+        """Wait until every rank of `replica` has begun the backward of `step` (whose allreduce then
+        waits for every replica in the quorum)."""
+        def begun(rank):
+            return any(e["event"] == "backward" and e["step"] == step
+                       for e in self.progress(replica, rank=rank, events=True))
+
+        self.wait_for(lambda: all(begun(rank) for rank in range(self.ranks)), timeout,
+                      f"replica {replica} in the backward of step {step}")
 
     def stop_at(self, step: int) -> None:
         tmp = self.out / ".stop.tmp"
