@@ -528,7 +528,7 @@ def ddp_hook_specs(groups: Groups) -> list[HookSpec]:
         HookSpec("chainermn", "double_buffering_hook", chainermn_hooks.double_buffering_hook,
                  chainermn_hooks.DoubleBufferingState(ours), True),
         HookSpec("chainermn", "double_buffering_hook, float16", chainermn_hooks.double_buffering_hook,
-                 chainermn_hooks.DoubleBufferingState(ours, compress=torch.float16), True),
+                 chainermn_hooks.DoubleBufferingState(ours, compression=torch.float16), True),
     ]
 
 

@@ -324,3 +324,40 @@ def test_block_codes_through_the_hook(kind, block, ranks_per_node, size):
         assert "GradientCompressionState: block must be an int >= 1, got 0" in block_error
         assert "GradientCompressionState: type must be one of ('int8', '2bit', '1bit', '4bit'), got 'int4'" in type_error
         assert "GradientCompressionState" in group_error and "chainermn" in group_error
+
+
+def spelling_cases():
+    """compression= is the one spelling of how a mean travels; the old ones still work, with a
+    DeprecationWarning naming it, and both at once is refused."""
+    import warnings
+
+    outcome = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new = hooks.DoubleBufferingState(compression=torch.float16)
+        outcome["new spelling warns"] = [str(w.message) for w in caught]
+        old = hooks.DoubleBufferingState(compress=torch.float16)
+        comm = torch_chainermn.create_communicator("flat", gradient_compression={"type": "int8"})
+        optimizer = torch_chainermn.create_multi_node_optimizer(
+            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"type": "4bit"})
+        outcome["old spelling warns"] = [(w.category.__name__, str(w.message)) for w in caught]
+    outcome["same mean"] = (new.mean.dtype, old.mean.dtype, comm.compression.type, optimizer.compression.type)
+    outcome["errors"] = value_errors((
+        lambda: hooks.DoubleBufferingState(compression=torch.float16, compress=torch.float16),
+        lambda: torch_chainermn.create_communicator(compression=torch.float16)))
+    comm.finalize()
+    return outcome
+
+
+def test_one_spelling_of_compression_the_old_ones_deprecated():
+    outcome = run_spawn(spelling_cases, 1, timeout=120)[0]
+    assert outcome["new spelling warns"] == [], outcome
+    warned = outcome["old spelling warns"]
+    assert [category for category, _ in warned] == ["DeprecationWarning"] * 3, warned
+    for (_, message), op, old in zip(warned, ("DoubleBufferingState", "create_communicator", "create_multi_node_optimizer"),
+                                     ("compress", "gradient_compression", "gradient_compression")):
+        assert message == f"{op}: {old}= is deprecated, use compression= (it takes the same values)", warned
+    assert outcome["same mean"] == (torch.float16, torch.float16, "int8", "4bit"), outcome
+    both, dtype = outcome["errors"]
+    assert "DoubleBufferingState: give compression= only (compress= is its old spelling), not both" in both, both
+    assert "create_communicator: compression must be None or a hooks.GradientCompressionState" in dtype, dtype

@@ -135,3 +135,13 @@ def test_the_code_names_are_declared_in_one_place():
                    if name.search("\n".join(line for line in p.read_text().splitlines()
                                             if not line.lstrip().startswith("//"))))
     assert named == ["kernels/codes.cpp"]
+
+
+def test_only_the_mean_resolver_tests_for_a_compression_type():
+    """What a user passed as `compression=` becomes a mean in torch_chainermn/_means.py alone: no other
+    module of the package asks whether something is a GradientCompression (isinstance, issubclass or
+    a type() comparison), so a new kind of mean is taught to one place."""
+    package = CSRC.parent / "torch_chainermn"
+    test = re.compile(r"(isinstance|issubclass)\([^)]*Compression|type\([^)]*\)\s*(is|==)\s*\w*Compression")
+    asking = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if test.search(p.read_text()))
+    assert asking == ["_means.py"]

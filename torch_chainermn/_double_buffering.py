@@ -4,17 +4,13 @@ At step k the gradients g_k are copied into a flat buffer kept aside and their m
 starts in the background; at step k+1, after the gradients have been overwritten, mean(g_k) is read
 back out of that buffer. The buffer of a mean that has been read serves a later step's copy.
 
-The mean is the backend's `mean_coalesced`, as for every other gradient mean of the toolkit: the cast
-to the wire dtype and the 1/world_size scale happen in its packing pass, before the sum for 16-bit
-wire dtypes (so the sum cannot overflow where the mean fits) and after it otherwise. Going through it
-keeps that rule in one place, and gives the bits a synchronous mean_coalesced of the same gradients in
-the same wire dtype gives.
+The mean is whatever the caller's `compression=` resolved to (_means.py): the backend's
+`mean_coalesced` in a wire dtype (the cast and the 1/world_size scale in its packing pass, the bits a
+synchronous mean_coalesced of the same gradients gives), or a compressed mean with its residuals.
 """
 from __future__ import annotations
 
 import torch
-
-from .gradients import mean_coalesced
 
 __all__ = ["BackgroundMean", "start_mean"]
 
@@ -54,17 +50,12 @@ class BackgroundMean:
 
 
 @torch.no_grad()
-def start_mean(tensors, group, wire_dtype: torch.dtype | None = None,
-               reuse: torch.Tensor | None = None, compression=None, params=(), last: bool = True) -> BackgroundMean:
+def start_mean(tensors, mean, reuse: torch.Tensor | None = None, params=(), last: bool = True) -> BackgroundMean:
     """Copy `tensors` (one step's gradients, at least one) into a flat buffer and start their mean.
 
-    group: the chainermn process group to average over.
-    wire_dtype: the dtype the sum travels in; None: the group's allreduce_grad_dtype, else the
-        buffer's (the widest of the tensors' dtypes).
+    mean: how it travels (_means.resolve: a WireMean or a GradientCompression), which takes
+        `params` ((id, offset, numel) of each parameter in the buffer) and `last` (the step's last mean).
     reuse: the buffer of a mean already read; it is taken again when its size, dtype and device fit.
-    compression: a compression.GradientCompression to average with instead (wire_dtype is then
-        unused), with `params` ((id, offset, numel) of each parameter in the buffer) and `last`
-        (the step's last mean) as GradientCompression.start takes them.
     The tensors may be changed as soon as this returns: the mean is computed from the copy.
     """
     dtype = tensors[0].dtype
@@ -80,8 +71,4 @@ def start_mean(tensors, group, wire_dtype: torch.dtype | None = None,
     for tensor in tensors:
         buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
         offset += tensor.numel()
-    if compression is not None:
-        work = compression.start([buffer], params, last)
-    else:
-        work = mean_coalesced([buffer], group=group, dtype=wire_dtype, async_op=True)
-    return BackgroundMean(buffer, work)
+    return BackgroundMean(buffer, mean.start([buffer], params, last))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 from . import _launch
 from ._backend import backend_of
-from .compression import compression_from, layout_of
+from ._means import WireMean, compressed, deprecated_spelling, resolve
+from ._layouts import layout_of
 from .gradients import mean_coalesced
 from .options import Options
 from ._topology import topology
@@ -59,12 +61,25 @@ class Communicator:
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
         self._topology = None
-        # MXNet's compression between nodes for multi_node_mean_grad (create_communicator sets it).
-        self.gradient_compression = None
+        # How multi_node_mean_grad's mean travels: the group's allreduce_grad_dtype, or compressed between
+        # nodes (create_communicator's compression=; _means.py).
+        self.mean = WireMean(self.group)
 
     def __repr__(self):
         return (f"Communicator(rank={self.rank}, size={self.size}, communicator_name={self.communicator_name!r}, "
                 f"allreduce_grad_dtype={self.allreduce_grad_dtype})")
+
+    @property
+    def compression(self):
+        """The GradientCompression of multi_node_mean_grad and the multi-node optimizer, or None."""
+        return compressed(self.mean)
+
+    @property
+    def gradient_compression(self):
+        """compression's old name."""
+        warnings.warn("Communicator.gradient_compression is deprecated, use Communicator.compression",
+                      DeprecationWarning, stacklevel=2)
+        return self.compression
 
     # ---- where this rank is
     @property
@@ -334,7 +349,7 @@ class Communicator:
     def multi_node_mean_grad(self, model: torch.nn.Module, zero_fill: bool = False, async_op: bool = False):
         """Replace every gradient by its mean over the communicator, in one packed call (ChainerMN's
         allreduce_grad / multi_node_mean_grad), travelling in the group's allreduce_grad_dtype, or
-        compressed between nodes when the communicator has a gradient_compression.
+        compressed between nodes when the communicator has a compression.
 
         Parameters are visited in sorted-name order; frozen and lazy (uninitialised) ones are skipped.
         A None gradient is skipped (every rank must agree), or with `zero_fill` replaced by zeros that
@@ -351,9 +366,9 @@ class Communicator:
                 param.grad = torch.zeros_like(param)
             params.append(param)
             grads.append(param.grad)
-        if self.gradient_compression is None or not grads:
+        if not grads:
             return mean_coalesced(grads, group=self.group, async_op=async_op)
-        work = self.gradient_compression.start(grads, layout_of(grads, params))
+        work = self.mean.start(grads, layout_of(grads, params))
         if async_op:
             return work
         work.wait()
@@ -433,15 +448,16 @@ def _grad_dtype_option(value):
 
 
 def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_dtype=None,
-                        gradient_compression=None) -> Communicator:
+                        compression=None, *, gradient_compression=None) -> Communicator:
     """Create a ChainerMN communicator: a chainermn process group with these options.
 
     communicator_name: "naive", "flat", "hierarchical", "two_dimensional", "single_node" or "pure_nccl".
     allreduce_grad_dtype: the dtype gradients travel in (torch or numpy dtype, or its name); None keeps
         the gradients' own dtype (unless $CHAINERMN_ALLREDUCE_GRAD_DTYPE says otherwise).
-    gradient_compression: None, or MXNet's compression between nodes for multi_node_mean_grad and the
-        multi-node optimizer, e.g. {"type": "2bit", "threshold": 0.5} (compression.GradientCompression's
-        settings: type, threshold, compress_result, result_dtype).
+    compression: None, or compression between nodes for multi_node_mean_grad and the multi-node
+        optimizer, e.g. {"type": "int8"} or MXNet's {"type": "2bit", "threshold": 0.5}
+        (compression.GradientCompression's settings: type, threshold, block, compress_result,
+        result_dtype), or a GradientCompression. `gradient_compression=` is its old spelling.
 
     Without a process group yet, this initialises torch.distributed with the chainermn backend (under
     torchrun or mpiexec; a process started by neither runs as a world of one, as ChainerMN did) and the
@@ -449,6 +465,8 @@ def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_
     collectively (every rank must call it), which `finalize()` destroys.
     """
     op = "create_communicator"
+    argument = "gradient_compression" if gradient_compression is not None else "compression"
+    compression = deprecated_spelling(op, "compression", "gradient_compression", compression, gradient_compression)
     if not isinstance(communicator_name, str):
         raise ValueError(f"{op}: communicator_name must be a str, got {type(communicator_name).__name__}")
     try:
@@ -464,7 +482,7 @@ def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_
     else:
         comm = Communicator(dist.new_group(backend="chainermn", pg_options=options), _owns_group=True)
     try:
-        comm.gradient_compression = compression_from(gradient_compression, comm.group, op)
+        comm.mean, _ = resolve(compression, comm.group, op, argument=argument, dtypes=False)
     except ValueError:
         comm.finalize()
         raise

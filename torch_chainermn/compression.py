@@ -13,8 +13,8 @@ compressed. The codes and the exchange are the backend's (csrc/strategies/compre
     work = compression.start([flat_gradients], params)     # params: the tensors' parameters, in order
 
 The DDP hook (hooks.GradientCompressionState), double buffering, the communicator
-(create_communicator(..., gradient_compression={...})) and the multi-node optimizer all go through
-this class, so the residuals follow parameters wherever the gradients are laid out: when DDP rebuilds
+(create_communicator(..., compression={...})), the multi-node optimizer, DiLoCo and the overlap all
+go through this class (their `compression=` is resolved in _means.py), so the residuals follow parameters wherever the gradients are laid out: when DDP rebuilds
 its buckets (after its first step) they are carried over parameter by parameter.
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 from . import codes
 from ._backend import backend_of, group_of
+from ._layouts import by_parameter, layout_of  # noqa: F401  (layout_of: this module's old home of it)
 
-__all__ = ["GradientCompression", "TYPES", "compression_from"]
+__all__ = ["GradientCompression", "TYPES"]
 
 TYPES = codes.CODES
 RESULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_SETTINGS = ("type", "threshold", "block", "compress_result", "result_dtype")
 
 
 class _Residual:
@@ -71,6 +71,8 @@ class GradientCompression:
     result_dtype: otherwise, the dtype the sums travel back in: torch.float32 (MXNet), float16, bfloat16.
     """
 
+    SETTINGS = ("type", "threshold", "block", "compress_result", "result_dtype")  # what settings() holds
+
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *,
                  block: int = 256, op: str = "GradientCompression"):
@@ -100,6 +102,10 @@ class GradientCompression:
     def settings(self) -> dict:
         return {"type": self.type, "threshold": self.threshold, "block": self.block,
                 "compress_result": self.compress_result, "result_dtype": self.result_dtype}
+
+    def for_group(self, group) -> "GradientCompression":
+        """The same settings on another group of the same ranks, with residuals of its own."""
+        return GradientCompression(group, **self.settings())
 
     def _saved_settings(self) -> dict:
         """settings() as a checkpoint holds them (the dtype by name: loadable without torch's pickler)."""
@@ -157,12 +163,7 @@ class GradientCompression:
         second = torch.zeros(second_n, dtype=torch.float32, device=device)
         if relayout and self._carried is None:
             # Carry every parameter's residual into the new layouts of this step.
-            self._carried = {}
-            for old in self._residuals.values():
-                owed = old.folded()
-                for param_id, offset, numel in old.params:
-                    if owed.numel():
-                        self._carried[param_id] = owed[offset:offset + numel]
+            self._carried = by_parameter((old.params, old.folded()) for old in self._residuals.values())
             self._residuals.clear()
         if first_n:
             for param_id, offset, numel in params:
@@ -248,25 +249,3 @@ class GradientCompression:
         fits = torch.tensor([int(mine == saved)], dtype=torch.int32)
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.process_group)
         return bool(fits.item())
-
-
-def compression_from(value, group, op: str) -> GradientCompression | None:
-    """None, a GradientCompression (used as it is), or a dict of its settings for `group`."""
-    if value is None or isinstance(value, GradientCompression):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"{op}: gradient_compression must be None, a dict or a GradientCompression, "
-                         f"got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_SETTINGS))
-    if unknown:
-        raise ValueError(f"{op}: gradient_compression has unknown settings {unknown} (known: {list(_SETTINGS)})")
-    return GradientCompression(group, **value, op=op)
-
-
-def layout_of(tensors, params) -> tuple:
-    """(id(param), offset, numel) for parameters whose gradients lie end to end as `tensors` do."""
-    out, offset = [], 0
-    for tensor, param in zip(tensors, params):
-        out.append((id(param), offset, tensor.numel()))
-        offset += tensor.numel()
-    return tuple(out)

@@ -6,14 +6,14 @@ group, or None for the default group, as for torch's own hooks:
 
     model.register_comm_hook(None, torch_chainermn.hooks.fp16_compress_hook)
 
-    state = torch_chainermn.hooks.DoubleBufferingState(compress=torch.float16)
+    state = torch_chainermn.hooks.DoubleBufferingState(compression=torch.float16)
     model.register_comm_hook(state, torch_chainermn.hooks.double_buffering_hook)
     ...
     state.flush()   # before a checkpoint and at the end of training
 
     state = torch_chainermn.hooks.GradientCompressionState(type="2bit", threshold=0.5)
     model.register_comm_hook(state, torch_chainermn.hooks.gradient_compression_hook)
-    # or double buffered: DoubleBufferingState(compress=GradientCompressionState(...))
+    # or double buffered: DoubleBufferingState(compression=GradientCompressionState(...))
 
 The averaging goes through the group's allreduce strategy (Options.communicator). Casting to the wire
 dtype and the 1/world_size scaling are fused into the backend's packing pass (`mean_coalesced`), and
@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from ._backend import backend_of, group_of
 from ._double_buffering import BackgroundMean, start_mean
+from ._layouts import bucket_layout, by_parameter, read_into
+from ._means import compressed, deprecated_spelling, resolve
 from .compression import GradientCompression
 from .gradients import mean_coalesced
-from .options import wire_dtype
 
 __all__ = [
     "allreduce_hook",
@@ -38,14 +39,6 @@ __all__ = [
     "GradientCompressionState",
     "gradient_compression_hook",
 ]
-
-def _bucket_params(bucket: dist.GradBucket) -> tuple:
-    """(id(param), offset, numel) of each of the bucket's parameters in its flat buffer."""
-    grads = bucket.buffer()
-    base = grads.data_ptr()
-    return tuple((id(p), (g.data_ptr() - base) // grads.element_size(), g.numel())
-                 for p, g in zip(bucket.parameters(), bucket.gradients()))
-
 
 def _mean_bucket(process_group, bucket: dist.GradBucket, dtype) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's buffer in place over the group, travelling as `dtype` (None: the group's
@@ -83,18 +76,13 @@ bf16_compress_hook.__name__ = "chainermn_bf16_compress_hook"
 
 
 class _Snapshot:
-    """One bucket's gradients of one step, averaging in the background.
+    """One bucket's gradients of one step, averaging in the background, and their layout (_layouts.py),
+    so that the mean can still be found parameter by parameter after DDP has regrouped its buckets."""
 
-    `param_ids` (id() of each parameter, in bucket order) and `offsets` record which parameter lies
-    where in the mean's buffer, so that the mean can still be found parameter by parameter after DDP
-    has regrouped its buckets. Ids, not the tensors: comparing tensors with == compares their values.
-    """
+    __slots__ = ("layout", "mean")
 
-    __slots__ = ("param_ids", "offsets", "mean")
-
-    def __init__(self, param_ids, offsets, mean: BackgroundMean):
-        self.param_ids = param_ids
-        self.offsets = offsets
+    def __init__(self, layout: tuple, mean: BackgroundMean):
+        self.layout = layout
         self.mean = mean
 
 
@@ -107,29 +95,29 @@ class DoubleBufferingState:
     The communication overlaps the next forward and backward instead of stalling the step.
 
     process_group: a chainermn group (default: the default group).
-    compress: the wire dtype (torch.float16 or torch.bfloat16); None takes the group's
+    compression: the wire dtype (torch.float16 or torch.bfloat16); None takes the group's
         allreduce_grad_dtype, and when that is None too, the gradients' own dtype. Or a
-        GradientCompressionState: the means are compressed between nodes (its group is used).
+        GradientCompressionState (or a dict of its settings): the means are compressed between nodes
+        (a state's own group is used). `compress=` is its old spelling.
     """
 
-    def __init__(self, process_group=None, compress=None):
-        self.compression = None
-        if isinstance(compress, GradientCompression):
-            self.compression, compress = compress, torch.float32
-            process_group = self.compression.process_group
-        self.process_group = group_of(process_group, "DoubleBufferingState")
-        backend_of(self.process_group, "DoubleBufferingState")  # a chainermn group, or a clear error now
-        if isinstance(compress, str):
-            raise ValueError(f"DoubleBufferingState: compress must be a torch.dtype, None or a GradientCompressionState, "
-                             f"got {compress!r}")
-        self.compress = wire_dtype(compress, "DoubleBufferingState: compress (or a GradientCompressionState)")
+    def __init__(self, process_group=None, compression=None, *, compress=None):
+        op = "DoubleBufferingState"
+        compression = deprecated_spelling(op, "compression", "compress", compression, compress)
+        self.mean, self.process_group = resolve(compression, process_group, op,
+                                                argument="compress" if compress is not None else "compression")
         self.world_size = self.process_group.size()
         self.ready = False
         self.steps = 0
         self._previous: dict[int, _Snapshot] = {}  # bucket index -> last step's snapshot
         self._current: dict[int, _Snapshot] = {}   # bucket index -> this step's snapshot
         self._spare: dict[int, torch.Tensor] = {}  # bucket index -> a read mean's buffer, for reuse
-        self._by_param = None                      # id(param) -> (snapshot, offset), after a regrouping
+        self._by_param = None                      # id(param) -> last step's mean of it, after a regrouping
+
+    @property
+    def compression(self):
+        """The GradientCompression the means go through, or None for a wire dtype."""
+        return compressed(self.mean)
 
     def flush(self) -> None:
         """Wait for every allreduce in flight (before saving a checkpoint, or at the end of training).
@@ -143,17 +131,16 @@ class DoubleBufferingState:
 
     def _launch(self, bucket: dist.GradBucket) -> _Snapshot:
         """Copy this step's gradients aside and start their mean in the background."""
-        grads = bucket.buffer()
-        params = _bucket_params(bucket)
-        mean = start_mean([grads], self.process_group, self.compress, reuse=self._spare.pop(bucket.index(), None),
-                          compression=self.compression, params=params, last=bucket.is_last())
-        return _Snapshot(tuple(p for p, _, _ in params), tuple(offset for _, offset, _ in params), mean)
+        layout = bucket_layout(bucket)
+        mean = start_mean([bucket.buffer()], self.mean, reuse=self._spare.pop(bucket.index(), None), params=layout,
+                          last=bucket.is_last())
+        return _Snapshot(layout, mean)
 
     def _apply_previous(self, bucket: dist.GradBucket, launched: _Snapshot) -> None:
         """Write mean(g_{k-1}) for this bucket's parameters into the bucket."""
         grads = bucket.buffer()
         previous = self._previous.get(bucket.index())
-        if previous is not None and previous.param_ids == launched.param_ids:
+        if previous is not None and previous.layout == launched.layout:
             previous.mean.read(0, grads)
             self._spare[bucket.index()] = previous.mean.buffer
             return
@@ -162,17 +149,8 @@ class DoubleBufferingState:
             return
         # DDP regrouped its buckets (it does once, after the first step): gather parameter by parameter.
         if self._by_param is None:
-            self._by_param = {}
-            for snapshot in self._previous.values():
-                for param_id, offset in zip(snapshot.param_ids, snapshot.offsets):
-                    self._by_param[param_id] = (snapshot, offset)
-        for param_id, view in zip(launched.param_ids, bucket.gradients()):
-            found = self._by_param.get(param_id)
-            if found is None:
-                view.zero_()  # a parameter that had no gradient bucket last step
-                continue
-            snapshot, offset = found
-            snapshot.mean.read(offset, view)
+            self._by_param = by_parameter((s.layout, s.mean.wait()) for s in self._previous.values())
+        read_into(self._by_param, launched.layout, bucket.gradients())
 
     def _end_step(self) -> None:
         self._previous, self._current = self._current, {}
@@ -225,8 +203,8 @@ def gradient_compression_hook(state: GradientCompressionState,
 
     Register with `model.register_comm_hook(GradientCompressionState(...), gradient_compression_hook)`.
     """
-    if not isinstance(state, GradientCompression):
+    if compressed(state) is None:
         raise ValueError("gradient_compression_hook: state must be a torch_chainermn.hooks.GradientCompressionState, "
                          f"got {type(state).__name__}")
-    work = state.start([bucket.buffer()], _bucket_params(bucket), last=bucket.is_last())
+    work = state.start([bucket.buffer()], bucket_layout(bucket), last=bucket.is_last())
     return work.get_future().then(lambda fut: fut.value()[0])

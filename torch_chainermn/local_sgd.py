@@ -34,14 +34,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ._backend import backend_of, group_of
-from .compression import GradientCompression, layout_of
+from ._means import compressed, load_state, resolve, saved_state
+from ._layouts import layout_of
 from .gradients import mean_coalesced
 from .messages.objects import agree
 
 __all__ = ["DiLoCo", "LocalSGD"]
-
-_WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _check_count(op: str, name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -277,9 +275,10 @@ class DiLoCo(_EveryHSteps):
     fragment_update_alpha: with tau > 0, how much of the replica's own value a fragment keeps when
         the new global value arrives: `alpha * local + (1 - alpha) * global` (Streaming DiLoCo's
         merge; 0.5 by default). With tau = 0 the fragment takes the global value.
-    compression: how the outer gradients travel: None (float32), torch.float16, torch.bfloat16, or a
-        GradientCompression (hooks.GradientCompressionState: MXNet's 2-bit/1-bit codes between nodes,
-        full precision inside, error feedback per fragment across syncs; its group is the one used).
+    compression: how the outer gradients travel: None (their own dtype, float32), a wire dtype
+        (torch.float16, torch.bfloat16), or a GradientCompression or a dict of its settings (the codes
+        of torch_chainermn.codes between nodes, full precision inside, error feedback per fragment
+        across syncs; a GradientCompression's own group is the one used).
 
     On construction every rank checks the others train the same shapes with the same settings
     (a clear ValueError on every rank otherwise) and takes rank 0's parameters and buffers.
@@ -291,16 +290,17 @@ class DiLoCo(_EveryHSteps):
                  fragments: int = 1, fragment_delay: int = 0, compression=None,
                  fragment_update_alpha: float = 0.5):
         op = self._op
-        if isinstance(compression, GradientCompression):
-            if process_group is not None and group_of(process_group, op) is not compression.process_group:
-                raise ValueError(f"{op}: compression works on another process group than process_group")
-            process_group = compression.process_group
+        resolved = None
+        try:  # the outer gradients' own dtype (float32) unless a wire dtype is given
+            resolved = resolve(compression, process_group, op, own_dtype=True)
+        except ValueError as error:
+            refused = error  # raised in check(), after the ranks agreed: every rank raises it alike
+        else:
+            mean, process_group = resolved
 
         def check(params):
-            if compression is not None and not isinstance(compression, GradientCompression) \
-                    and compression not in _WIRE_DTYPES:
-                raise ValueError(f"{op}: compression must be None, torch.float16, torch.bfloat16 or a "
-                                 f"GradientCompression(State), got {compression!r}")
+            if resolved is None:
+                raise refused
             _check_count(op, "fragments", fragments, 1)
             if fragments > len(params):
                 raise ValueError(f"{op}: fragments must be at most the number of trainable parameters "
@@ -321,13 +321,13 @@ class DiLoCo(_EveryHSteps):
         self.outer_optimizer = outer_optimizer
         self.fragment_delay = fragment_delay
         self.alpha = float(fragment_update_alpha)
+        self.mean = mean
         self.compression = compression
         self.fragments = [
             _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0)
             for i, run in enumerate(_split_runs(self.params, fragments))]
-        if isinstance(compression, GradientCompression):
-            for fragment in self.fragments:  # residuals in fragment order: a checkpoint's fixed structure
-                compression.reserve(fragment.layout, fragment.outer.device)
+        for fragment in self.fragments:  # residuals in fragment order: a checkpoint's fixed structure
+            mean.reserve(fragment.layout, fragment.outer.device)
         with torch.no_grad():
             for fragment in self.fragments:  # rank 0's start, and the first global value
                 torch._foreach_copy_(fragment.global_views, fragment.params)
@@ -357,12 +357,7 @@ class DiLoCo(_EveryHSteps):
                                f"sync was applied")
         torch._foreach_copy_(fragment.outer_views, fragment.params)
         torch.sub(fragment.global_flat, fragment.outer, out=fragment.outer)   # global - local
-        if isinstance(self.compression, GradientCompression):
-            fragment.work = self.compression.start([fragment.outer], fragment.layout)
-        else:
-            fragment.work = mean_coalesced([fragment.outer], group=self.process_group,
-                                           dtype=fragment.outer.dtype if self.compression is None else self.compression,
-                                           async_op=True)
+        fragment.work = self.mean.start([fragment.outer], fragment.layout)
         if fragment.buffers:
             torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
             fragment.buffer_work = mean_coalesced([fragment.buffer_mean], group=self.process_group,
@@ -426,8 +421,7 @@ class DiLoCo(_EveryHSteps):
                               "apply_at": -1 if fragment.apply_at is None else fragment.apply_at})
         return {"step": self.step, "fragments": fragments,
                 "outer_optimizer": get_optimizer_state_dict(self._module, self.outer_optimizer),
-                "compression": self.compression.state_dict(by_rank=True)
-                if isinstance(self.compression, GradientCompression) else None}
+                "compression": saved_state(self.mean)}
 
     def load_state_dict(self, state: dict) -> None:
         """Take a state_dict() of a DiLoCo of the same model and settings (after constructing this
@@ -441,9 +435,8 @@ class DiLoCo(_EveryHSteps):
             if values["global"].numel() != fragment.global_flat.numel():
                 raise ValueError(f"{op}: fragment {fragment.index} holds {values['global'].numel()} values "
                                  f"in the state, {fragment.global_flat.numel()} here")
-        if isinstance(self.compression, GradientCompression) != (state.get("compression") is not None):
-            raise ValueError(f"{op}: the state was saved {'with' if state.get('compression') else 'without'} "
-                             f"a GradientCompression, this DiLoCo has compression={self.compression!r}")
+        if (compressed(self.mean) is None) != (state.get("compression") is None):
+            load_state(self.mean, state.get("compression"), op)  # raises: saved with another kind of mean
         for fragment, values in zip(self.fragments, saved):
             fragment.wait()
             fragment.global_flat.copy_(values["global"])
@@ -453,6 +446,5 @@ class DiLoCo(_EveryHSteps):
             apply_at = int(values["apply_at"])
             fragment.apply_at = None if apply_at < 0 else apply_at
         set_optimizer_state_dict(self._module, self.outer_optimizer, state["outer_optimizer"])
-        if isinstance(self.compression, GradientCompression):
-            self.compression.load_state_dict(state["compression"])
+        load_state(self.mean, state.get("compression"), op)
         self.step = int(state["step"])

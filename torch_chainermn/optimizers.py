@@ -15,19 +15,22 @@ backward: the second step does not update, and step k >= 3 applies the mean of s
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
-from ._backend import backend_of, group_of, wire_dtype_of
+from ._backend import group_of, wire_dtype_of
 from ._double_buffering import BackgroundMean, start_mean
-from .compression import compression_from, layout_of
-from .gradients import mean_coalesced
+from ._means import compressed, deprecated_spelling, resolve
+from .communicator import Communicator
+from ._layouts import layout_of
 
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer"]
 
 
 def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=False, zero_fill=True,
-                                gradient_compression=None):
+                                compression=None, *, gradient_compression=None):
     """Wrap a torch optimizer so that its step() averages gradients over `communicator`.
 
     communicator: a torch_chainermn communicator, a chainermn process group, or None for the
@@ -35,13 +38,17 @@ def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=F
     double_buffering: overlap each step's allreduce with the next step (one step stale).
     zero_fill: a parameter whose .grad is None takes part as zeros, and gets the mean written back
         (False: it is skipped, and then every rank must have None for it).
-    gradient_compression: MXNet's compression between nodes ({"type": "2bit", "threshold": 0.5}, or a
-        compression.GradientCompression); None takes the communicator's gradient_compression, if any.
+    compression: compression between nodes ({"type": "int8"}, MXNet's {"type": "2bit", "threshold": 0.5},
+        or a compression.GradientCompression); None takes the communicator's compression, if any.
+        `gradient_compression=` is its old spelling.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("create_multi_node_optimizer: optimizer must be a torch.optim.Optimizer, "
                          f"got {type(optimizer).__name__}")
-    return MultiNodeOptimizer(optimizer, communicator, double_buffering, zero_fill, gradient_compression)
+    argument = "gradient_compression" if gradient_compression is not None else "compression"
+    compression = deprecated_spelling("create_multi_node_optimizer", "compression", "gradient_compression",
+                                      compression, gradient_compression)
+    return MultiNodeOptimizer(optimizer, communicator, double_buffering, zero_fill, compression, argument=argument)
 
 
 def _parameters(optimizer) -> list:
@@ -68,19 +75,32 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     # Optimizer.__init__ is not called on purpose: parameters, groups and state belong to the
     # wrapped optimizer and are shared by reference, so there is one truth for schedulers and saving.
     def __init__(self, optimizer, communicator=None, double_buffering=False, zero_fill=True,  # noqa: D107
-                 gradient_compression=None):
+                 compression=None, *, argument: str = "compression"):
+        op = "create_multi_node_optimizer"
         self.actual_optimizer = optimizer
-        self.group = group_of(communicator, "create_multi_node_optimizer")
-        if gradient_compression is None:
-            gradient_compression = getattr(communicator, "gradient_compression", None)
-        backend_of(self.group, "create_multi_node_optimizer")  # a chainermn group, or a clear error now
-        self.gradient_compression = compression_from(gradient_compression, self.group, "create_multi_node_optimizer")
+        if compression is None and isinstance(communicator, Communicator):
+            self.mean, self.group = communicator.mean, communicator.group
+        else:  # a GradientCompression brings its group; a communicator given too must be on it
+            group = None if communicator is None else group_of(communicator, op)
+            self.mean, self.group = resolve(compression, group, op, argument=argument, dtypes=False)
         self.double_buffering = bool(double_buffering)
         self.zero_fill = bool(zero_fill)
         self.world_size = self.group.size()
         self._broadcast_ids = None  # ids of the parameters as last broadcast
         self._in_flight = None      # double buffering: the previous step's allreduce
         self._spare = None          # double buffering: a read mean's buffer, for reuse
+
+    @property
+    def compression(self):
+        """The GradientCompression the gradients' means go through, or None."""
+        return compressed(self.mean)
+
+    @property
+    def gradient_compression(self):
+        """compression's old name."""
+        warnings.warn("MultiNodeOptimizer.gradient_compression is deprecated, use .compression",
+                      DeprecationWarning, stacklevel=2)
+        return self.compression
 
     # ---- what an Optimizer shares with the wrapped one -------------------------------------------
 
@@ -161,10 +181,8 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
             self._double_buffered_update(params)
         else:
             used, grads = self._gradients(params)
-            if grads and self.gradient_compression is not None:
-                self.gradient_compression.start(grads, layout_of(grads, used)).wait()
-            elif grads:
-                mean_coalesced(grads, group=self.group)  # the group's wire dtype
+            if grads:
+                self.mean.start(grads, layout_of(grads, used)).wait()
             self.actual_optimizer.step()
         return loss
 
@@ -182,8 +200,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         if not grads:
             return None
         spare, self._spare = self._spare, None
-        mean = start_mean(grads, self.group, reuse=spare, compression=self.gradient_compression,
-                          params=layout_of(grads, used))
+        mean = start_mean(grads, self.mean, reuse=spare, params=layout_of(grads, used))
         return _InFlight(used, mean)
 
     @torch.no_grad()

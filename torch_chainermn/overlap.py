@@ -39,22 +39,23 @@ its old lane still owed behind.
 import torch
 import torch.distributed as dist
 
-from ._backend import backend_of, get_options
-from .compression import GradientCompression
+from ._backend import get_options
+from ._layouts import bucket_layout
+from ._means import DdpMean, resolve
 
 __all__ = ["OverlapNextForward"]
 
 
 class _InFlight:
-    """One bucket's mean in flight: the group's Work, the buffer it lands in, its parameters' places,
+    """One bucket's mean in flight: the group's Work, the buffer it lands in, its layout (_layouts.py),
     and the hyperparameters its update takes (step() records them)."""
 
-    __slots__ = ("work", "buffer", "places", "settings")
+    __slots__ = ("work", "buffer", "layout", "settings")
 
-    def __init__(self, work, buffer, places):
+    def __init__(self, work, buffer, layout):
         self.work = work
         self.buffer = buffer
-        self.places = places  # [(param, offset)] in the buffer
+        self.layout = layout
         self.settings = None  # index of a parameter -> its group's hyperparameters when step() was called
 
 
@@ -71,23 +72,19 @@ class OverlapNextForward:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"{op}: optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
         self.ddp = ddp
-        self.process_group = ddp.process_group
-        backend_of(self.process_group, op)  # a chainermn group, or a clear error now
+        # None: DDP's own mean, bit for bit; else a compression (its group must be DDP's).
+        self.mean, self.process_group = resolve(compression, ddp.process_group, op, plain=DdpMean, dtypes=False)
         self.world_size = self.process_group.size()
-        if compression is not None and not isinstance(compression, GradientCompression):
-            raise ValueError(f"{op}: compression must be None or a hooks.GradientCompressionState, got {compression!r}")
-        self.compression = compression
         # The priority lane. The bucket backward makes last holds the first layers, which the next forward
         # needs first; it travels on a group of its own (a worker and a queue of its own: chainermn runs a
         # group's ops in issue order), so it does not wait behind the later layers' buckets still in
         # flight, and the next forward starts as soon as it has arrived.
         ranks = dist.get_process_group_ranks(self.process_group)
         self._urgent_group = dist.new_group(ranks, backend="chainermn", pg_options=get_options(self.process_group))
-        self._urgent_compression = (None if compression is None
-                                    else GradientCompression(self._urgent_group, **compression.settings(), op=op))
-        params = [p for p in ddp.module.parameters() if p.requires_grad]
-        self._index = {id(p): i for i, p in enumerate(params)}
-        self.optimizers = [optimizer_class([p], **kwargs) for p in params]
+        self._urgent_mean = self.mean.for_group(self._urgent_group)
+        self._params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self.optimizers = [optimizer_class([p], **kwargs) for p in self._params]
         self._pending = {}  # id(param) -> its bucket's _InFlight mean
         self._buffers = {}  # bucket index -> the buffer its means land in (reused every step)
         ddp.register_comm_hook(self, OverlapNextForward._hook)
@@ -105,25 +102,17 @@ class OverlapNextForward:
         buffer = self._buffers.get(bucket.index())
         if buffer is None or buffer.shape != grads.shape or buffer.dtype != grads.dtype:
             buffer = self._buffers[bucket.index()] = torch.empty_like(grads)
-        base = grads.data_ptr()
-        places = [(p, (g.data_ptr() - base) // grads.element_size())
-                  for p, g in zip(bucket.parameters(), bucket.gradients())]
+        layout = bucket_layout(bucket)
         urgent = bucket.is_last()  # the first layers: on the priority lane
-        if self.compression is not None:
-            buffer.copy_(grads)
-            layout = tuple((id(p), offset, p.numel()) for p, offset in places)
-            if urgent:  # the step's last bucket: the other lane's relayout, if any, is complete too
-                work = self._urgent_compression.start([buffer], layout, last=True)
-                self.compression.end_step()
-            else:
-                work = self.compression.start([buffer], layout, last=False)
+        buffer.copy_(grads)
+        if urgent:  # the step's last bucket: the other lane's relayout, if any, is complete too
+            work = self._urgent_mean.start([buffer], layout, last=True)
+            self.mean.end_step()
         else:
-            # DDP's own mean: every gradient divided by the world size, then summed (the reducer's order).
-            torch.div(grads, self.world_size, out=buffer)
-            work = dist.all_reduce(buffer, group=self._urgent_group if urgent else self.process_group, async_op=True)
-        in_flight = _InFlight(work, buffer, places)
-        for p, _ in places:
-            self._pending[id(p)] = in_flight
+            work = self.mean.start([buffer], layout, last=False)
+        in_flight = _InFlight(work, buffer, layout)
+        for param_id, _, _ in layout:
+            self._pending[param_id] = in_flight
         done = torch.futures.Future()
         done.set_result(grads)
         return done
@@ -141,11 +130,12 @@ class OverlapNextForward:
         every parameter of it."""
         in_flight.work.wait()
         with torch.no_grad():
-            for p, offset in in_flight.places:
-                if self._pending.pop(id(p), None) is None or p.grad is None:
+            for param_id, offset, numel in in_flight.layout:
+                index = self._index[param_id]
+                p = self._params[index]
+                if self._pending.pop(param_id, None) is None or p.grad is None:
                     continue  # stepped already, or without a gradient in DDP (unused on every rank)
-                p.grad.copy_(in_flight.buffer[offset:offset + p.numel()].view_as(p))
-                index = self._index[id(p)]
+                p.grad.copy_(in_flight.buffer[offset:offset + numel].view_as(p))
                 optimizer = self.optimizers[index]
                 group = optimizer.param_groups[0]
                 now = None

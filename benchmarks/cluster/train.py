@@ -14,7 +14,7 @@ so the gradient is large (4 bytes per parameter) while the compute stays modest;
     <strategy>+fp16          ... with torch_chainermn.hooks.fp16_compress_hook
     <strategy>+bf16          ... with torch_chainermn.hooks.bf16_compress_hook
     <strategy>+db            ... with double buffering (torch_chainermn.hooks.double_buffering_hook,
-                             DoubleBufferingState(compress=None))
+                             DoubleBufferingState(compression=None))
     <strategy>+fp16+db       ... double buffering with float16 on the wire
     <strategy>+2bit          ... with gradient compression between nodes (MXNet's 2-bit with error
                              feedback, threshold --threshold): hooks.gradient_compression_hook,
@@ -25,7 +25,7 @@ so the gradient is large (4 bytes per parameter) while the compute stays modest;
     ...+2bit+fp16            result_dtype=torch.float16: the sums come back as float16 (+bf16: bfloat16;
                              the same for +1bit; not with +cr)
     ...+2bit+db, ...         double buffering of the compressed mean:
-                             DoubleBufferingState(compress=GradientCompressionState(...))
+                             DoubleBufferingState(compression=GradientCompressionState(...))
     ...+noshm                (chainermn modes) CHAINERMN_SHM=0: a node's ranks meet over Gloo on the
                              node's loopback instead of shared memory
 
@@ -132,14 +132,14 @@ def install_hook(model, base: str, flags: set, threshold: float = 0.5):
     if compression is not None:
         state = hooks.GradientCompressionState(process_group=None, **compression)
         if "db" in flags:
-            db = hooks.DoubleBufferingState(compress=state)
+            db = hooks.DoubleBufferingState(compression=state)
             model.register_comm_hook(db, hooks.double_buffering_hook)
             return db
         model.register_comm_hook(state, hooks.gradient_compression_hook)
         return None
     wire = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else None
     if "db" in flags:
-        state = hooks.DoubleBufferingState(process_group=None, compress=wire)
+        state = hooks.DoubleBufferingState(process_group=None, compression=wire)
         model.register_comm_hook(state, hooks.double_buffering_hook)
         return state
     model.register_comm_hook(None, hooks.fp16_compress_hook if wire == torch.float16 else hooks.bf16_compress_hook)

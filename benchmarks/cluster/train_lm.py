@@ -7,7 +7,7 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
 
     gloo        DDP on init_process_group("gloo")
     chainermn   DDP on init_process_group("chainermn") (its default, hierarchical communicator)
-    fp16+db     chainermn DDP, hooks.double_buffering_hook with DoubleBufferingState(compress=float16)
+    fp16+db     chainermn DDP, hooks.double_buffering_hook with DoubleBufferingState(compression=float16)
     fp16+db+dc  the same with DC-ASGD's delay compensation (delay_compensation.py, --dc-lambda)
     db          double buffering with a float32 wire
     2bit, 1bit  chainermn DDP, hooks.gradient_compression_hook, GradientCompressionState(type=...,
@@ -178,7 +178,7 @@ def setup(args, model):
         return ddp, overlap, contextlib.nullcontext(), overlap.finish
     if args.mode in ("fp16+db", "fp16+db+dc", "db"):
         from torch_chainermn import hooks
-        state = hooks.DoubleBufferingState(compress=torch.float32 if args.mode == "db" else torch.float16)
+        state = hooks.DoubleBufferingState(compression=torch.float32 if args.mode == "db" else torch.float16)
         if args.mode.endswith("+dc"):
             import delay_compensation as dc
             ddp.register_comm_hook(dc.DelayCompensation(state, args.dc_lambda), dc.delay_compensated_hook)

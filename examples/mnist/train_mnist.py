@@ -180,7 +180,7 @@ def register_comm_hook(model, args):
             return None
         wire_dtype = state
     if args.double_buffering:
-        state = hooks.DoubleBufferingState(compress=wire_dtype)
+        state = hooks.DoubleBufferingState(compression=wire_dtype)
         model.register_comm_hook(state, hooks.double_buffering_hook)
         return state
     if wire_dtype is not None:
