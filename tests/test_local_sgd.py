@@ -18,6 +18,7 @@ def test_two_ranks_as_two_nodes():
         "DiLoCo: ranks disagree on the model's params",
         "DiLoCo: sync_every must be an int >= 1, got 0 (on rank 1)",
         "DiLoCo: ranks disagree on the model's settings: fragment_delay=1 on rank 0, fragment_delay=0 on rank 1",
+        "DiLoCo: warmup_steps must be an int >= 0, got -1",
     ]
     for rank, errors in enumerate(outcomes):
         assert len(errors) == len(expected), errors
@@ -26,7 +27,8 @@ def test_two_ranks_as_two_nodes():
 
 
 def test_two_nodes_of_two():
-    """The reference for H=3, F=1/2, tau=0/1, float32 and 2-bit, with buffers; checkpoints mid-run
-    (between syncs, a fragment in flight, through torch.distributed.checkpoint) resume bit for bit;
+    """The reference for H=3, F=1/2, tau=0/1, float32 and 2-bit, with buffers, with and without a warm
+    start; checkpoints mid-run (between syncs, a fragment in flight, through torch.distributed.checkpoint,
+    during the warm start) resume bit for bit;
     one replica per node (DDP over node_group())."""
     run_spawn(local_sgd_cases.two_nodes_of_two, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=360)

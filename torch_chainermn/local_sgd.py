@@ -275,6 +275,10 @@ class DiLoCo(_EveryHSteps):
     fragment_update_alpha: with tau > 0, how much of the replica's own value a fragment keeps when
         the new global value arrives: `alpha * local + (1 - alpha) * global` (Streaming DiLoCo's
         merge; 0.5 by default). With tau = 0 the fragment takes the global value.
+    warmup_steps: N, a warm start (as the DiLoCo paper starts from a model trained synchronously): the
+        first N inner steps are DDP's (the gradients averaged over the replicas before each, in the
+        group's allreduce_grad_dtype: every replica takes the same step), then the fragments' syncs
+        begin, at N + i*H//F + k*H. It costs a full gradient exchange a step while it lasts.
     compression: how the outer gradients travel: None (their own dtype, float32), a wire dtype
         (torch.float16, torch.bfloat16), or a GradientCompression or a dict of its settings (the codes
         of torch_chainermn.codes between nodes, full precision inside, error feedback per fragment
@@ -288,7 +292,7 @@ class DiLoCo(_EveryHSteps):
 
     def __init__(self, model, inner_optimizer, outer_optimizer, sync_every: int, process_group=None,
                  fragments: int = 1, fragment_delay: int = 0, compression=None,
-                 fragment_update_alpha: float = 0.5):
+                 fragment_update_alpha: float = 0.5, warmup_steps: int = 0):
         op = self._op
         resolved = None
         try:  # the outer gradients' own dtype (float32) unless a wire dtype is given
@@ -301,6 +305,7 @@ class DiLoCo(_EveryHSteps):
         def check(params):
             if resolved is None:
                 raise refused
+            _check_count(op, "warmup_steps", warmup_steps, 0)
             _check_count(op, "fragments", fragments, 1)
             if fragments > len(params):
                 raise ValueError(f"{op}: fragments must be at most the number of trainable parameters "
@@ -316,13 +321,15 @@ class DiLoCo(_EveryHSteps):
             _check_outer(op, outer_optimizer, params, model)
 
         settings = {"sync_every": sync_every, "fragments": fragments, "fragment_delay": fragment_delay,
-                    "fragment_update_alpha": fragment_update_alpha, "compression": repr(compression)}
+                    "fragment_update_alpha": fragment_update_alpha, "compression": repr(compression),
+                    "warmup_steps": warmup_steps}
         super().__init__(model, inner_optimizer, sync_every, process_group, settings, check)
         self.outer_optimizer = outer_optimizer
         self.fragment_delay = fragment_delay
         self.alpha = float(fragment_update_alpha)
         self.mean = mean
         self.compression = compression
+        self.warmup_steps = warmup_steps
         self.fragments = [
             _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0)
             for i, run in enumerate(_split_runs(self.params, fragments))]
@@ -338,12 +345,38 @@ class DiLoCo(_EveryHSteps):
                     self._broadcast_from_first(fragment.buffer_mean)
                     torch._foreach_copy_(fragment.buffers, fragment.buffer_views)
 
+    # ---- the warm start ----------------------------------------------------------------------------
+
+    def __enter__(self):
+        super().__enter__()
+        self._hooks.append(self._optimizer.register_step_pre_hook(self._before_inner_step))
+        return self
+
+    @torch.no_grad()
+    def _before_inner_step(self, optimizer, args, kwargs) -> None:
+        """During the warm start, DDP's training: the gradients' mean over the replicas before every
+        inner step (a missing gradient counts as zeros), so every replica takes the same step."""
+        if self.step >= self.warmup_steps:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        mean_coalesced([p.grad for p in self.params], group=self.process_group)
+
     # ---- the schedule ------------------------------------------------------------------------------
 
     def _on_step(self) -> None:
+        after = self.step - self.warmup_steps  # inner steps since the warm start ended
+        if after < 0:
+            return
+        if after == 0:
+            # The replicas are equal (the same steps from the same start): that is the global value.
+            with torch.no_grad():
+                for fragment in self.fragments:
+                    torch._foreach_copy_(fragment.global_views, fragment.params)
+            return
         for fragment in self.fragments:
-            if self.step >= fragment.offset and (self.step - fragment.offset) % self.sync_every == 0 \
-                    and self.step > 0:
+            if after >= fragment.offset and (after - fragment.offset) % self.sync_every == 0:
                 self._start(fragment)
         for fragment in self.fragments:
             if fragment.apply_at == self.step:

@@ -114,6 +114,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # (an effective outer step of 0.7 / (1 - 0.9) = 7 outer gradients) overshot: DiLoCo stalled at
     # 2.92 after 160 steps, against 2.61 with 0.5 (and streaming 2.74 -> 2.58).
     p.add_argument("--outer-momentum", type=float, default=0.5)
+    p.add_argument("--diloco-warmup", type=int, default=0,
+                   help="DiLoCo's warm start (diloco, streaming): the first N steps are DDP's (warmup_steps)")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--powersgd-start", type=int, default=10, help="steps of plain allreduce before PowerSGD")
 
@@ -151,14 +153,15 @@ def setup(args, model):
             ddp = DDP(model, process_group=torch_chainermn.node_group(), init_sync=False)
         if args.mode == "localsgd":
             return ddp, inner, torch_chainermn.LocalSGD(ddp, inner, sync_every=args.sync_every), lambda: None
-        outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+        outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
+                                nesterov=args.outer_momentum > 0)
         streaming = args.mode.startswith("streaming")
         compression = (GradientCompressionState(type="2bit", threshold=args.outer_threshold, compress_result=True)
                        if streaming else None)
         diloco = torch_chainermn.DiLoCo(ddp, inner, outer, sync_every=args.sync_every, process_group=None,
                                         fragments=args.fragments if streaming else 1,
                                         fragment_delay=args.fragment_delay if streaming else 0,
-                                        compression=compression)
+                                        compression=compression, warmup_steps=args.diloco_warmup)
         return ddp, inner, diloco, lambda: None
     if args.mode.startswith("overlap"):
         # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.

@@ -96,12 +96,14 @@ def equals_ddp_with_every_step_synced() -> None:
 # ---- against the rules, written plainly -----------------------------------------------------------
 
 def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: int, alpha: float,
-                     kind: str, batch_norm: bool) -> list:
+                     kind: str, batch_norm: bool, warmup: int = 0) -> list:
     """[step][rank] -> flat(replica) for every replica, from the rules.
 
     runs: each fragment's parameter indices (in model.parameters() order).
     kind: "float32" (the mean of the outer gradients) or "2bit" (compression_reference's compressed
     mean between `nodes`, one residual per node and fragment, kept across syncs).
+    warmup: the first `warmup` steps are DDP's (the replicas' gradients averaged before each inner
+    step); the global value is then the replicas' (equal) parameters, and the syncs count from there.
     """
     replicas = [make_model(batch_norm) for _ in range(world)]
     inners = [adamw(m.parameters()) for m in replicas]
@@ -120,10 +122,28 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
 
     history = []
     for step in range(1, STEPS + 1):
+        if step <= warmup:
+            for rank in range(world):
+                x, y = batch(rank, step)
+                nn.functional.mse_loss(replicas[rank](x), y).backward()
+            for tensors in zip(*[[p.grad for p in m.parameters()] for m in replicas]):
+                mean = torch.stack(tensors).mean(0)
+                for grad in tensors:
+                    grad.copy_(mean)
+            for rank in range(world):
+                inners[rank].step()
+                inners[rank].zero_grad()
+            if step == warmup:
+                with torch.no_grad():
+                    for g, p in zip(global_model.parameters(), replicas[0].parameters()):
+                        g.copy_(p)
+            history.append([flat(m) for m in replicas])
+            continue
         for rank in range(world):
             train_step(replicas[rank], inners[rank], rank, step)
+        after = step - warmup
         for i in range(F):
-            if step >= offsets[i] and (step - offsets[i]) % H == 0:
+            if after >= offsets[i] and (after - offsets[i]) % H == 0:
                 deltas = [torch.cat([(g - p).detach().reshape(-1) for g, p in
                                      zip(params(global_model, i), params(replicas[r], i))]) for r in range(world)]
                 if kind == "float32":
@@ -158,12 +178,12 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
     return history
 
 
-def diloco_for(model, H, F, tau, kind, alpha=0.5):
+def diloco_for(model, H, F, tau, kind, alpha=0.5, warmup=0):
     inner = adamw(model.parameters())
     outer = nesterov(model.parameters())
     compression = hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD) if kind == "2bit" else None
     diloco = torch_chainermn.DiLoCo(model, inner, outer, sync_every=H, fragments=F, fragment_delay=tau,
-                                    compression=compression, fragment_update_alpha=alpha)
+                                    compression=compression, fragment_update_alpha=alpha, warmup_steps=warmup)
     return inner, outer, diloco
 
 
@@ -176,16 +196,19 @@ def equals_reference(configs) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = torch_chainermn.topology()
     nodes = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
-    for H, F, tau, kind, batch_norm, alpha in configs:
+    for H, F, tau, kind, batch_norm, alpha, *warm in configs:
+        warmup = warm[0] if warm else 0
         model = make_model(batch_norm)
-        inner, _, diloco = diloco_for(model, H, F, tau, kind, alpha=alpha)
-        expected = reference_diloco(world, nodes, runs_of(diloco, model), H, F, tau, alpha, kind, batch_norm)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind, alpha=alpha, warmup=warmup)
+        expected = reference_diloco(world, nodes, runs_of(diloco, model), H, F, tau, alpha, kind, batch_norm,
+                                    warmup)
         with diloco:
             for step in range(1, STEPS + 1):
                 train_step(model, inner, rank, step)
                 torch.testing.assert_close(
                     flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
-                    msg=lambda m: f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm}, step {step}: {m}")
+                    msg=lambda m: f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm} warmup={warmup}, "
+                                  f"step {step}: {m}")
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
@@ -194,14 +217,16 @@ def resumes_exactly(configs) -> None:
     """Stop after `stop` steps (between syncs, or with a fragment in flight), save, start a new
     model, optimizers and DiLoCo, load, finish: the same parameters as the run that never stopped."""
     rank = dist.get_rank()
-    for H, F, tau, kind, stop, through_dcp in configs:
+    for H, F, tau, kind, stop, through_dcp, *warm in configs:
+        warmup = warm[0] if warm else 0
         model = make_model(batch_norm=True)
-        inner, _, diloco = diloco_for(model, H, F, tau, kind)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind, warmup=warmup)
         with diloco:
             for step in range(1, STEPS + 1):
                 train_step(model, inner, rank, step)
                 if step == stop:
-                    assert tau == 0 or any(f.apply_at is not None for f in diloco.fragments), "none in flight"
+                    assert tau == 0 or stop <= warmup or any(f.apply_at is not None for f in diloco.fragments), \
+                        "none in flight"
                     saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(),
                                            "diloco": diloco.state_dict()})
         straight = flat(model)
@@ -209,7 +234,7 @@ def resumes_exactly(configs) -> None:
         model = make_model(batch_norm=True)
         for p in model.parameters():
             p.data.add_(1.0)  # a fresh start that is not the saved one
-        inner, _, diloco = diloco_for(model, H, F, tau, kind)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind, warmup=warmup)
         if through_dcp:
             # DiLoCo's state is the same on every rank, as DCP takes a plain tensor to be; the
             # replicas' own models and inner optimizers differ between syncs, so they are not.
@@ -278,23 +303,27 @@ def bad_input() -> list:
         lambda: diloco(of=nn.Linear(6, 3 + rank)),          # shapes differ across ranks
         lambda: diloco(sync_every=0 if rank == 1 else 4),   # bad on one rank only
         lambda: diloco(fragment_delay=1 if rank == 0 else 0),  # settings differ across ranks
+        lambda: diloco(warmup_steps=-1),
     ]
     return value_errors(calls)
 
 
 def two_nodes_of_one() -> list:
     equals_ddp_with_every_step_synced()
-    equals_reference([(3, 1, 0, "float32", False, 0.5), (3, 2, 1, "2bit", False, 0.5)])
+    equals_reference([(3, 1, 0, "float32", False, 0.5), (3, 2, 1, "2bit", False, 0.5),
+                      (2, 2, 0, "float32", False, 0.5, 3)])  # a warm start of 3 steps
     return bad_input()
 
 
 def two_nodes_of_two() -> None:
     equals_ddp_with_every_step_synced()
     equals_reference([(3, 1, 0, "float32", True, 0.5), (3, 2, 0, "float32", False, 0.5),
-                      (3, 2, 1, "float32", True, 0.25), (3, 1, 0, "2bit", False, 0.5), (3, 2, 1, "2bit", True, 0.5)])
+                      (3, 2, 1, "float32", True, 0.25), (3, 1, 0, "2bit", False, 0.5), (3, 2, 1, "2bit", True, 0.5),
+                      (3, 2, 1, "2bit", True, 0.5, 2)])  # a warm start of 2 steps, with buffers
     resumes_exactly([(3, 1, 0, "float32", 4, False),   # between syncs
                      (3, 2, 1, "2bit", 4, False),      # fragment 1 in flight (started at 4, applied at 5)
-                     (3, 2, 1, "2bit", 4, True)])      # the same through torch.distributed.checkpoint
+                     (3, 2, 1, "2bit", 4, True),       # the same through torch.distributed.checkpoint
+                     (3, 2, 1, "2bit", 2, False, 3)])  # during a warm start of 3 steps
     one_replica_per_node()
 
 
