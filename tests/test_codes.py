@@ -1,10 +1,12 @@
-"""torch_chainermn.codes: the encode/decode operators (int8 and 4-bit blocks, 2-bit, 1-bit) against their rules
-written plainly, bit for bit, and their errors. The CUDA versions: tests/test_cuda.py (same cases)."""
+"""torch_chainermn.codes: the encode/decode operators (int8 and 4-bit blocks, 2-bit, 1-bit, top-k) against their
+rules written plainly, bit for bit, and their errors. The CUDA versions: tests/test_cuda.py (same cases)."""
+import struct
+
 import pytest
 import torch
 
 from tests.support import compression_reference
-from torch_chainermn.codes import decode, encode, wire_row_bytes
+from torch_chainermn.codes import check_settings, decode, encode, wire_row_bytes
 
 
 def values(rows: int, count: int, seed: int, scale: float = 0.4) -> torch.Tensor:
@@ -92,10 +94,12 @@ def test_int8_row_layout_and_an_all_zero_block():
 def test_errors_name_the_op_and_the_argument():
     x, wire = values(2, 10, 1), torch.empty(2, wire_row_bytes("int8", 10, 4), dtype=torch.uint8)
     cases = {
-        "code must be one of 'int8', '2bit', '1bit', '4bit', got 'int4'": lambda: encode(x, wire, code="int4", block=4),
+        "code must be one of 'int8', '2bit', '1bit', '4bit', 'topk', got 'int4'": lambda: encode(
+            x, wire, code="int4", block=4),
         "block must be >= 1, got 0": lambda: encode(x, wire, code="int8", block=0),
+        # (a wire of any size: the settings are checked first, and wire_row_bytes refuses an odd 4-bit block too)
         "block must be even for the 4bit code, got 3": lambda: encode(
-            x, torch.empty(2, wire_row_bytes("4bit", 10, 3), dtype=torch.uint8), code="4bit", block=3),
+            x, torch.empty(2, 24, dtype=torch.uint8), code="4bit", block=3),
         "torch_chainermn.encode: wire must be [2, 32]": lambda: encode(x, wire, code="int8", block=2),
         "values must be float32, got Double": lambda: encode(x.double(), wire, code="int8", block=4),
         "the 2bit code needs a residual": lambda: encode(
@@ -110,3 +114,138 @@ def test_errors_name_the_op_and_the_argument():
         with pytest.raises(ValueError, match="torch_chainermn") as raised:
             call()
         assert message in str(raised.value)
+
+
+# ---- top-k --------------------------------------------------------------------------------------
+
+def topk_rule(r: torch.Tensor, block: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the wire row, the values it carries) of one row r by kernels/topk.h's rule: per block, a float32
+    scale (largest |r| / 127), the `keep` chosen indices as uint16 and their int8 codes (a short block's
+    unused slots: 0xFFFF and 0), zero bytes to a multiple of 4."""
+    row, carried = b"", torch.zeros_like(r)
+    for start in range(0, r.numel(), block):
+        piece = r[start:start + block]
+        chosen = compression_reference.topk_chosen(piece, keep)
+        largest = piece.abs().max()
+        scale = largest / 127
+        codes = torch.zeros(chosen.numel(), dtype=torch.int32)
+        if largest > 0:
+            inverse = torch.tensor(127.0) / largest
+            codes = torch.round(piece[chosen] * inverse).clamp(-127, 127).to(torch.int32)
+        carried[start + chosen] = codes.float() * scale
+        unused = keep - chosen.numel()
+        blob = (struct.pack("<f", float(scale)) + struct.pack(f"<{keep}H", *chosen.tolist(), *[0xFFFF] * unused)
+                + struct.pack(f"<{keep}b", *codes.tolist(), *[0] * unused))
+        row += blob + bytes(-len(blob) % 4)
+    return torch.tensor(list(row), dtype=torch.uint8), carried
+
+
+def topk_values(rows: int, count: int, seed: int, ties: bool) -> torch.Tensor:
+    """Gaussian values, or (ties) a few magnitudes only, zeros and -0 among them."""
+    if not ties:
+        return values(rows, count, seed)
+    x = torch.randint(-3, 4, (rows, count), generator=torch.Generator().manual_seed(seed)).float() * 0.25
+    x[x == 0] = -0.0
+    return x
+
+
+# Short last blocks (some shorter than keep), keep 1 and keep = block, a few of many (the CPU's stack
+# heap) and many of a block (its nth_element), blocks of 4096.
+@pytest.mark.parametrize("feedback", [True, False])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("rows, count, block, keep", [
+    (1, 1, 4, 1), (1, 1, 4, 4), (3, 1000, 256, 8), (2, 37, 5, 2), (2, 37, 16, 7), (2, 4099, 64, 1),
+    (2, 4099, 64, 64), (2, 1100, 512, 100), (1, 5000, 4096, 8), (1, 0, 8, 3)])
+def test_topk_equals_its_rule_bit_for_bit(rows, count, block, keep, ties, feedback):
+    x, residual = topk_values(rows, count, 1, ties), topk_values(rows, count, 2, ties) * 0.5
+    wire = torch.full((rows, wire_row_bytes("topk", count, block, keep)), 0xAB, dtype=torch.uint8)
+    kept = residual.clone() if feedback else None
+    encode(x, wire, kept, code="topk", block=block, keep=keep)
+    carried = []
+    for row in range(rows):
+        r = residual[row] + x[row] if feedback else x[row]
+        expected_row, row_carried = topk_rule(r, block, keep)
+        assert torch.equal(wire[row], expected_row), f"row {row}"
+        if feedback:  # what was not carried: all of r where nothing was sent
+            assert torch.equal(kept[row].view(torch.int32), (r - row_carried).view(torch.int32)), f"row {row}"
+        carried.append(row_carried)
+    out = torch.full((rows, count), 7.0)
+    decode(wire, out, code="topk", block=block, keep=keep)
+    assert torch.equal(out, torch.stack(carried))
+    total = torch.full((count,), 7.0)
+    decode(wire, total, code="topk", block=block, keep=keep, sum=True)
+    expected_total = carried[0].clone()
+    for row_carried in carried[1:]:
+        expected_total += row_carried
+    assert torch.equal(total, expected_total)
+    if count:
+        sent = (out != 0).view(rows, -1).sum(dim=1)
+        assert (sent <= keep * -(-count // block)).all()
+
+
+def test_topk_row_layout():
+    """Block 0 of 5: the two largest |value|, the tie at 3 to the lower index; block 1 is one value,
+    shorter than keep: its second slot unused. 12 bytes a block (4 + 2 x 2 + 2, two zero bytes)."""
+    x = torch.tensor([[0.0, 3.0, -3.0, 3.0, 0.5, -4.0]])
+    wire = torch.full((1, wire_row_bytes("topk", 6, 5, keep=2)), 0xAB, dtype=torch.uint8)
+    assert wire.shape[1] == 2 * 12
+    kept = torch.zeros(1, 6)
+    encode(x, wire, kept, code="topk", block=5, keep=2)
+    row = bytes(wire[0].tolist())
+    scales = (torch.tensor(3.0) / 127, torch.tensor(4.0) / 127)
+    assert struct.unpack("<f2H2b2x", row[:12]) == (float(scales[0]), 1, 2, 127, -127)
+    assert struct.unpack("<f2H2b2x", row[12:]) == (float(scales[1]), 0, 0xFFFF, -127, 0)
+    assert row[10:12] == row[22:24] == b"\0\0"
+    out = torch.empty(1, 6)
+    decode(wire, out, code="topk", block=5, keep=2)
+    s0, s1 = scales[0] * 127, scales[1] * 127
+    assert out[0].tolist() == [0.0, float(s0), float(-s0), 0.0, 0.0, float(-s1)]
+    assert torch.equal(kept, x - out)  # index 3's 3.0 and 4's 0.5 wait in the residual
+
+
+def test_topk_rows_have_one_size_whatever_the_values():
+    """Every rank of a mean sends the same bytes: a row's size is count, block and keep's alone, and any
+    values (zeros, one spike, noise) fill all of it."""
+    count, block, keep = 1001, 64, 5
+    assert wire_row_bytes("topk", count, block, keep) == 16 * 20  # 16 blocks of 4 + 3 x 5 bytes, to 20
+    spike = torch.zeros(1, count)
+    spike[0, 500] = 9.0
+    for x in (torch.zeros(1, count), spike, values(1, count, 3)):
+        wire = torch.full((1, 16 * 20), 0xAB, dtype=torch.uint8)
+        encode(x, wire, code="topk", block=block, keep=keep)
+        assert torch.equal(wire[0], topk_rule(x[0], block, keep)[0])
+
+
+def test_topk_errors_name_the_op_and_the_argument():
+    x = values(2, 10, 1)
+    wire = torch.empty(2, wire_row_bytes("topk", 10, 4, keep=2), dtype=torch.uint8)
+    cases = {
+        "torch_chainermn.encode: keep must be >= 1 and <= block (4), got 0": lambda: encode(
+            x, wire, code="topk", block=4, keep=0),
+        "torch_chainermn.encode: keep must be >= 1 and <= block (4), got 5": lambda: encode(
+            x, wire, code="topk", block=4, keep=5),
+        "torch_chainermn.encode: block must be at most 65536 for the topk code (16-bit indices), got 65537": lambda: (
+            encode(x, wire, code="topk", block=65537, keep=2)),
+        "torch_chainermn.encode: wire must be [2, 48]": lambda: encode(x, wire, code="topk", block=4, keep=3),
+        "torch_chainermn.decode: keep must be >= 1 and <= block (4), got 9": lambda: decode(
+            wire, torch.empty(2, 10), code="topk", block=4, keep=9),
+        "torch_chainermn.decode: wire rows of 36 bytes do not hold 10 values (48 bytes)": lambda: decode(
+            wire, torch.empty(2, 10), code="topk", block=4, keep=3),
+        "torch_chainermn.wire_row_bytes: keep must be >= 1 and <= block (4), got 5": lambda: wire_row_bytes(
+            "topk", 10, 4, keep=5),
+    }
+    for message, call in cases.items():
+        with pytest.raises(ValueError, match="torch_chainermn") as raised:
+            call()
+        assert message in str(raised.value)
+    python_cases = {
+        "DiLoCo: keep must be an int >= 1, got 0": dict(keep=0),
+        "DiLoCo: keep must be an int >= 1, got True": dict(keep=True),
+        "DiLoCo: keep must be <= block (64) for the topk code, got 65": dict(keep=65),
+        "DiLoCo: block must be at most 65536 for the topk code (16-bit indices), got 70000": dict(block=70000),
+    }
+    for message, settings in python_cases.items():
+        with pytest.raises(ValueError) as raised:
+            check_settings("DiLoCo", "topk", **{"block": 64, **settings})
+        assert message in str(raised.value)
+    check_settings("DiLoCo", "int8", block=4)  # keep (8 by default) is top-k's alone: larger than int8's block

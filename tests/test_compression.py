@@ -60,6 +60,9 @@ MEAN_CASES = [
     (["a", "b", "c"], "int8", True, torch.float32),
     (["a", "b"], "4bit", False, torch.float32),
     (["a", "a", "b", "b"], "4bit", True, torch.float32),
+    # top-k (keep 8 of each block of 64), the error feedback of DiLoCo's sparse outer gradients.
+    (["a", "a", "b", "b"], "topk", False, torch.float32),
+    (["a", "b", "c"], "topk", True, torch.float32),
 ]
 
 
@@ -87,6 +90,20 @@ def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, re
             assert torch.equal(seconds[leader][:used], second[node][:used])
         for rank in ranks[1:]:
             assert firsts[rank].numel() == 0 and seconds[rank].numel() == 0
+
+
+@pytest.mark.parametrize("keep", [1, 3, 64])
+def test_topk_mean_takes_keep(keep):
+    """The mean's `keep` reaches the code (1, 3 and all of a block of 64): against the reference."""
+    names, count, steps, block = ["a", "b", "b"], 1001, 3, 64
+    inputs = [values(count, 20 + rank) for rank in range(len(names))]
+    results, firsts, _ = _C.testing.compressed_mean_steps(names, inputs, steps, "topk", block=block, keep=keep)
+    means, first, _ = reference.compressed_mean_steps([inputs] * steps, [[0], [1, 2]], steps, "topk", block=block,
+                                                      keep=keep)
+    for step in range(steps):
+        for rank in range(len(names)):
+            assert torch.equal(results[step][rank], means[step]), (step, rank)
+    assert torch.equal(firsts[0], first[0]) and torch.equal(firsts[1], first[1])
 
 
 def test_mean_without_compression_sends_the_residual_nowhere():
@@ -258,9 +275,9 @@ class OneVector(torch.nn.Module):
 
 
 def block_code_cases(kind: str, block: int):
-    """int8 / 4bit through the DDP hook: 4 steps against the reference; a run resumed from
-    state_dict(by_rank=True) after step 2 continues bit for bit; ranks that disagree on the block fail
-    on every rank naming it, and the group goes on; bad settings."""
+    """int8 / 4bit / topk through the DDP hook: 4 steps against the reference; a run resumed from
+    state_dict(by_rank=True) after step 2 continues bit for bit; ranks that disagree on the block (and,
+    for topk, on keep) fail on every rank naming it, and the group goes on; bad settings."""
     rank = dist.get_rank()
     size = dist.get_world_size()
     per_node = torch_chainermn.topology().intra_size
@@ -302,6 +319,17 @@ def block_code_cases(kind: str, block: int):
     dist.all_reduce(after)
     outcome["after"] = after.tolist()
 
+    if kind == "topk":  # ranks that keep different numbers of values a block
+        compression = GradientCompression(None, kind, block=block, keep=4 + rank % 2)
+        try:
+            compression.start([torch.ones(1000)], ((0, 0, 1000),)).wait()
+            outcome["keep disagreement"] = "completed"
+        except ValueError as error:
+            outcome["keep disagreement"] = str(error)
+        after = torch.ones(3)
+        dist.all_reduce(after)
+        outcome["after keep"] = after.tolist()
+
     gloo = dist.new_group(backend="gloo")
     outcome["errors"] = value_errors((lambda: hooks.GradientCompressionState(type=kind, block=0),
                                       lambda: hooks.GradientCompressionState(type="int4"),
@@ -309,8 +337,9 @@ def block_code_cases(kind: str, block: int):
     return outcome
 
 
-@pytest.mark.parametrize("kind, block, ranks_per_node, size", [("int8", 64, "2", 4), ("4bit", 32, "1", 2)],
-                         ids=["int8-2x2", "4bit-2x1"])
+@pytest.mark.parametrize("kind, block, ranks_per_node, size", [("int8", 64, "2", 4), ("4bit", 32, "1", 2),
+                                                               ("topk", 64, "1", 2)],
+                         ids=["int8-2x2", "4bit-2x1", "topk-2x1"])
 def test_block_codes_through_the_hook(kind, block, ranks_per_node, size):
     outcomes = run_spawn(block_code_cases, size, kind, block, env={"CHAINERMN_RANKS_PER_NODE": ranks_per_node},
                          timeout=300)
@@ -320,9 +349,14 @@ def test_block_codes_through_the_hook(kind, block, ranks_per_node, size):
         assert "the block differs" in outcome["disagreement"], (rank, outcome["disagreement"])
         assert f"block={block}" in outcome["disagreement"] and f"block={3 * block}" in outcome["disagreement"]
         assert outcome["after"] == [float(size)] * 3
+        if kind == "topk":
+            assert "the keep differs" in outcome["keep disagreement"], (rank, outcome["keep disagreement"])
+            assert "keep=4" in outcome["keep disagreement"] and "keep=5" in outcome["keep disagreement"]
+            assert outcome["after keep"] == [float(size)] * 3
         block_error, type_error, group_error = outcome["errors"]
         assert "GradientCompressionState: block must be an int >= 1, got 0" in block_error
-        assert "GradientCompressionState: type must be one of ('int8', '2bit', '1bit', '4bit'), got 'int4'" in type_error
+        assert ("GradientCompressionState: type must be one of ('int8', '2bit', '1bit', '4bit', 'topk'), got 'int4'"
+                in type_error)
         assert "GradientCompressionState" in group_error and "chainermn" in group_error
 
 

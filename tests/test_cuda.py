@@ -175,14 +175,15 @@ def test_mean_coalesced_on_cuda(config):
 
 
 def compression_cases():
-    """Gradient compression of CUDA buffers between 2 nodes, against the CPU reference (2-bit, int8 and
-    4-bit: exact)."""
+    """Gradient compression of CUDA buffers between 2 nodes, against the CPU reference (2-bit, int8,
+    4-bit and top-k: exact)."""
     from tests.support import compression_reference as reference
     from torch_chainermn.compression import GradientCompression
 
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
-    for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True), ("int8", False), ("4bit", True)):
+    for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True), ("int8", False), ("4bit", True),
+                                  ("topk", True)):
         case = f"{kind}, compress_result={compress_result}"
         try:
             compression = GradientCompression(type=kind, threshold=0.3, compress_result=compress_result)
@@ -648,26 +649,43 @@ def test_one_bit_kernels_match_the_cpu():
             assert torch.equal(bits(got), bits(expected)), f"{case} accumulate={accumulate}"
 
 
-@pytest.mark.parametrize("code", ["int8", "4bit", "2bit", "1bit"])
+def code_cases(code):
+    """(rows, count, block, keep, ties) for test_code_operators_match_the_cpu: top-k with several keeps
+    (1, a few, all of a block; a short last block) and with many equal magnitudes (its ties)."""
+    for rows, count, block in ((1, 1, 4), (3, 1000, 256), (2, 37, 5), (2, 70001, 256), (1, 0, 8)):
+        block += block % 2 if code == "4bit" else 0  # 4-bit blocks are even
+        if code != "topk":
+            yield rows, count, block, 8, False
+            continue
+        for keep in sorted({1, 3, min(8, block), block}):
+            for ties in (False, True):
+                yield rows, count, block, keep, ties
+    if code == "topk":
+        yield 2, 70001, 4096, 100, False
+        yield 1, 65536 + 999, 65536, 8, True
+
+
+@pytest.mark.parametrize("code", ["int8", "4bit", "2bit", "1bit", "topk"])
 def test_code_operators_match_the_cpu(code):
     """torch_chainermn.codes on CUDA: the CPU's wire rows, residuals and decoded values bit for bit
     (1-bit: its scale, summed in another order, to float rounding)."""
     from torch_chainermn.codes import decode, encode, wire_row_bytes
 
-    for rows, count, block in ((1, 1, 4), (3, 1000, 256), (2, 37, 5), (2, 70001, 256), (1, 0, 8)):
-        block += block % 2 if code == "4bit" else 0  # 4-bit blocks are even
-        case = f"{code} rows={rows} count={count} block={block}"
+    for rows, count, block, keep, ties in code_cases(code):
+        case = f"{code} rows={rows} count={count} block={block} keep={keep} ties={ties}"
         generator = torch.Generator().manual_seed(count)
         x, residual = torch.randn(rows, count, generator=generator), torch.randn(rows, count, generator=generator)
+        if ties:  # a few magnitudes only: the selection's ties go to the lower index on both
+            x, residual = (x * 2).round() / 2, (residual * 2).round() / 4
         got = {}
         for device in ("cpu", "cuda"):
             kept = residual.to(device, copy=True)
-            wire = torch.empty(rows, wire_row_bytes(code, count, block), dtype=torch.uint8, device=device)
-            encode(x.to(device), wire, kept, code=code, block=block, threshold=0.5)
+            wire = torch.empty(rows, wire_row_bytes(code, count, block, keep), dtype=torch.uint8, device=device)
+            encode(x.to(device), wire, kept, code=code, block=block, threshold=0.5, keep=keep)
             out = torch.empty(rows, count, device=device)
             total = torch.empty(count, device=device)
-            decode(wire, out, code=code, block=block, threshold=0.5)
-            decode(wire, total, code=code, block=block, threshold=0.5, sum=True)
+            decode(wire, out, code=code, block=block, threshold=0.5, keep=keep)
+            decode(wire, total, code=code, block=block, threshold=0.5, sum=True, keep=keep)
             got[device] = [t.cpu() for t in (wire, kept, out, total)]
         (cpu_wire, cpu_kept, cpu_out, cpu_total), (wire, kept, out, total) = got["cpu"], got["cuda"]
         if code == "1bit" and count:

@@ -130,7 +130,7 @@ def test_torch_headers_stay_where_torch_is_met():
 def test_the_code_names_are_declared_in_one_place():
     """A code's name (its string) stands in kernels/codes.cpp's registry only: every other file names a
     code through the registry (codeNamed, codeName), so a new code cannot be spelled in two places."""
-    name = re.compile(r'"(int8|4bit|2bit|1bit)"')
+    name = re.compile(r'"(int8|4bit|2bit|1bit|topk)"')
     named = sorted(str(p.relative_to(CSRC)) for p in sources()
                    if name.search("\n".join(line for line in p.read_text().splitlines()
                                             if not line.lstrip().startswith("//"))))

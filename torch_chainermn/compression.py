@@ -63,20 +63,24 @@ class GradientCompression:
 
     process_group: a chainermn group (default: the default group).
     type: "int8" or "4bit" (one scale, the block's largest magnitude over 127 or 7, per `block` values:
-        gradients keep their scale, which Adam needs), "2bit" (MXNet's: +threshold, -threshold or 0 per
+        gradients keep their scale, which Adam needs), "topk" (per block the `keep` largest values, int8
+        against one scale, with their indices: DiLoCo's outer gradients), "2bit" (MXNet's: +threshold, -threshold or 0 per
         value) or "1bit" (the sign, times the chunk's mean magnitude).
     threshold: 2-bit's threshold, > 0 (MXNet's default 0.5). The other codes do not use it.
-    block: values per scale of "int8" and "4bit" (even for "4bit"); the others do not use it.
+    block: values per scale of "int8", "4bit" and "topk" (even for "4bit", at most 65536 for "topk");
+        the others do not use it.
+    keep: "topk"'s values sent per block (the largest |value|s, 1 <= keep <= block); the others do not
+        use it.
     compress_result: compress the chunk sums on their way back too (both phases in the code).
     result_dtype: otherwise, the dtype the sums travel back in: torch.float32 (MXNet), float16, bfloat16.
     """
 
-    SETTINGS = ("type", "threshold", "block", "compress_result", "result_dtype")  # what settings() holds
+    SETTINGS = ("type", "threshold", "block", "keep", "compress_result", "result_dtype")  # what settings() holds
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *,
-                 block: int = 256, op: str = "GradientCompression"):
-        codes.check_settings(op, type, threshold, block)
+                 block: int = 256, keep: int = 8, op: str = "GradientCompression"):
+        codes.check_settings(op, type, threshold, block, keep=keep)
         if not isinstance(compress_result, bool):
             raise ValueError(f"{op}: compress_result must be a bool, got {compress_result!r}")
         if result_dtype not in RESULT_DTYPES:
@@ -87,6 +91,7 @@ class GradientCompression:
         self.type = type
         self.threshold = float(threshold)
         self.block = block
+        self.keep = keep
         self.compress_result = compress_result
         self.result_dtype = result_dtype
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
@@ -97,10 +102,10 @@ class GradientCompression:
 
     def __repr__(self):
         return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
-                f"compress_result={self.compress_result}, result_dtype={self.result_dtype})")
+                f"keep={self.keep}, compress_result={self.compress_result}, result_dtype={self.result_dtype})")
 
     def settings(self) -> dict:
-        return {"type": self.type, "threshold": self.threshold, "block": self.block,
+        return {"type": self.type, "threshold": self.threshold, "block": self.block, "keep": self.keep,
                 "compress_result": self.compress_result, "result_dtype": self.result_dtype}
 
     def for_group(self, group) -> "GradientCompression":
@@ -131,7 +136,7 @@ class GradientCompression:
             self._carried = None
         residual.work = self._backend.compressed_mean(
             list(tensors), residual.first, residual.second, self.type, self.threshold, self.block,
-            self.compress_result, self.result_dtype)
+            self.compress_result, self.result_dtype, self.keep)
         return residual.work
 
     def end_step(self) -> None:
@@ -158,7 +163,7 @@ class GradientCompression:
                 self._index[param_id] = len(self._index)
                 self._numel[param_id] = numel
         first_n, second_n, second_offset, second_count = self._backend.compression_residuals(
-            count, self.type, self.threshold, self.block, self.compress_result, self.result_dtype)
+            count, self.type, self.threshold, self.block, self.compress_result, self.result_dtype, self.keep)
         first = torch.zeros(first_n, dtype=torch.float32, device=device)
         second = torch.zeros(second_n, dtype=torch.float32, device=device)
         if relayout and self._carried is None:
@@ -221,7 +226,7 @@ class GradientCompression:
     def load_state_dict(self, state: dict) -> None:
         """Take a state_dict(): the group's first rank owes everything it holds (the sum over the nodes
         is what matters), the other ranks nothing. Residuals held now are dropped. Every rank calls it."""
-        settings = dict(state.get("settings", {}))
+        settings = {"keep": 8, **state.get("settings", {})}  # saved before top-k's keep: the default
         mine = self._saved_settings()
         if settings != mine:
             raise ValueError(f"GradientCompression.load_state_dict: the state was saved with {settings}, "

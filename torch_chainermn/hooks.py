@@ -183,7 +183,7 @@ class GradientCompressionState(GradientCompression):
     """State of `gradient_compression_hook`: compression between nodes with error feedback.
 
     The settings and residuals of compression.GradientCompression (process_group=None, type="2bit",
-    threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256): within a node the
+    threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256, keep=8): within a node the
     gradients are summed at full precision, between nodes the code's bits a value travel ("int8",
     "4bit": with one scale per `block` values, the codes that train with Adam; MXNet's "2bit",
     "1bit": for SGD), and what was not sent is kept per parameter and sent later. Save
@@ -192,8 +192,9 @@ class GradientCompressionState(GradientCompression):
     """
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
-                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256):
-        super().__init__(process_group, type, threshold, compress_result, result_dtype, block=block,
+                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256,
+                 keep: int = 8):
+        super().__init__(process_group, type, threshold, compress_result, result_dtype, block=block, keep=keep,
                          op="GradientCompressionState")
 
 

@@ -85,6 +85,8 @@ const char* settingName(uint8_t name) {
       return "compress_result";
     case SettingName::ResultDtype:
       return "result_dtype";
+    case SettingName::Keep:
+      return "keep";
     case SettingName::None:
       break;
   }

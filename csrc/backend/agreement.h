@@ -28,8 +28,8 @@ namespace chainermn {
 
 // A setting of an op that every rank must pass the same beyond the fields of Agreement (a compressed
 // mean's code, its threshold, ...): named in a disagreement, its value shown as what it is.
-enum class SettingName : uint8_t { None = 0, Code, Threshold, Block, CompressResult, ResultDtype };
-constexpr int kSettings = 5;
+enum class SettingName : uint8_t { None = 0, Code, Threshold, Block, CompressResult, ResultDtype, Keep };
+constexpr int kSettings = 5;  // the most one op fills: top-k's mean (code, block, keep, compress_result, result_dtype)
 struct Setting {
   SettingName name = SettingName::None;
   int32_t value = 0;  // a Threshold is a float's bits; a Code a kernels/codes.h Code; a ResultDtype a ScalarType

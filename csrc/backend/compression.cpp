@@ -28,7 +28,7 @@ void checkResidual(const char* op, const char* argument, const at::Tensor& resid
 }
 
 // Every setting of the spec, each a field of its own that every rank must pass the same: the codes
-// mean nothing to a rank that decodes them with another code, threshold or block. A setting the code
+// mean nothing to a rank that decodes them with another code, threshold, block or keep. A setting the code
 // does not read is left out (1-bit's threshold may differ: nothing reads it).
 Agreement withSpec(Agreement agreement, const CompressionSpec& spec) {
   const CodeInfo& code = codeInfo(spec.code);
@@ -40,6 +40,9 @@ Agreement withSpec(Agreement agreement, const CompressionSpec& spec) {
   }
   if (code.usesBlock) {
     agreement = withSetting(std::move(agreement), SettingName::Block, static_cast<int32_t>(spec.settings.block));
+  }
+  if (code.usesKeep) {  // a row's length and layout: ranks that keep more per block read past each other's
+    agreement = withSetting(std::move(agreement), SettingName::Keep, static_cast<int32_t>(spec.settings.keep));
   }
   agreement = withSetting(std::move(agreement), SettingName::CompressResult, spec.compressResult);
   return withSetting(std::move(agreement), SettingName::ResultDtype, static_cast<int32_t>(spec.resultWire));

@@ -3,6 +3,7 @@
 #include "cuda/int4_kernels.h"
 #include "cuda/int8_kernels.h"
 #include "cuda/quantize_kernels.h"
+#include "cuda/topk_kernels.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
@@ -18,6 +19,9 @@ void encode(Code code, const CodeSettings& settings, const float* values, float*
     case Code::FourBit:
       encodeInt4(values, residual, wire, rows, rowBytes, count, settings.block, stream);
       break;
+    case Code::TopK:
+      encodeTopk(values, residual, wire, rows, rowBytes, count, settings.block, settings.keep, stream);
+      break;
     case Code::TwoBit:
     case Code::OneBit:
       for (int64_t r = 0; r < rows; ++r) {
@@ -27,7 +31,7 @@ void encode(Code code, const CodeSettings& settings, const float* values, float*
       break;
   }
   // The row's room past its codes (a chunk's row is sized for the longest chunk): zero, as on the CPU.
-  const int64_t used = wireRowBytes(code, count, settings.block);
+  const int64_t used = wireRowBytes(code, count, settings);
   if (rows > 0 && rowBytes > used) {
     C10_CUDA_CHECK(cudaMemset2DAsync(wire + used, rowBytes, 0, rowBytes - used, rows, static_cast<cudaStream_t>(stream)));
   }
@@ -41,6 +45,9 @@ void decode(Code code, const CodeSettings& settings, const uint8_t* wire, int64_
       return;
     case Code::FourBit:
       decodeInt4(wire, rows, rowBytes, out, count, settings.block, sum, accumulate, stream);
+      return;
+    case Code::TopK:
+      decodeTopk(wire, rows, rowBytes, out, count, settings.block, settings.keep, sum, accumulate, stream);
       return;
     case Code::TwoBit:
     case Code::OneBit:

@@ -16,9 +16,9 @@ void* currentStream(const at::Tensor& on) {
 }
 
 void encodeCuda(const at::Tensor& values, const at::Tensor& wire, const std::optional<at::Tensor>& residual,
-                c10::string_view codeName, int64_t block, double threshold) {
+                c10::string_view codeName, int64_t block, double threshold, int64_t keep) {
   const Code code = codeNamed(std::string(codeName), "torch_chainermn.encode");
-  const CodeSettings settings{static_cast<float>(threshold), block};
+  const CodeSettings settings{static_cast<float>(threshold), block, keep};
   const auto [rows, count] = checkEncode(values, wire, residual, code, settings);
   const c10::cuda::CUDAGuard guard(values.device());
   float* kept = residual && residual->defined() ? residual->data_ptr<float>() : nullptr;
@@ -27,9 +27,9 @@ void encodeCuda(const at::Tensor& values, const at::Tensor& wire, const std::opt
 }
 
 void decodeCuda(const at::Tensor& wire, const at::Tensor& out, c10::string_view codeName, int64_t block, double threshold,
-                bool sum) {
+                bool sum, int64_t keep) {
   const Code code = codeNamed(std::string(codeName), "torch_chainermn.decode");
-  const CodeSettings settings{static_cast<float>(threshold), block};
+  const CodeSettings settings{static_cast<float>(threshold), block, keep};
   const auto [rows, count] = checkDecode(wire, out, code, settings, sum);
   const c10::cuda::CUDAGuard guard(out.device());
   if (rows == 0) {

@@ -7,12 +7,13 @@
 
 namespace chainermn {
 
-enum class Code : int32_t { Int8 = 0, TwoBit = 1, OneBit = 2, FourBit = 3 };
+enum class Code : int32_t { Int8 = 0, TwoBit = 1, OneBit = 2, FourBit = 3, TopK = 4 };
 
-// What a code reads of these: 2-bit the threshold, int8 and 4-bit the block.
+// What a code reads of these: 2-bit the threshold, int8 and 4-bit the block, top-k the block and keep.
 struct CodeSettings {
   float threshold = 0.5f;
   int64_t block = 256;
+  int64_t keep = 8;  // top-k: values sent per block (1 to block)
 };
 
 } // namespace chainermn

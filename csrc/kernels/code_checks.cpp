@@ -18,14 +18,14 @@ std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tens
                                         const std::optional<at::Tensor>& residual, Code code,
                                         const CodeSettings& settings) {
   constexpr const char* op = "torch_chainermn.encode";
-  const int64_t block = settings.block;
   checkCodeSettings(code, settings, op);
   checkRows(values, op, "values", at::kFloat, "float32");
   checkRows(wire, op, "wire", at::kByte, "uint8");
   const int64_t rows = values.size(0);
   const int64_t count = values.size(1);
-  TORCH_CHECK_VALUE(wire.size(0) == rows && wire.size(1) == wireRowBytes(code, count, block), op, ": wire must be [",
-                    rows, ", ", wireRowBytes(code, count, block), "] for values ", values.sizes(), ", got ", wire.sizes());
+  const int64_t rowBytes = wireRowBytes(code, count, settings);
+  TORCH_CHECK_VALUE(wire.size(0) == rows && wire.size(1) == rowBytes, op, ": wire must be [", rows, ", ", rowBytes,
+                    "] for values ", values.sizes(), ", got ", wire.sizes());
   TORCH_CHECK_VALUE(wire.device() == values.device(), op, ": wire is on ", wire.device(), ", values on ", values.device());
   TORCH_CHECK_VALUE(!codeInfo(code).needsResidual || (residual && residual->defined()), op, ": the ",
                     codeName(code), " code needs a residual (error feedback)");
@@ -42,7 +42,6 @@ std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tens
 std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor& out, Code code,
                                         const CodeSettings& settings, bool sum) {
   constexpr const char* op = "torch_chainermn.decode";
-  const int64_t block = settings.block;
   checkCodeSettings(code, settings, op);
   checkRows(wire, op, "wire", at::kByte, "uint8");
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(), op, ": out must be contiguous float32, got ",
@@ -53,8 +52,9 @@ std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor
                     sum ? "1-D [values] (sum=True)" : "2-D [rows, values]", " for wire ", wire.sizes(), ", got ",
                     out.sizes());
   const int64_t count = out.size(out.dim() - 1);
-  TORCH_CHECK_VALUE(wire.size(1) == wireRowBytes(code, count, block), op, ": wire rows of ", wire.size(1),
-                    " bytes do not hold ", count, " values (", wireRowBytes(code, count, block), " bytes)");
+  const int64_t rowBytes = wireRowBytes(code, count, settings);
+  TORCH_CHECK_VALUE(wire.size(1) == rowBytes, op, ": wire rows of ", wire.size(1), " bytes do not hold ", count,
+                    " values (", rowBytes, " bytes)");
   return {rows, count};
 }
 

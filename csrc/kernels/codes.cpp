@@ -3,6 +3,7 @@
 #include "kernels/int4.h"
 #include "kernels/int8.h"
 #include "kernels/quantize.h"
+#include "kernels/topk.h"
 
 #include <c10/util/Exception.h>
 
@@ -15,10 +16,11 @@ namespace {
 
 // Every code, once, in Code's order.
 constexpr CodeInfo kCodes[] = {
-    {Code::Int8, "int8", /*needsResidual=*/false, /*usesThreshold=*/false, /*usesBlock=*/true},
-    {Code::TwoBit, "2bit", true, true, false},
-    {Code::OneBit, "1bit", true, false, false},
-    {Code::FourBit, "4bit", false, false, true},
+    {Code::Int8, "int8", /*needsResidual=*/false, /*usesThreshold=*/false, /*usesBlock=*/true, /*usesKeep=*/false},
+    {Code::TwoBit, "2bit", true, true, false, false},
+    {Code::OneBit, "1bit", true, false, false, false},
+    {Code::FourBit, "4bit", false, false, true, false},
+    {Code::TopK, "topk", false, false, true, true},
 };
 
 std::string knownNames() {
@@ -62,15 +64,24 @@ void checkCodeSettings(Code code, const CodeSettings& settings, const char* op) 
     // 4-bit: two values a byte, and a block starts on a byte (no byte holds values of two blocks).
     TORCH_CHECK_VALUE(code != Code::FourBit || settings.block % 2 == 0, op, ": block must be even for the 4bit code, got ",
                       settings.block);
+    // top-k: a kept value's place in its block travels as 16 bits.
+    TORCH_CHECK_VALUE(code != Code::TopK || settings.block <= kTopkMaxBlock, op, ": block must be at most ",
+                      kTopkMaxBlock, " for the topk code (16-bit indices), got ", settings.block);
+  }
+  if (info.usesKeep) {
+    TORCH_CHECK_VALUE(settings.keep >= 1 && settings.keep <= settings.block, op,
+                      ": keep must be >= 1 and <= block (", settings.block, "), got ", settings.keep);
   }
 }
 
-int64_t wireRowBytes(Code code, int64_t count, int64_t block) {
+int64_t wireRowBytes(Code code, int64_t count, const CodeSettings& settings) {
   switch (code) {
     case Code::Int8:
-      return int8RowBytes(count, block);
+      return int8RowBytes(count, settings.block);
     case Code::FourBit:
-      return int4RowBytes(count, block);
+      return int4RowBytes(count, settings.block);
+    case Code::TopK:
+      return topkRowBytes(count, settings.block, settings.keep);
     case Code::TwoBit:
     case Code::OneBit:
       return 4 * blockWords(code, count);
@@ -83,7 +94,7 @@ void encodeCpu(Code code, const CodeSettings& settings, const float* values, flo
   TORCH_CHECK(values != nullptr || rows * count == 0 || (residual != nullptr && !codeInfo(code).usesBlock), "encode (",
               codeName(code),
               "): the values are needed (2-bit and 1-bit may take them from the residual)");
-  const int64_t used = wireRowBytes(code, count, settings.block);
+  const int64_t used = wireRowBytes(code, count, settings);
   for (int64_t r = 0; r < rows; ++r) {
     const float* rowValues = values ? values + r * count : nullptr;
     float* rowResidual = residual ? residual + r * count : nullptr;
@@ -94,6 +105,9 @@ void encodeCpu(Code code, const CodeSettings& settings, const float* values, flo
         break;
       case Code::FourBit:
         encodeInt4Cpu(rowValues, rowResidual, row, count, settings.block);
+        break;
+      case Code::TopK:
+        encodeTopkCpu(rowValues, rowResidual, row, count, settings.block, settings.keep);
         break;
       case Code::TwoBit:
       case Code::OneBit:
@@ -112,6 +126,9 @@ void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int
       return;
     case Code::FourBit:
       decodeInt4Cpu(wire, rows, rowBytes, out, count, settings.block, sum, accumulate);
+      return;
+    case Code::TopK:
+      decodeTopkCpu(wire, rows, rowBytes, out, count, settings.block, settings.keep, sum, accumulate);
       return;
     case Code::TwoBit:
     case Code::OneBit:

@@ -8,7 +8,9 @@
 //   "4bit"  block-quantised 4-bit, two values a byte, one float32 scale per `block` (kernels/int4.h)
 //   "2bit"  MXNet's 2-bit code with `threshold` (kernels/quantize.h)
 //   "1bit"  sign x mean |r| of the row (kernels/quantize.h)
-// The residual (error feedback) is optional for the block codes (gradients have one, weights do not)
+//   "topk"  the `keep` largest |r| of each `block` values, their indices and int8 codes, one float32
+//           scale per block (kernels/topk.h)
+// The residual (error feedback) is optional for the block codes and top-k (gradients have one, weights do not)
 // and required for 2-bit and 1-bit, which carry a fraction of a value.
 //
 // To add a code: its CPU kernel (kernels/), its CUDA kernel (cuda/), its row in kCodes and its
@@ -27,7 +29,8 @@ struct CodeInfo {
   const char* name;
   bool needsResidual;  // carries a fraction of each value: error feedback is required
   bool usesThreshold;
-  bool usesBlock;
+  bool usesBlock;  // also: a compressed mean's chunks are whole blocks
+  bool usesKeep;
 };
 
 const CodeInfo& codeInfo(Code code);
@@ -37,12 +40,12 @@ Code codeNamed(const std::string& name, const char* op);
 // The settings `code` reads, checked (a ValueError naming `op` and the setting otherwise).
 void checkCodeSettings(Code code, const CodeSettings& settings, const char* op);
 
-// Bytes of the wire row for `count` values: always a multiple of 4.
-int64_t wireRowBytes(Code code, int64_t count, int64_t block);
+// Bytes of the wire row for `count` values (given the settings the code reads): always a multiple of 4.
+int64_t wireRowBytes(Code code, int64_t count, const CodeSettings& settings);
 
 // `rows` rows at once: row r's values at values + r * count (residual likewise; null for none, which
 // only the block codes allow; 2-bit and 1-bit also take null values: the residual holds them), its
-// wire row at wire + r * rowBytes, rowBytes >= wireRowBytes(code, count, block), zero past the codes.
+// wire row at wire + r * rowBytes, rowBytes >= wireRowBytes(code, count, settings), zero past the codes.
 void encodeCpu(Code code, const CodeSettings& settings, const float* values, float* residual, uint8_t* wire,
                int64_t rows, int64_t rowBytes, int64_t count);
 

@@ -215,9 +215,10 @@ PYBIND11_MODULE(_C, m) {
           "compressed_mean",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::Tensor> residual,
              std::optional<at::Tensor> secondResidual, const std::string& code, double threshold, int64_t block,
-             bool compressResult, at::ScalarType resultDtype) {
-            return pg.compressedMean(tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
-                                     chainermn::compressionSpec(code, threshold, block, compressResult, resultDtype));
+             bool compressResult, at::ScalarType resultDtype, int64_t keep) {
+            return pg.compressedMean(
+                tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
+                chainermn::compressionSpec(code, threshold, block, keep, compressResult, resultDtype));
           },
           py::arg("tensors"),
           py::arg("residual"),
@@ -227,13 +228,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("block"),
           py::arg("compress_result"),
           py::arg("result_dtype"),
+          py::arg("keep") = chainermn::CodeSettings{}.keep,  // last, with a default: callers written before it stand
           py::call_guard<py::gil_scoped_release>())
       .def(
           "compression_residuals",
           [](const ProcessGroupChainerMN& pg, int64_t count, const std::string& code, double threshold, int64_t block,
-             bool compressResult, at::ScalarType resultDtype) {
+             bool compressResult, at::ScalarType resultDtype, int64_t keep) {
             const chainermn::ResidualShape shape = pg.compressionResiduals(
-                chainermn::compressionSpec(code, threshold, block, compressResult, resultDtype), count);
+                chainermn::compressionSpec(code, threshold, block, keep, compressResult, resultDtype), count);
             return py::make_tuple(shape.first, shape.second, shape.secondOffset, shape.secondCount);
           },
           py::arg("count"),
@@ -242,6 +244,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("block"),
           py::arg("compress_result"),
           py::arg("result_dtype"),
+          py::arg("keep") = chainermn::CodeSettings{}.keep,
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes)
       .def("ops_run_on_caller", &ProcessGroupChainerMN::opsRunOnCaller,

@@ -28,7 +28,7 @@ void* exchangeBetweenNodes(
   const int nodes = inter.size();
   const int node = inter.rank();
   const int64_t chunk = compressionChunk(count, nodes, spec);
-  const int64_t rowBytes = wireRowBytes(spec.code, chunk, spec.settings.block);  // a multiple of 4
+  const int64_t rowBytes = wireRowBytes(spec.code, chunk, spec.settings);  // a multiple of 4
   const int64_t words = rowBytes / 4;
   auto* codes = static_cast<uint8_t*>(scratch.get(Slot::Compressed, 2 * nodes * rowBytes));
   uint8_t* received = codes + nodes * rowBytes;
@@ -71,10 +71,10 @@ void* exchangeBetweenNodes(
 
 } // namespace
 
-CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, bool compressResult,
-                                c10::ScalarType resultWire) {
-  return CompressionSpec{codeNamed(code, "gradient_compression"), CodeSettings{static_cast<float>(threshold), block},
-                         compressResult, resultWire};
+CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, int64_t keep,
+                                bool compressResult, c10::ScalarType resultWire) {
+  return CompressionSpec{codeNamed(code, "gradient_compression"),
+                         CodeSettings{static_cast<float>(threshold), block, keep}, compressResult, resultWire};
 }
 
 int64_t compressionChunk(int64_t count, int nodes, const CompressionSpec& spec) {

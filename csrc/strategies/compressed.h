@@ -1,5 +1,5 @@
 // Gradient compression between nodes (any code of kernels/codes.h: block int8 and 4-bit, MXNet's 2-bit,
-// 1-bit sign with a scale; with error feedback): the mean of a set of gradients where only the links
+// 1-bit sign with a scale, top-k; with error feedback): the mean of a set of gradients where only the links
 // between nodes carry compressed values.
 //
 //   1. within each node, the ranks' gradients are summed at full precision (float32) on the node's
@@ -31,15 +31,15 @@ namespace chainermn {
 
 struct CompressionSpec {
   Code code = Code::TwoBit;
-  CodeSettings settings;  // what the code reads: 2-bit's threshold, the block codes' block
+  CodeSettings settings;  // what the code reads: 2-bit's threshold, the block codes' block, top-k's keep
   bool compressResult = false;
   c10::ScalarType resultWire = c10::ScalarType::Float;  // the sums' dtype when not compressed
 };
 
 // A spec from its Python spelling: a code's name (kernels/codes.h; anything else: ValueError). The
 // settings are checked where the op is validated (backend/compression.cpp).
-CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, bool compressResult,
-                                c10::ScalarType resultWire);
+CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, int64_t keep,
+                                bool compressResult, c10::ScalarType resultWire);
 
 // The residuals one rank keeps for a buffer of `count` values: a node's leader keeps `first`
 // (every value), and with compressResult `second` (its node's chunk of the sums, which is

@@ -1,5 +1,5 @@
 """Gradient compression written plainly in PyTorch, value by value, as kernels/codes.h (int8.h, int4.h,
-quantize.h) and strategies/compressed.h specify it: what the kernels and the backend's mean must equal
+quantize.h, topk.h) and strategies/compressed.h specify it: what the kernels and the backend's mean must equal
 bit for bit."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
 
 
 LEVELS = {"int8": 127.0, "4bit": 7.0}  # the block codes: codes from -levels to levels
+BLOCK_KINDS = ("int8", "4bit", "topk")  # a compressed mean's chunks are whole blocks
 
 
 def block_code(kind: str, r: torch.Tensor, block: int):
@@ -40,13 +41,38 @@ def block_code(kind: str, r: torch.Tensor, block: int):
     return r - sent, sent
 
 
-def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: float, block: int = 256):
+def topk_chosen(piece: torch.Tensor, keep: int) -> torch.Tensor:
+    """The in-block indices top-k sends, in increasing order: the `keep` largest |r|, ties to the lower
+    index (a stable sort keeps equal magnitudes in index order; -0 and +0 are equal)."""
+    order = torch.sort(piece.abs(), descending=True, stable=True).indices
+    return order[:keep].sort().values
+
+
+def topk_code(r: torch.Tensor, block: int, keep: int):
+    """(new residual, the values sent) of top-k: per block of `block` values, the chosen ones as int8
+    codes against scale = largest |r| / 127 (code = round_half_even(r x (127 / largest))), 0 elsewhere."""
+    sent = torch.zeros_like(r)
+    for start in range(0, r.numel(), block):
+        piece = r[start:start + block]
+        largest = piece.abs().max()
+        if largest > 0:
+            chosen = topk_chosen(piece, keep)
+            inverse = torch.tensor(127.0) / largest  # a true float32 division, as block_code's
+            codes = torch.round(piece[chosen] * inverse).clamp(-127, 127)
+            sent[start + chosen] = codes * (largest / 127)
+    return r - sent, sent
+
+
+def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: float, block: int = 256, keep: int = 8):
     """(block as int32 words, new residual, the values the block carries); for the block codes (int8,
-    4bit) the words are not written (None): their rows are checked in tests/test_codes.py."""
+    4bit, topk) the words are not written (None): their rows are checked in tests/test_codes.py."""
     r = residual + add if add is not None else residual.clone()
     count = r.numel()
     if kind in LEVELS:
         new, sent = block_code(kind, r, block)
+        return None, new, sent
+    if kind == "topk":
+        new, sent = topk_code(r, block, keep)
         return None, new, sent
     if kind == "2bit":
         t = torch.tensor(threshold, dtype=torch.float32)
@@ -69,11 +95,11 @@ def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: floa
 
 def chunk_of(count: int, nodes: int, kind: str = "2bit", block: int = 256) -> int:
     words = math.ceil(math.ceil(count / nodes) / 32) * 32
-    return math.ceil(words / block) * block if kind in LEVELS else words
+    return math.ceil(words / block) * block if kind in BLOCK_KINDS else words
 
 
 def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_result=False,
-                          result_dtype=torch.float32, residuals=None, block=256):
+                          result_dtype=torch.float32, residuals=None, block=256, keep=8):
     """The backend's compressed mean of inputs[step][rank] (flat float32), step after step.
 
     nodes: the ranks of each node, in order. residuals: each node's starting first residual.
@@ -100,11 +126,12 @@ def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_re
             lo, hi = min(i * chunk, count), min((i + 1) * chunk, count)
             chunk_sum = None
             for j in range(len(nodes)):
-                _, first[j][lo:hi], sent = quantize(kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold, block)
+                _, first[j][lo:hi], sent = quantize(kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold, block,
+                                                    keep)
                 chunk_sum = sent if chunk_sum is None else chunk_sum + sent
             if compress_result:
                 _, second[i][:hi - lo], chunk_sum = quantize(kind, second[i][:hi - lo], chunk_sum, chunk, threshold,
-                                                             block)
+                                                             block, keep)
             elif result_dtype != torch.float32:
                 chunk_sum = chunk_sum.to(result_dtype).float()
             result[lo:hi] = chunk_sum
