@@ -57,7 +57,7 @@ def test_two_hops_equal_fsdp2(ranks_per_node):
         assert "gradients must be one of ('float32', 'int8', '2bit', '1bit'), got 'int4'" in gradients
         assert "weights must be one of ('float32', 'int8'), got '2bit'" in weights
         assert "block must be an int >= 1, got 0" in block
-        assert "threshold must be a number > 0, got 0.0" in threshold
+        assert "threshold must be a finite number > 0, got 0.0" in threshold  # codes.check_settings' rule
         assert "fsdp.load_state_dict: the state has residuals for ['0']" in state
         assert "compress_between_nodes: the model has no FSDP module" in no_fsdp
         assert "compress_between_nodes: the group does not use the chainermn backend (it uses gloo)" in not_chainermn

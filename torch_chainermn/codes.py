@@ -40,7 +40,7 @@ def check_settings(op: str, code: str, threshold: float = 0.5, block: int = 256,
     if code not in CODES:
         raise ValueError(f"{op}: {argument} must be one of {CODES}, got {code!r}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < float("inf"):
-        raise ValueError(f"{op}: threshold must be a positive number, got {threshold!r}")
+        raise ValueError(f"{op}: threshold must be a finite number > 0, got {threshold!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"{op}: block must be an int >= 1, got {block!r}")
     if code == "4bit" and block % 2:

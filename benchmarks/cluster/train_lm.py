@@ -24,8 +24,8 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     diloco      the same replicas, DiLoCo: every H steps the outer gradient is averaged in float32 and
                 Nesterov SGD (--outer-lr, --outer-momentum) steps on it
     streaming   Streaming DiLoCo: --fragments fragments at staggered steps, each exchange in flight
-                for --fragment-delay steps, 2-bit codes with compress_result between nodes
-                (threshold --outer-threshold)
+                for --fragment-delay steps, --outer-code with compress_result between nodes (2bit:
+                threshold --outer-threshold; topk: --outer-keep of every --outer-block values)
     streaming-ranks  the same with every rank a replica of its own (no DDP in the node: no
                 communication at all between syncs; the backend still sums a node's outer
                 gradients in the node and sends one compressed copy per node)
@@ -103,6 +103,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # node sum that is compressed is twice that: 5e-3, about its mean. At H=8 (smaller outer
     # gradients: more is held back a round) streaming still reached 2.58 after 160 steps.
     p.add_argument("--outer-threshold", type=float, default=5e-3, help="2-bit threshold for streaming's outer gradients")
+    p.add_argument("--outer-code", default="2bit", help="streaming's code for the outer gradients: 2bit, topk, int8, 4bit")
+    p.add_argument("--outer-block", type=int, default=256, help="values per block of streaming's topk/int8/4bit code")
+    p.add_argument("--outer-keep", type=int, default=8, help="values kept per block by streaming's topk code")
     # H=8: a budget of 160 steps leaves DiLoCo 10 outer steps at H=16 (with a 4-layer model it was
     # at 2.75 after 200 steps where DDP was at 2.44); H=8 gives 20 and still sends 1/4 of DDP's
     # bytes per step.
@@ -156,7 +159,8 @@ def setup(args, model):
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
                                 nesterov=args.outer_momentum > 0)
         streaming = args.mode.startswith("streaming")
-        compression = (GradientCompressionState(type="2bit", threshold=args.outer_threshold, compress_result=True)
+        compression = (GradientCompressionState(type=args.outer_code, threshold=args.outer_threshold,
+                                                block=args.outer_block, keep=args.outer_keep, compress_result=True)
                        if streaming else None)
         diloco = torch_chainermn.DiLoCo(ddp, inner, outer, sync_every=args.sync_every, process_group=None,
                                         fragments=args.fragments if streaming else 1,

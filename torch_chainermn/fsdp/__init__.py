@@ -19,6 +19,7 @@ from __future__ import annotations
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from .. import codes
 from .._backend import backend_of
 from .all_gather import TwoHopAllGather
 from .levels import levels_of
@@ -48,10 +49,8 @@ def compress_between_nodes(model, gradients: str = "int8", weights: str = "int8"
         raise ValueError(f"{op}: gradients must be one of {GRADIENTS}, got {gradients!r}")
     if weights not in WEIGHTS:
         raise ValueError(f"{op}: weights must be one of {WEIGHTS}, got {weights!r}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"{op}: block must be an int >= 1, got {block!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-        raise ValueError(f"{op}: threshold must be a number > 0, got {threshold!r}")
+    for code in {gradients, weights} - {"float32"}:  # the codes' own checks, one rule for each setting
+        codes.check_settings(op, code, threshold, block)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"{op}: the model has no FSDP module (apply torch.distributed.fsdp.fully_shard first)")
