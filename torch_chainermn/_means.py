@@ -24,7 +24,7 @@ from .compression import GradientCompression
 from .gradients import mean_coalesced
 from .options import WIRE_DTYPES, wire_dtype
 
-__all__ = ["DdpMean", "WireMean", "compressed", "deprecated_spelling", "load_state", "resolve", "saved_state"]
+__all__ = ["DdpMean", "KeepsMean", "WireMean", "compressed", "deprecated_spelling", "load_state", "resolve", "saved_state"]
 
 
 class WireMean:
@@ -99,6 +99,23 @@ def resolve(value, group, op: str, *, argument: str = "compression", plain=WireM
         return WireMean(group, wire_dtype(value, f"{op}: {argument}")), group
     raise ValueError(f"{op}: {argument} must be None, torch.float16, torch.bfloat16 or a GradientCompression(State) "
                      f"(also torch.float32, torch.float64, or a dict of its settings), got {value!r}")
+
+
+class KeepsMean:
+    """For a class that holds a resolved mean in `self.mean`: its compression, and that attribute's old
+    name (the communicator's and the multi-node optimizer's `gradient_compression`)."""
+
+    @property
+    def compression(self) -> GradientCompression | None:
+        """The GradientCompression the means go through, or None for a plain mean."""
+        return compressed(self.mean)
+
+    @property
+    def gradient_compression(self) -> GradientCompression | None:
+        """compression's old name."""
+        warnings.warn(f"{type(self).__name__}.gradient_compression is deprecated, use .compression",
+                      DeprecationWarning, stacklevel=2)
+        return self.compression
 
 
 def compressed(mean) -> GradientCompression | None:

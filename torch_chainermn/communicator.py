@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import warnings
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from . import _launch
 from ._backend import backend_of
-from ._means import WireMean, compressed, deprecated_spelling, resolve
+from ._means import KeepsMean, WireMean, deprecated_spelling, resolve
 from ._layouts import layout_of
 from .gradients import mean_coalesced
 from .options import Options
@@ -44,7 +43,7 @@ __all__ = ["Communicator", "create_communicator"]
 
 # ---- the communicator -----------------------------------------------------------------------------
 
-class Communicator:
+class Communicator(KeepsMean):
     """ChainerMN's communicator: a chainermn process group plus ChainerMN's methods on it.
 
     `Communicator(group)` wraps an existing chainermn group (default: the default group) without
@@ -68,18 +67,6 @@ class Communicator:
     def __repr__(self):
         return (f"Communicator(rank={self.rank}, size={self.size}, communicator_name={self.communicator_name!r}, "
                 f"allreduce_grad_dtype={self.allreduce_grad_dtype})")
-
-    @property
-    def compression(self):
-        """The GradientCompression of multi_node_mean_grad and the multi-node optimizer, or None."""
-        return compressed(self.mean)
-
-    @property
-    def gradient_compression(self):
-        """compression's old name."""
-        warnings.warn("Communicator.gradient_compression is deprecated, use Communicator.compression",
-                      DeprecationWarning, stacklevel=2)
-        return self.compression
 
     # ---- where this rank is
     @property

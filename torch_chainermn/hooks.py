@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ._backend import backend_of, group_of
 from ._double_buffering import BackgroundMean, start_mean
 from ._layouts import bucket_layout, by_parameter, read_into
-from ._means import compressed, deprecated_spelling, resolve
+from ._means import KeepsMean, compressed, deprecated_spelling, resolve
 from .compression import GradientCompression
 from .gradients import mean_coalesced
 
@@ -86,7 +86,7 @@ class _Snapshot:
         self.mean = mean
 
 
-class DoubleBufferingState:
+class DoubleBufferingState(KeepsMean):
     """State of `double_buffering_hook` (ChainerMN's double buffering, for DDP).
 
     At step k each bucket's gradient g_k is copied aside and its allreduce started in the background,
@@ -113,11 +113,6 @@ class DoubleBufferingState:
         self._current: dict[int, _Snapshot] = {}   # bucket index -> this step's snapshot
         self._spare: dict[int, torch.Tensor] = {}  # bucket index -> a read mean's buffer, for reuse
         self._by_param = None                      # id(param) -> last step's mean of it, after a regrouping
-
-    @property
-    def compression(self):
-        """The GradientCompression the means go through, or None for a wire dtype."""
-        return compressed(self.mean)
 
     def flush(self) -> None:
         """Wait for every allreduce in flight (before saving a checkpoint, or at the end of training).

@@ -34,12 +34,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ._backend import backend_of, group_of
-from ._means import compressed, load_state, resolve, saved_state
 from ._layouts import layout_of
+from ._means import compressed, load_state, resolve, saved_state
 from .gradients import mean_coalesced
 from .messages.objects import agree
 
 __all__ = ["DiLoCo", "LocalSGD"]
+
 
 def _check_count(op: str, name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -15,14 +15,12 @@ backward: the second step does not update, and step k >= 3 applies the mean of s
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
 from ._backend import group_of, wire_dtype_of
 from ._double_buffering import BackgroundMean, start_mean
-from ._means import compressed, deprecated_spelling, resolve
+from ._means import KeepsMean, deprecated_spelling, resolve
 from .communicator import Communicator
 from ._layouts import layout_of
 
@@ -65,7 +63,7 @@ class _InFlight:
         self.mean = mean
 
 
-class MultiNodeOptimizer(torch.optim.Optimizer):
+class MultiNodeOptimizer(KeepsMean, torch.optim.Optimizer):
     """A torch optimizer whose step() is ChainerMN's multi-node update (see the module docstring).
 
     It shares the wrapped optimizer's param_groups and state, so LR schedulers, state_dict() and
@@ -89,18 +87,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         self._broadcast_ids = None  # ids of the parameters as last broadcast
         self._in_flight = None      # double buffering: the previous step's allreduce
         self._spare = None          # double buffering: a read mean's buffer, for reuse
-
-    @property
-    def compression(self):
-        """The GradientCompression the gradients' means go through, or None."""
-        return compressed(self.mean)
-
-    @property
-    def gradient_compression(self):
-        """compression's old name."""
-        warnings.warn("MultiNodeOptimizer.gradient_compression is deprecated, use .compression",
-                      DeprecationWarning, stacklevel=2)
-        return self.compression
 
     # ---- what an Optimizer shares with the wrapped one -------------------------------------------
 

@@ -22,10 +22,12 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     localsgd    one replica per node (DDP over torch_chainermn.node_group(): gradients averaged in the
                 node only), parameters averaged over the world every --sync-every steps
     diloco      the same replicas, DiLoCo: every H steps the outer gradient is averaged in float32 and
-                Nesterov SGD (--outer-lr, --outer-momentum) steps on it
+                SGD (--outer-lr; Nesterov with --outer-momentum > 0) steps on it
     streaming   Streaming DiLoCo: --fragments fragments at staggered steps, each exchange in flight
                 for --fragment-delay steps, --outer-code with compress_result between nodes (2bit:
                 threshold --outer-threshold; topk: --outer-keep of every --outer-block values)
+    diloco+topk, streaming+topk  the same with the top-k code between nodes (--outer-keep of every
+                --outer-block values, error feedback; SparseLoCo's outer gradients)
     streaming-ranks  the same with every rank a replica of its own (no DDP in the node: no
                 communication at all between syncs; the backend still sums a node's outer
                 gradients in the node and sends one compressed copy per node)
@@ -77,7 +79,8 @@ import lm  # noqa: E402
 DDP_MODES = ("gloo", "chainermn", "db", "fp16+db", "fp16+db+dc", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
              "4bit+cr", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
 CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr")
-LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks")  # replicas synced every H steps
+# Replicas synced every H steps; "+topk": that code for the outer gradients (else streaming's --outer-code).
+LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks", "diloco+topk", "streaming+topk")
 FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
               "fsdp-2bit-int8-hpz", "fsdp-1bit-int8-hpz")  # sharded, no compute-alone phase
 MODES = DDP_MODES + LOCAL_MODES + FSDP_MODES
@@ -112,11 +115,12 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", type=int, default=8, help="H: inner steps between syncs (localsgd, diloco, streaming)")
     p.add_argument("--fragments", type=int, default=2, help="F: streaming's fragments")
     p.add_argument("--fragment-delay", type=int, default=2, help="tau: steps a fragment's exchange is in flight (< H/F)")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    # The paper's 0.9 is for H=500 and thousands of steps; with 20 outer steps Nesterov momentum 0.9
-    # (an effective outer step of 0.7 / (1 - 0.9) = 7 outer gradients) overshot: DiLoCo stalled at
-    # 2.92 after 160 steps, against 2.61 with 0.5 (and streaming 2.74 -> 2.58).
-    p.add_argument("--outer-momentum", type=float, default=0.5)
+    p.add_argument("--outer-lr", type=float, default=0.8)
+    # Plain SGD (no momentum) at 0.8: the paper's Nesterov 0.9 is for H=500 and thousands of steps;
+    # with H=8 and 20 outer steps any momentum overshoots (2026-11-28, 160 steps: Nesterov 0.7/0.9
+    # 2.92, 0.7/0.5 2.61, SGD 1.0 2.53 = LocalSGD, SGD 0.8 2.41; at H=1 Nesterov 0.7/0.5 gave 2.63
+    # where SGD 1.0 gives DDP's 2.44). docs/low-communication.md has the runs.
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov momentum when > 0, else plain SGD")
     p.add_argument("--diloco-warmup", type=int, default=0,
                    help="DiLoCo's warm start (diloco, streaming): the first N steps are DDP's (warmup_steps)")
     p.add_argument("--powersgd-rank", type=int, default=4)
@@ -159,9 +163,10 @@ def setup(args, model):
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
                                 nesterov=args.outer_momentum > 0)
         streaming = args.mode.startswith("streaming")
-        compression = (GradientCompressionState(type=args.outer_code, threshold=args.outer_threshold,
-                                                block=args.outer_block, keep=args.outer_keep, compress_result=True)
-                       if streaming else None)
+        code = args.mode.partition("+")[2] or (args.outer_code if streaming else None)
+        compression = (GradientCompressionState(type=code, threshold=args.outer_threshold, block=args.outer_block,
+                                                keep=args.outer_keep, compress_result=True)
+                       if code else None)
         diloco = torch_chainermn.DiLoCo(ddp, inner, outer, sync_every=args.sync_every, process_group=None,
                                         fragments=args.fragments if streaming else 1,
                                         fragment_delay=args.fragment_delay if streaming else 0,
