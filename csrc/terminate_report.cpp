@@ -31,8 +31,9 @@ void report() {
   pthread_getname_np(pthread_self(), name, sizeof(name));
   writeAll("chainermn: std::terminate on thread ");
   writeAll(name);
-  writeAll(std::current_exception() ? " (an exception escaped)" : " (no exception: a joinable std::thread destroyed, "
-                                                                   "or a thread ended by pthread_exit inside a destructor)");
+  writeAll(std::current_exception() ? " (an exception escaped)"
+                                     : " (no exception: a joinable std::thread destroyed, or a thread ended by "
+                                       "pthread_exit inside a destructor)");
   writeAll("; its native stack:\n");
   void* frames[64];
   const int depth = ::backtrace(frames, 64);

@@ -24,7 +24,8 @@ from .compression import GradientCompression
 from .gradients import mean_coalesced
 from .options import WIRE_DTYPES, wire_dtype
 
-__all__ = ["DdpMean", "KeepsMean", "WireMean", "compressed", "deprecated_spelling", "load_state", "resolve", "saved_state"]
+__all__ = ["DdpMean", "KeepsMean", "WireMean", "compressed", "deprecated_spelling", "load_state", "resolve",
+           "saved_state"]
 
 
 class WireMean:

@@ -14,8 +14,9 @@ compressed. The codes and the exchange are the backend's (csrc/strategies/compre
 
 The DDP hook (hooks.GradientCompressionState), double buffering, the communicator
 (create_communicator(..., compression={...})), the multi-node optimizer, DiLoCo and the overlap all
-go through this class (their `compression=` is resolved in _means.py), so the residuals follow parameters wherever the gradients are laid out: when DDP rebuilds
-its buckets (after its first step) they are carried over parameter by parameter.
+go through this class (their `compression=` is resolved in _means.py), so the residuals follow
+parameters wherever the gradients are laid out: when DDP rebuilds its buckets (after its first step)
+they are carried over parameter by parameter (_layouts.py).
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
                 threshold --outer-threshold; topk: --outer-keep of every --outer-block values)
     diloco+topk, streaming+topk  the same with the top-k code between nodes (--outer-keep of every
                 --outer-block values, error feedback; SparseLoCo's outer gradients)
+    diloco+4bit, streaming+4bit  ... with the 4-bit block code (one scale per --outer-block values)
     streaming-ranks  the same with every rank a replica of its own (no DDP in the node: no
                 communication at all between syncs; the backend still sums a node's outer
                 gradients in the node and sends one compressed copy per node)
@@ -80,7 +81,8 @@ DDP_MODES = ("gloo", "chainermn", "db", "fp16+db", "fp16+db+dc", "2bit", "1bit",
              "4bit+cr", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
 CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr")
 # Replicas synced every H steps; "+topk": that code for the outer gradients (else streaming's --outer-code).
-LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks", "diloco+topk", "streaming+topk")
+LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks", "diloco+topk", "streaming+topk", "diloco+4bit",
+               "streaming+4bit")
 FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
               "fsdp-2bit-int8-hpz", "fsdp-1bit-int8-hpz")  # sharded, no compute-alone phase
 MODES = DDP_MODES + LOCAL_MODES + FSDP_MODES
