@@ -309,26 +309,22 @@ def block_code_cases(kind: str, block: int):
     resumed.load_state_dict(saved)
     outcome["resumed"] = [torch.equal(g, e) for g, e in zip(run(resumed_model, resumed, range(2, 4)), expected[2:])]
 
-    disagreeing = GradientCompression(type=kind, block=block * (1 + rank % 2 * 2))
-    try:
-        disagreeing.start([torch.ones(1000)], ((0, 0, 1000),)).wait()
-        outcome["disagreement"] = "completed"
-    except ValueError as error:
-        outcome["disagreement"] = str(error)
-    after = torch.ones(3)
-    dist.all_reduce(after)
-    outcome["after"] = after.tolist()
-
-    if kind == "topk":  # ranks that keep different numbers of values a block
-        compression = GradientCompression(None, kind, block=block, keep=4 + rank % 2)
+    def disagreement(compression) -> tuple:
+        """What a mean with settings that differ across ranks raised, and the next all_reduce's result."""
         try:
             compression.start([torch.ones(1000)], ((0, 0, 1000),)).wait()
-            outcome["keep disagreement"] = "completed"
+            said = "completed"
         except ValueError as error:
-            outcome["keep disagreement"] = str(error)
+            said = str(error)
         after = torch.ones(3)
         dist.all_reduce(after)
-        outcome["after keep"] = after.tolist()
+        return said, after.tolist()
+
+    outcome["disagreement"], outcome["after"] = disagreement(
+        GradientCompression(type=kind, block=block * (1 + rank % 2 * 2)))
+    if kind == "topk":  # ranks that keep different numbers of values a block
+        outcome["keep disagreement"], outcome["after keep"] = disagreement(
+            GradientCompression(None, kind, block=block, keep=4 + rank % 2))
 
     gloo = dist.new_group(backend="gloo")
     outcome["errors"] = value_errors((lambda: hooks.GradientCompressionState(type=kind, block=0),
