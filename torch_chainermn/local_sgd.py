@@ -156,6 +156,11 @@ class _EveryHSteps:
         self._finish_in_flight()
         return False
 
+    def flush(self) -> None:
+        """Wait for every exchange in flight (before a checkpoint, an evaluation, or a clock's stop): its
+        mean stays pending and is applied at its step, so nothing the training computes changes."""
+        self._finish_in_flight()
+
     def _after_inner_step(self, optimizer, args, kwargs) -> None:
         self.step += 1
         self._on_step()

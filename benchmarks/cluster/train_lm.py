@@ -42,7 +42,8 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     fsdp-2bit-int8, fsdp-2bit-int8-hpz  ... 2-bit gradients, int8 weights (and hpZ)
     fsdp-1bit-int8-hpz  ... 1-bit gradients (sign x mean magnitude), int8 weights, hpZ
 
-The clock: training wall time, paused while the validation loss is measured. Every --eval-every
+The clock: training wall time, paused while the validation loss is measured (after every exchange
+still in flight has been waited for, on the clock: no mode's traffic runs on in the paused time). Every --eval-every
 steps (and at the end) the ranks stop the clock, meet on a separate Gloo group (so nothing queued
 on the training group delays the meeting), and measure the validation loss: each node evaluates its
 own replica on the fixed validation windows, split among its ranks, and the loss reported is the
@@ -161,7 +162,8 @@ def setup(args, model):
             # broadcast (init_sync=False).
             ddp = DDP(model, process_group=torch_chainermn.node_group(), init_sync=False)
         if args.mode == "localsgd":
-            return ddp, inner, torch_chainermn.LocalSGD(ddp, inner, sync_every=args.sync_every), lambda: None
+            local_sgd = torch_chainermn.LocalSGD(ddp, inner, sync_every=args.sync_every)
+            return ddp, inner, local_sgd, local_sgd.flush
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
                                 nesterov=args.outer_momentum > 0)
         streaming = args.mode.startswith("streaming")
@@ -173,7 +175,7 @@ def setup(args, model):
                                         fragments=args.fragments if streaming else 1,
                                         fragment_delay=args.fragment_delay if streaming else 0,
                                         compression=compression, warmup_steps=args.diloco_warmup)
-        return ddp, inner, diloco, lambda: None
+        return ddp, inner, diloco, diloco.flush
     if args.mode.startswith("overlap"):
         # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
         grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -292,6 +294,9 @@ def main(argv=None) -> int:
             steps += 1
             if steps != next_meeting and steps != args.steps:
                 continue
+            # An exchange still in flight is waited for on the clock: the link must not get the
+            # evaluation's paused time for free (an asynchronous mode's exchange would run on in it).
+            flush()
             clock = meet(clock + time.perf_counter() - segment)
             t_eval = time.perf_counter()
             out_of_time = args.time_budget > 0 and clock >= args.time_budget
