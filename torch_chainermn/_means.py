@@ -66,6 +66,7 @@ class DdpMean(WireMean):
         work = None
         for tensor in tensors:
             tensor.div_(size)
+            # A chainermn group completes its ops in issue order: the last one's Work covers them all.
             work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         return work
 
