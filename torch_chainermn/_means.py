@@ -8,8 +8,8 @@ the overlap all take the same):
     {"type": "int8", ...} compression.GradientCompression's settings, for the caller's group
     GradientCompression   used as it is (hooks.GradientCompressionState is one), with its own group
 
-Every consumer gets an object with the same methods: start(tensors, params, last) -> Work, end_step(),
-reserve(params, device), for_group(group); saved_state() and load_state() carry its residuals in a
+Every consumer gets an object with the same methods: start(tensors, params, last) -> Work,
+start_from(source, buffer, params, last), end_step(), reserve(params, device), for_group(group); saved_state() and load_state() carry its residuals in a
 checkpoint. Nothing outside this module tests for a compression type (tests/test_layering.py checks it).
 """
 from __future__ import annotations
@@ -56,6 +56,11 @@ class WireMean:
         """The same mean on another group of the same ranks."""
         return type(self)(group, self.dtype, own_dtype=self.own_dtype)
 
+    def start_from(self, source: torch.Tensor, buffer: torch.Tensor, params=(), last: bool = True):
+        """Start the mean of `source` in `buffer`, leaving `source` as it is."""
+        buffer.copy_(source)
+        return self.start([buffer], params, last)
+
 
 class DdpMean(WireMean):
     """DDP's own mean, bit for bit: every gradient divided by the world size, then all_reduce'd (the
@@ -69,6 +74,11 @@ class DdpMean(WireMean):
             # A chainermn group completes its ops in issue order: the last one's Work covers them all.
             work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         return work
+
+    def start_from(self, source: torch.Tensor, buffer: torch.Tensor, params=(), last: bool = True):
+        """The division writes the buffer: one pass over the gradients, not a copy and then a division."""
+        torch.div(source, self.process_group.size(), out=buffer)
+        return dist.all_reduce(buffer, group=self.process_group, async_op=True)
 
 
 def resolve(value, group, op: str, *, argument: str = "compression", plain=WireMean, own_dtype: bool = False,
@@ -140,13 +150,13 @@ def load_state(mean, state, op: str) -> None:
         mean.load_state_dict(state)
 
 
-def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None):
-    """The value given as `new=`, or under its old spelling `old=` (a DeprecationWarning naming the new
-    one); both given: a ValueError."""
+def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None) -> tuple:
+    """(the value given as `new=` or under its old spelling `old=`, the spelling used: what an error
+    about it names). The old spelling warns (a DeprecationWarning naming the new one); both: ValueError."""
     if old_value is unset:
-        return new_value
+        return new_value, new
     if new_value is not unset:
         raise ValueError(f"{op}: give {new}= only ({old}= is its old spelling), not both")
     warnings.warn(f"{op}: {old}= is deprecated, use {new}= (it takes the same values)", DeprecationWarning,
                   stacklevel=3)
-    return old_value
+    return old_value, old

@@ -452,8 +452,8 @@ def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_
     collectively (every rank must call it), which `finalize()` destroys.
     """
     op = "create_communicator"
-    argument = "gradient_compression" if gradient_compression is not None else "compression"
-    compression = deprecated_spelling(op, "compression", "gradient_compression", compression, gradient_compression)
+    compression, argument = deprecated_spelling(op, "compression", "gradient_compression", compression,
+                                                gradient_compression)
     if not isinstance(communicator_name, str):
         raise ValueError(f"{op}: communicator_name must be a str, got {type(communicator_name).__name__}")
     try:

@@ -113,6 +113,11 @@ class GradientCompression:
         """The same settings on another group of the same ranks, with residuals of its own."""
         return GradientCompression(group, **self.settings())
 
+    def start_from(self, source: torch.Tensor, buffer: torch.Tensor, params, last: bool = True):
+        """start() on a copy of `source` in `buffer` (the mean lands there; `source` stays as it is)."""
+        buffer.copy_(source)
+        return self.start([buffer], params, last)
+
     def _saved_settings(self) -> dict:
         """settings() as a checkpoint holds them (the dtype by name: loadable without torch's pickler)."""
         return {**self.settings(), "result_dtype": str(self.result_dtype)}

@@ -103,9 +103,8 @@ class DoubleBufferingState(KeepsMean):
 
     def __init__(self, process_group=None, compression=None, *, compress=None):
         op = "DoubleBufferingState"
-        compression = deprecated_spelling(op, "compression", "compress", compression, compress)
-        self.mean, self.process_group = resolve(compression, process_group, op,
-                                                argument="compress" if compress is not None else "compression")
+        compression, argument = deprecated_spelling(op, "compression", "compress", compression, compress)
+        self.mean, self.process_group = resolve(compression, process_group, op, argument=argument)
         self.world_size = self.process_group.size()
         self.ready = False
         self.steps = 0

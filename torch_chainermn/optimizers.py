@@ -43,9 +43,8 @@ def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=F
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("create_multi_node_optimizer: optimizer must be a torch.optim.Optimizer, "
                          f"got {type(optimizer).__name__}")
-    argument = "gradient_compression" if gradient_compression is not None else "compression"
-    compression = deprecated_spelling("create_multi_node_optimizer", "compression", "gradient_compression",
-                                      compression, gradient_compression)
+    compression, argument = deprecated_spelling("create_multi_node_optimizer", "compression", "gradient_compression",
+                                                compression, gradient_compression)
     return MultiNodeOptimizer(optimizer, communicator, double_buffering, zero_fill, compression, argument=argument)
 
 

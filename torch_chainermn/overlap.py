@@ -104,12 +104,11 @@ class OverlapNextForward:
             buffer = self._buffers[bucket.index()] = torch.empty_like(grads)
         layout = bucket_layout(bucket)
         urgent = bucket.is_last()  # the first layers: on the priority lane
-        buffer.copy_(grads)
         if urgent:  # the step's last bucket: the other lane's relayout, if any, is complete too
-            work = self._urgent_mean.start([buffer], layout, last=True)
+            work = self._urgent_mean.start_from(grads, buffer, layout, last=True)
             self.mean.end_step()
         else:
-            work = self.mean.start([buffer], layout, last=False)
+            work = self.mean.start_from(grads, buffer, layout, last=False)
         in_flight = _InFlight(work, buffer, layout)
         for param_id, _, _ in layout:
             self._pending[param_id] = in_flight
