@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <future>
 #include <optional>
 
@@ -18,6 +19,13 @@ namespace chainermn {
 namespace {
 constexpr auto kLinger = std::chrono::microseconds(50);
 } // namespace
+
+// Set by stopWorkersAtExit(): the interpreter is about to finalise. A worker thread detached earlier (a
+// group destroyed while its op was stuck) may still end after that, holding the last reference to its
+// State, whose queued Works hold tensors with Python objects: freeing them then needs the GIL, and a
+// thread that asks for it during finalisation is ended inside their destructors (an abort). Such a
+// thread leaves its State to the process's end instead.
+std::atomic<bool> gProcessExiting{false};
 
 // Every live Worker, for stopWorkersAtExit(). Its mutex is held while that function stops them, so a
 // Worker being destroyed meanwhile waits, and is never freed while it is being stopped.
@@ -203,11 +211,14 @@ Worker::Worker(std::string groupName, std::shared_ptr<Monitor> monitor, std::sha
   // The threads share the state, so a worker stuck in a transport call that never returns can be
   // detached without leaving it pointing at freed memory.
   std::promise<void> started;
-  worker_ = std::thread([state = state_, &started] {
+  worker_ = std::thread([state = state_, &started]() mutable {
     nameThisThread("cmn-worker");
     state->workerThread = std::this_thread::get_id();
     started.set_value();
     state->workerLoop();
+    if (gProcessExiting.load(std::memory_order_acquire)) {
+      new std::shared_ptr<State>(std::move(state));  // see gProcessExiting
+    }
   });
   started.get_future().wait();
   watchdog_ = std::thread([state = state_] {
@@ -380,6 +391,7 @@ void Worker::abortGroup(const std::string& reason) {
 }
 
 void stopWorkersAtExit() {
+  gProcessExiting.store(true, std::memory_order_release);
   std::lock_guard<std::mutex> lock(gLiveMutex);
   for (Worker* worker : liveWorkers()) {
     worker->announceLeaving();  // an uncaught exception ends here too: the peers are told it exited
