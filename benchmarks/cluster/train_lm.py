@@ -118,6 +118,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", type=int, default=8, help="H: inner steps between syncs (localsgd, diloco, streaming)")
     p.add_argument("--fragments", type=int, default=2, help="F: streaming's fragments")
     p.add_argument("--fragment-delay", type=int, default=2, help="tau: steps a fragment's exchange is in flight (< H/F)")
+    p.add_argument("--buckets", type=int, default=0,
+                   help="DDP's buckets, about this many (bucket_cap_mb = the gradient's size / this); 0: DDP's "
+                        "default 25 MB (one bucket here), 8 for the overlap modes")
     p.add_argument("--outer-lr", type=float, default=0.8)
     # Plain SGD (no momentum) at 0.8: the paper's Nesterov 0.9 is for H=500 and thousands of steps;
     # with H=8 and 20 outer steps any momentum overshoots (2026-11-28, 160 steps: Nesterov 0.7/0.9
@@ -176,10 +179,11 @@ def setup(args, model):
                                         fragment_delay=args.fragment_delay if streaming else 0,
                                         compression=compression, warmup_steps=args.diloco_warmup)
         return ddp, inner, diloco, diloco.flush
-    if args.mode.startswith("overlap"):
-        # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
+    # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
+    buckets = args.buckets or (8 if args.mode.startswith("overlap") else 0)
+    if buckets:
         grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        ddp = DDP(model, init_sync=False, bucket_cap_mb=grad_mb / 8)
+        ddp = DDP(model, init_sync=False, bucket_cap_mb=grad_mb / buckets)
     else:
         ddp = DDP(model, init_sync=False)
     flush = lambda: None  # noqa: E731
