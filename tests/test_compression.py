@@ -63,6 +63,10 @@ MEAN_CASES = [
     # top-k (keep 8 of each block of 64), the error feedback of DiLoCo's sparse outer gradients.
     (["a", "a", "b", "b"], "topk", False, torch.float32),
     (["a", "b", "c"], "topk", True, torch.float32),
+    # The sums in another code: 4 bits there and 8 back; a word code there and a block code back (the
+    # chunks are whole blocks).
+    (["a", "a", "b", "b"], "4bit", "int8", torch.float32),
+    (["a", "b", "c"], "2bit", "4bit", torch.float32),
 ]
 
 
@@ -71,7 +75,8 @@ def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, re
     count, steps, block = 1001, 3, 64
     inputs = [values(count, 10 + rank) for rank in range(len(names))]
     results, firsts, seconds = _C.testing.compressed_mean_steps(
-        names, inputs, steps, kind, 0.3, compress_result, result_dtype, block=block, shared_memory=True)
+        names, inputs, steps, kind, 0.3, bool(compress_result), result_dtype, block=block, shared_memory=True,
+        result_code=compress_result if isinstance(compress_result, str) else "")
     nodes = [[r for r, n in enumerate(names) if n == name] for name in dict.fromkeys(names)]
     means, first, second = reference.compressed_mean_steps(
         [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype, block=block)
@@ -85,7 +90,7 @@ def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, re
             continue
         assert torch.equal(firsts[leader], first[node])
         if compress_result:
-            chunk = reference.chunk_of(count, len(nodes), kind, block)
+            chunk = reference.chunk_for(count, len(nodes), kind, compress_result, block)
             used = min(count - node * chunk, chunk)
             assert torch.equal(seconds[leader][:used], second[node][:used])
         for rank in ranks[1:]:
@@ -274,16 +279,18 @@ class OneVector(torch.nn.Module):
         return (self.w * grad).sum()
 
 
-def block_code_cases(kind: str, block: int):
+def block_code_cases(kind: str, block: int, compress_result=False):
     """int8 / 4bit / topk through the DDP hook: 4 steps against the reference; a run resumed from
     state_dict(by_rank=True) after step 2 continues bit for bit; ranks that disagree on the block (and,
-    for topk, on keep) fail on every rank naming it, and the group goes on; bad settings."""
+    for topk, on keep; with compressed sums, on their code) fail on every rank naming it, and the group
+    goes on; bad settings."""
     rank = dist.get_rank()
     size = dist.get_world_size()
     per_node = torch_chainermn.topology().intra_size
     nodes = [list(range(n, n + per_node)) for n in range(0, size, per_node)]
     inputs = [[flat(gradients(r, step)) for r in range(size)] for step in range(4)]  # run() sends these
-    expected = reference.compressed_mean_steps(inputs, nodes, 4, kind, block=block)[0]
+    expected = reference.compressed_mean_steps(inputs, nodes, 4, kind, compress_result=compress_result,
+                                               block=block)[0]
     outcome = {}
 
     def run(model, state, steps):
@@ -295,7 +302,7 @@ def block_code_cases(kind: str, block: int):
         return got
 
     model = DDP(OneVector())
-    state = hooks.GradientCompressionState(type=kind, block=block)
+    state = hooks.GradientCompressionState(type=kind, block=block, compress_result=compress_result)
     model.register_comm_hook(state, hooks.gradient_compression_hook)
     got = run(model, state, range(2))
     saved = state.state_dict(by_rank=True)
@@ -303,7 +310,7 @@ def block_code_cases(kind: str, block: int):
     outcome["hook"] = [torch.equal(g, e) for g, e in zip(got, expected)]
 
     resumed_model = DDP(OneVector())
-    resumed = hooks.GradientCompressionState(type=kind, block=block)
+    resumed = hooks.GradientCompressionState(type=kind, block=block, compress_result=compress_result)
     resumed_model.register_comm_hook(resumed, hooks.gradient_compression_hook)
     run(resumed_model, resumed, [7])  # the run's layout, with other residuals: the load must replace them
     resumed.load_state_dict(saved)
@@ -325,20 +332,24 @@ def block_code_cases(kind: str, block: int):
     if kind == "topk":  # ranks that keep different numbers of values a block
         outcome["keep disagreement"], outcome["after keep"] = disagreement(
             GradientCompression(None, kind, block=block, keep=4 + rank % 2))
+    if compress_result:  # the sums in compress_result's code on one rank, in the type's own on the other
+        outcome["sums disagreement"], outcome["after sums"] = disagreement(
+            GradientCompression(None, kind, block=block, compress_result=compress_result if rank == 0 else True))
 
     gloo = dist.new_group(backend="gloo")
     outcome["errors"] = value_errors((lambda: hooks.GradientCompressionState(type=kind, block=0),
                                       lambda: hooks.GradientCompressionState(type="int4"),
-                                      lambda: hooks.GradientCompressionState(gloo, type=kind)))
+                                      lambda: hooks.GradientCompressionState(gloo, type=kind),
+                                      lambda: hooks.GradientCompressionState(type=kind, compress_result="2bit")))
     return outcome
 
 
-@pytest.mark.parametrize("kind, block, ranks_per_node, size", [("int8", 64, "2", 4), ("4bit", 32, "1", 2),
-                                                               ("topk", 64, "1", 2)],
-                         ids=["int8-2x2", "4bit-2x1", "topk-2x1"])
-def test_block_codes_through_the_hook(kind, block, ranks_per_node, size):
-    outcomes = run_spawn(block_code_cases, size, kind, block, env={"CHAINERMN_RANKS_PER_NODE": ranks_per_node},
-                         timeout=300)
+@pytest.mark.parametrize("kind, block, ranks_per_node, size, compress_result",
+                         [("int8", 64, "2", 4, False), ("4bit", 32, "1", 2, "int8"), ("topk", 64, "1", 2, False)],
+                         ids=["int8-2x2", "4bit-int8-sums-2x1", "topk-2x1"])
+def test_block_codes_through_the_hook(kind, block, ranks_per_node, size, compress_result):
+    outcomes = run_spawn(block_code_cases, size, kind, block, compress_result,
+                         env={"CHAINERMN_RANKS_PER_NODE": ranks_per_node}, timeout=300)
     for rank, outcome in enumerate(outcomes):
         assert all(outcome["hook"]), (rank, outcome["hook"])
         assert all(outcome["resumed"]), (rank, outcome["resumed"])
@@ -349,7 +360,14 @@ def test_block_codes_through_the_hook(kind, block, ranks_per_node, size):
             assert "the keep differs" in outcome["keep disagreement"], (rank, outcome["keep disagreement"])
             assert "keep=4" in outcome["keep disagreement"] and "keep=5" in outcome["keep disagreement"]
             assert outcome["after keep"] == [float(size)] * 3
-        block_error, type_error, group_error = outcome["errors"]
+        if compress_result:
+            said = outcome["sums disagreement"]
+            assert "the compress_result differs" in said, (rank, said)
+            assert f"compress_result={compress_result}" in said and f"compress_result={kind}" in said, said
+            assert outcome["after sums"] == [float(size)] * 3
+        block_error, type_error, group_error, sums_error = outcome["errors"]
+        assert ("GradientCompressionState: compress_result must be True, False, 'int8' or '4bit', got '2bit'"
+                in sums_error)
         assert "GradientCompressionState: block must be an int >= 1, got 0" in block_error
         assert ("GradientCompressionState: type must be one of ('int8', '2bit', '1bit', '4bit', 'topk'), got 'int4'"
                 in type_error)

@@ -183,7 +183,7 @@ def compression_cases():
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
     for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True), ("int8", False), ("4bit", True),
-                                  ("topk", True)):
+                                  ("topk", True), ("4bit", "int8")):
         case = f"{kind}, compress_result={compress_result}"
         try:
             compression = GradientCompression(type=kind, threshold=0.3, compress_result=compress_result)

@@ -5,7 +5,8 @@ Within a node the ranks' gradients are summed at full precision; each node's fir
 to its residual and sends 8, 4, 2 or 1 bits per value to the other nodes (the block codes add one
 float32 scale per `block` values), keeping what it did not send for the next step, so nothing is
 lost, only delayed. The chunk sums come back as float32 (MXNet),
-as `result_dtype`, or with `compress_result=True` compressed too, against a second residual. Every
+as `result_dtype`, or with `compress_result=True` compressed too (or `compress_result="int8"`: in
+that code, e.g. 4 bits there and 8 back), against a second residual. Every
 rank gets the sum of what the nodes sent divided by the world size. With one node nothing is
 compressed. The codes and the exchange are the backend's (csrc/strategies/compressed.h).
 
@@ -31,6 +32,7 @@ __all__ = ["GradientCompression", "TYPES"]
 
 TYPES = codes.CODES
 RESULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+RESULT_CODES = ("int8", "4bit")  # what compress_result may name besides True (the type's own code)
 
 
 class _Residual:
@@ -72,18 +74,22 @@ class GradientCompression:
         the others do not use it.
     keep: "topk"'s values sent per block (the largest |value|s, 1 <= keep <= block); the others do not
         use it.
-    compress_result: compress the chunk sums on their way back too (both phases in the code).
+    compress_result: compress the chunk sums on their way back too: True (in the same code) or the
+        name of a block code, "int8" or "4bit" (with type="4bit", compress_result="int8" sends 4 bits
+        a value there and 8 back: the sums, which decide the step, lose less).
     result_dtype: otherwise, the dtype the sums travel back in: torch.float32 (MXNet), float16, bfloat16.
     """
 
     SETTINGS = ("type", "threshold", "block", "keep", "compress_result", "result_dtype")  # what settings() holds
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
-                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *,
+                 compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *,
                  block: int = 256, keep: int = 8, op: str = "GradientCompression"):
         codes.check_settings(op, type, threshold, block, keep=keep)
-        if not isinstance(compress_result, bool):
-            raise ValueError(f"{op}: compress_result must be a bool, got {compress_result!r}")
+        if not isinstance(compress_result, bool) and compress_result not in RESULT_CODES:
+            raise ValueError(f"{op}: compress_result must be True, False, 'int8' or '4bit', got {compress_result!r}")
+        if isinstance(compress_result, str):  # the sums' code reads the block too
+            codes.check_settings(op, compress_result, threshold, block, argument="compress_result", keep=keep)
         if result_dtype not in RESULT_DTYPES:
             raise ValueError(f"{op}: result_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
                              f"got {result_dtype!r}")
@@ -94,6 +100,8 @@ class GradientCompression:
         self.block = block
         self.keep = keep
         self.compress_result = compress_result
+        # The backend's spelling: whether the sums are compressed, and their code ("": the type's own).
+        self._result_code = compress_result if isinstance(compress_result, str) else ""
         self.result_dtype = result_dtype
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
         self._carried: dict[int, torch.Tensor] | None = None  # id(param) -> residual, while relaid out
@@ -103,7 +111,7 @@ class GradientCompression:
 
     def __repr__(self):
         return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
-                f"keep={self.keep}, compress_result={self.compress_result}, result_dtype={self.result_dtype})")
+                f"keep={self.keep}, compress_result={self.compress_result!r}, result_dtype={self.result_dtype})")
 
     def settings(self) -> dict:
         return {"type": self.type, "threshold": self.threshold, "block": self.block, "keep": self.keep,
@@ -142,7 +150,7 @@ class GradientCompression:
             self._carried = None
         residual.work = self._backend.compressed_mean(
             list(tensors), residual.first, residual.second, self.type, self.threshold, self.block,
-            self.compress_result, self.result_dtype, self.keep)
+            bool(self.compress_result), self.result_dtype, self.keep, self._result_code)
         return residual.work
 
     def end_step(self) -> None:
@@ -169,7 +177,8 @@ class GradientCompression:
                 self._index[param_id] = len(self._index)
                 self._numel[param_id] = numel
         first_n, second_n, second_offset, second_count = self._backend.compression_residuals(
-            count, self.type, self.threshold, self.block, self.compress_result, self.result_dtype, self.keep)
+            count, self.type, self.threshold, self.block, bool(self.compress_result), self.result_dtype, self.keep,
+            self._result_code)
         first = torch.zeros(first_n, dtype=torch.float32, device=device)
         second = torch.zeros(second_n, dtype=torch.float32, device=device)
         if relayout and self._carried is None:

@@ -180,13 +180,15 @@ class GradientCompressionState(GradientCompression):
     threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256, keep=8): within a node the
     gradients are summed at full precision, between nodes the code's bits a value travel ("int8",
     "4bit": with one scale per `block` values, the codes that train with Adam; MXNet's "2bit",
-    "1bit": for SGD), and what was not sent is kept per parameter and sent later. Save
+    "1bit": for SGD), and what was not sent is kept per parameter and sent later. compress_result:
+    True compresses the sums on their way back in the same code, "int8" or "4bit" in that code
+    (type="4bit", compress_result="int8": 4 bits there, 8 back). Save
     `state.state_dict()` (collective) with a checkpoint and `load_state_dict` it on restart, so
     nothing owed is dropped.
     """
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
-                 compress_result: bool = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256,
+                 compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256,
                  keep: int = 8):
         super().__init__(process_group, type, threshold, compress_result, result_dtype, block=block, keep=keep,
                          op="GradientCompressionState")

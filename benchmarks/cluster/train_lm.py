@@ -13,7 +13,7 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     2bit, 1bit  chainermn DDP, hooks.gradient_compression_hook, GradientCompressionState(type=...,
                 threshold=--threshold); +cr: compress_result=True (the sums come back compressed too)
     int8, 4bit  the same hook with the block codes (one scale per --block values, error feedback);
-                +cr: the sums come back compressed too
+                +cr: the sums come back compressed too; 4bit+int8: 4 bits there, the sums back in int8
     overlap     chainermn DDP, torch_chainermn.OverlapNextForward: the exchange runs on into the next
                 forward, each module stepped when its own parameters' mean arrives (DDP's result);
                 overlap+int8, overlap+4bit: with that code between nodes (compress_result)
@@ -79,8 +79,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm  # noqa: E402
 
 DDP_MODES = ("gloo", "chainermn", "db", "fp16+db", "fp16+db+dc", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
-             "4bit+cr", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
-CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr")
+             "4bit+cr", "4bit+int8", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
+CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr", "4bit+int8")
 # Replicas synced every H steps; "+topk": that code for the outer gradients (else streaming's --outer-code).
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks", "diloco+topk", "streaming+topk", "diloco+4bit",
                "streaming+4bit")
@@ -207,8 +207,10 @@ def setup(args, model):
         flush = state.flush
     elif args.mode in CODE_MODES:
         from torch_chainermn import hooks
-        state = hooks.GradientCompressionState(type=args.mode.split("+")[0], threshold=args.threshold,
-                                               compress_result=args.mode.endswith("+cr"), block=args.block)
+        code, _, sums = args.mode.partition("+")
+        state = hooks.GradientCompressionState(type=code, threshold=args.threshold,
+                                               compress_result={"": False, "cr": True}.get(sums, sums),
+                                               block=args.block)
         ddp.register_comm_hook(state, hooks.gradient_compression_hook)
     elif args.mode == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd

@@ -106,8 +106,8 @@ std::string settingOf(const Fingerprint& print, int k) {
       shown = std::to_string(threshold);
       break;
     }
-    case SettingName::CompressResult:
-      shown = value ? "True" : "False";
+    case SettingName::CompressResult:  // 0, or 1 + the sums' code
+      shown = value ? codeName(static_cast<Code>(value - 1)) : "False";
       break;
     case SettingName::ResultDtype:
       shown = dtypeName(static_cast<at::ScalarType>(value));

@@ -138,10 +138,12 @@ py::tuple compressedMeanSteps(
     at::ScalarType resultWire,
     int64_t block,
     bool sharedMemory,
-    int64_t keep) {
+    int64_t keep,
+    const std::string& resultCode) {
   TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
-  const CompressionSpec spec = compressionSpec(kind, threshold, block, keep, compressResult, resultWire);
+  const CompressionSpec spec = compressionSpec(kind, threshold, block, keep, compressResult, resultWire, resultCode);
   checkCodeSettings(spec.code, spec.settings, "compressed_mean_steps");
+  checkCodeSettings(spec.resultCode, spec.settings, "compressed_mean_steps");
   const size_t size = inputs.size();
   std::vector<std::vector<at::Tensor>> results(steps, std::vector<at::Tensor>(size));
   std::vector<at::Tensor> first(size), second(size);
@@ -305,7 +307,7 @@ void bindTesting(py::module_& testing) {
       "([step][rank] results, first residuals, second residuals)",
       py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("kind"), py::arg("threshold") = 0.5,
       py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("block") = 256,
-      py::arg("shared_memory") = false, py::arg("keep") = CodeSettings{}.keep);
+      py::arg("shared_memory") = false, py::arg("keep") = CodeSettings{}.keep, py::arg("result_code") = "");
   testing.def(
       "quantize",
       [](const std::string& kind, std::optional<at::Tensor> add, at::Tensor& residual, int64_t chunk, double threshold) {

@@ -30,8 +30,11 @@ void* exchangeBetweenNodes(
   const int64_t chunk = compressionChunk(count, nodes, spec);
   const int64_t rowBytes = wireRowBytes(spec.code, chunk, spec.settings);  // a multiple of 4
   const int64_t words = rowBytes / 4;
-  auto* codes = static_cast<uint8_t*>(scratch.get(Slot::Compressed, 2 * nodes * rowBytes));
-  uint8_t* received = codes + nodes * rowBytes;
+  // The sums' rows (with compressResult), in their own code: room for the longer of the two.
+  const int64_t resultRowBytes = spec.compressResult ? wireRowBytes(spec.resultCode, chunk, spec.settings) : 0;
+  const int64_t room = std::max(rowBytes, resultRowBytes);
+  auto* codes = static_cast<uint8_t*>(scratch.get(Slot::Compressed, 2 * nodes * room));
+  uint8_t* received = codes + nodes * room;
 
   for (int i = 0; i < nodes; ++i) {
     const int64_t start = std::min<int64_t>(i * chunk, count);  // a chunk past the end is empty
@@ -48,10 +51,10 @@ void* exchangeBetweenNodes(
                  /*accumulate=*/false);
 
   if (spec.compressResult) {
-    scratch.encode(spec.code, spec.settings, chunkSum, secondResidual, codes, 1, rowBytes, mine);
-    inter.allgather(codes, received, words, kCodes);
+    scratch.encode(spec.resultCode, spec.settings, chunkSum, secondResidual, codes, 1, resultRowBytes, mine);
+    inter.allgather(codes, received, resultRowBytes / 4, kCodes);
     for (int i = 0; i < nodes; ++i) {
-      scratch.decode(spec.code, spec.settings, received + i * rowBytes, 1, rowBytes, sum + i * chunk,
+      scratch.decode(spec.resultCode, spec.settings, received + i * resultRowBytes, 1, resultRowBytes, sum + i * chunk,
                      countOfChunk(count, chunk, i), /*sum=*/false, /*accumulate=*/false);
     }
     return sum;
@@ -72,15 +75,20 @@ void* exchangeBetweenNodes(
 } // namespace
 
 CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, int64_t keep,
-                                bool compressResult, c10::ScalarType resultWire) {
-  return CompressionSpec{codeNamed(code, "gradient_compression"),
-                         CodeSettings{static_cast<float>(threshold), block, keep}, compressResult, resultWire};
+                                bool compressResult, c10::ScalarType resultWire, const std::string& resultCode) {
+  const Code first = codeNamed(code, "gradient_compression");
+  return CompressionSpec{first, CodeSettings{static_cast<float>(threshold), block, keep}, compressResult,
+                         resultCode.empty() ? first : codeNamed(resultCode, "gradient_compression"), resultWire};
+}
+
+bool usesBlock(const CompressionSpec& spec) {
+  return codeInfo(spec.code).usesBlock || (spec.compressResult && codeInfo(spec.resultCode).usesBlock);
 }
 
 int64_t compressionChunk(int64_t count, int nodes, const CompressionSpec& spec) {
   const int64_t even = (count + nodes - 1) / nodes;
   const int64_t words = (even + 31) / 32 * 32;
-  if (!codeInfo(spec.code).usesBlock) {
+  if (!usesBlock(spec)) {
     return words;
   }
   const int64_t block = spec.settings.block;

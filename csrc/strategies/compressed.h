@@ -9,7 +9,8 @@
 //   3. the leaders exchange chunks all-to-all (node j receives every node's chunk j) and node j sums
 //      its chunk from the codes;
 //   4. the chunk sums are all-gathered: as float32 (or resultWire), or, with compressResult,
-//      encoded again against a second residual (the two-stage error feedback of 1-bit Adam);
+//      encoded again (in resultCode: the code itself, or a finer block code, e.g. 4-bit there and
+//      int8 back) against a second residual (the two-stage error feedback of 1-bit Adam);
 //   5. each leader broadcasts the sum within its node; every rank writes sum / world size.
 // Both exchanges move (nodes - 1) / nodes of the compressed buffer per leader, whatever the number
 // of nodes. With one node nothing is compressed: the mean is a plain float32 allreduce.
@@ -33,13 +34,18 @@ struct CompressionSpec {
   Code code = Code::TwoBit;
   CodeSettings settings;  // what the code reads: 2-bit's threshold, the block codes' block, top-k's keep
   bool compressResult = false;
+  Code resultCode = Code::TwoBit;  // the sums' code with compressResult: `code`, or int8 / 4-bit
   c10::ScalarType resultWire = c10::ScalarType::Float;  // the sums' dtype when not compressed
 };
 
-// A spec from its Python spelling: a code's name (kernels/codes.h; anything else: ValueError). The
-// settings are checked where the op is validated (backend/compression.cpp).
+// A spec from its Python spelling: a code's name (kernels/codes.h; anything else: ValueError), and
+// the sums' code ("": the code itself). The settings are checked where the op is validated
+// (backend/compression.cpp).
 CompressionSpec compressionSpec(const std::string& code, double threshold, int64_t block, int64_t keep,
-                                bool compressResult, c10::ScalarType resultWire);
+                                bool compressResult, c10::ScalarType resultWire, const std::string& resultCode = "");
+
+// Whether either phase's code reads the block (the chunks are then whole blocks).
+bool usesBlock(const CompressionSpec& spec);
 
 // The residuals one rank keeps for a buffer of `count` values: a node's leader keeps `first`
 // (every value), and with compressResult `second` (its node's chunk of the sums, which is

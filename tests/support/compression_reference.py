@@ -98,17 +98,25 @@ def chunk_of(count: int, nodes: int, kind: str = "2bit", block: int = 256) -> in
     return math.ceil(words / block) * block if kind in BLOCK_KINDS else words
 
 
+def chunk_for(count: int, nodes: int, kind: str, compress_result=False, block: int = 256) -> int:
+    """The chunk of a mean whose sums come back as compress_result says (whole blocks if either code has them)."""
+    result_kind = compress_result if isinstance(compress_result, str) else kind
+    return chunk_of(count, nodes, kind if kind in BLOCK_KINDS or not compress_result else result_kind, block)
+
+
 def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_result=False,
                           result_dtype=torch.float32, residuals=None, block=256, keep=8):
     """The backend's compressed mean of inputs[step][rank] (flat float32), step after step.
 
     nodes: the ranks of each node, in order. residuals: each node's starting first residual.
+    compress_result: False, True (the sums in `kind` too) or the sums' code ("int8", "4bit").
     Returns ([step] -> the mean every rank gets, first residuals, second residuals) per node.
     """
     world = sum(len(ranks) for ranks in nodes)
     count = inputs[0][0].numel()
     first = [torch.zeros(count) if residuals is None else residuals[j].clone() for j in range(len(nodes))]
-    chunk = chunk_of(count, len(nodes), kind, block)
+    result_kind = compress_result if isinstance(compress_result, str) else kind
+    chunk = chunk_for(count, len(nodes), kind, compress_result, block)
     second = [torch.zeros(chunk) for _ in nodes]
     means = []
     for step in range(steps):
@@ -130,8 +138,8 @@ def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_re
                                                     keep)
                 chunk_sum = sent if chunk_sum is None else chunk_sum + sent
             if compress_result:
-                _, second[i][:hi - lo], chunk_sum = quantize(kind, second[i][:hi - lo], chunk_sum, chunk, threshold,
-                                                             block, keep)
+                _, second[i][:hi - lo], chunk_sum = quantize(result_kind, second[i][:hi - lo], chunk_sum, chunk,
+                                                             threshold, block, keep)
             elif result_dtype != torch.float32:
                 chunk_sum = chunk_sum.to(result_dtype).float()
             result[lo:hi] = chunk_sum
