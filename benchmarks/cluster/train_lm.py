@@ -118,6 +118,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-every", type=int, default=8, help="H: inner steps between syncs (localsgd, diloco, streaming)")
     p.add_argument("--fragments", type=int, default=2, help="F: streaming's fragments")
     p.add_argument("--fragment-delay", type=int, default=2, help="tau: steps a fragment's exchange is in flight (< H/F)")
+    p.add_argument("--fragment-alpha", type=float, default=0.5,
+                   help="streaming: the share of its own value a fragment keeps at the merge (fragment_update_alpha)")
     p.add_argument("--buckets", type=int, default=0,
                    help="DDP's buckets, about this many (bucket_cap_mb = the gradient's size / this); 0: DDP's "
                         "default 25 MB (one bucket here), 8 for the overlap modes")
@@ -177,7 +179,8 @@ def setup(args, model):
         diloco = torch_chainermn.DiLoCo(ddp, inner, outer, sync_every=args.sync_every, process_group=None,
                                         fragments=args.fragments if streaming else 1,
                                         fragment_delay=args.fragment_delay if streaming else 0,
-                                        compression=compression, warmup_steps=args.diloco_warmup)
+                                        compression=compression, warmup_steps=args.diloco_warmup,
+                                        fragment_update_alpha=args.fragment_alpha)
         return ddp, inner, diloco, diloco.flush
     # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
     buckets = args.buckets or (8 if args.mode.startswith("overlap") else 0)
