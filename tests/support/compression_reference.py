@@ -98,10 +98,15 @@ def chunk_of(count: int, nodes: int, kind: str = "2bit", block: int = 256) -> in
     return math.ceil(words / block) * block if kind in BLOCK_KINDS else words
 
 
+def result_kind_of(kind: str, compress_result) -> str:
+    """The sums' code: the one compress_result names, else the kind itself."""
+    return compress_result if isinstance(compress_result, str) else kind
+
+
 def chunk_for(count: int, nodes: int, kind: str, compress_result=False, block: int = 256) -> int:
     """The chunk of a mean whose sums come back as compress_result says (whole blocks if either code has them)."""
-    result_kind = compress_result if isinstance(compress_result, str) else kind
-    return chunk_of(count, nodes, kind if kind in BLOCK_KINDS or not compress_result else result_kind, block)
+    sums = result_kind_of(kind, compress_result) if compress_result else kind
+    return chunk_of(count, nodes, kind if kind in BLOCK_KINDS else sums, block)
 
 
 def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_result=False,
@@ -115,7 +120,7 @@ def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_re
     world = sum(len(ranks) for ranks in nodes)
     count = inputs[0][0].numel()
     first = [torch.zeros(count) if residuals is None else residuals[j].clone() for j in range(len(nodes))]
-    result_kind = compress_result if isinstance(compress_result, str) else kind
+    result_kind = result_kind_of(kind, compress_result)
     chunk = chunk_for(count, len(nodes), kind, compress_result, block)
     second = [torch.zeros(chunk) for _ in nodes]
     means = []
