@@ -10,7 +10,8 @@ the overlap all take the same):
 
 Every consumer gets an object with the same methods: start(tensors, params, last) -> Work,
 start_from(source, buffer, params, last), end_step(), reserve(params, device), for_group(group);
-saved_state() and load_state() carry its residuals in a checkpoint. Nothing outside this module tests for a compression type (tests/test_layering.py checks it).
+saved_state() and load_state() carry its residuals in a checkpoint. Nothing outside this module tests
+for a compression type (tests/test_layering.py checks it).
 """
 from __future__ import annotations
 
