@@ -83,24 +83,28 @@ def config_names():
 # ---- every strategy x dtype x size on CUDA tensors --------------------------------------------------
 
 def cuda_strategy_cases():
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     topology = torch_chainermn.topology()
-    outcome = {}
+    # single_node on several nodes is refused at creation: it runs on the ranks of one node (the largest:
+    # one rank under nccl_intra, where every rank is a node), the others only taking part in new_group.
+    node_ranks = max((list(ranks) for ranks in topology.ranks_of_node), key=len)
+    outcome = {"__single_node_ranks__": node_ranks}
     for name in STRATEGIES:
-        if name == "single_node" and topology.inter_size > 1:
+        ranks = node_ranks if name == "single_node" else list(range(world_size))
+        group = dist.new_group(ranks, backend="chainermn", pg_options=torch_chainermn.Options(communicator=name))
+        if rank not in ranks:
             continue
-        group = dist.new_group(list(range(size)), backend="chainermn",
-                               pg_options=torch_chainermn.Options(communicator=name))
+        group_rank, size = dist.get_rank(group), len(ranks)
         for dtype_name, dtype in DTYPES.items():
             case = f"{name}-{dtype_name}"
             try:
                 for n in SIZES:
                     for op in ("SUM", "AVG", "MAX"):
-                        tensor = small_values(rank, (n,), dtype).cuda()
+                        tensor = small_values(group_rank, (n,), dtype).cuda()
                         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
                         expected = reference_reduce([small_values(r, (n,), dtype) for r in range(size)], op)
                         assert_same(tensor.cpu(), expected, f"{case} all_reduce {op} of {n}")
-                tensors = [small_values(rank + i, (n,), dtype).cuda() for i, n in enumerate(SIZES)]
+                tensors = [small_values(group_rank + i, (n,), dtype).cuda() for i, n in enumerate(SIZES)]
                 dist.all_reduce_coalesced(tensors, group=group)
                 for i, (n, tensor) in enumerate(zip(SIZES, tensors)):
                     expected = reference_reduce([small_values(r + i, (n,), dtype) for r in range(size)], "SUM")
@@ -124,18 +128,27 @@ def cuda_strategy_cases():
 
 def check_outcomes(outcomes):
     failures = [f"rank {r} {case}:\n{error}" for r, outcome in enumerate(outcomes)
-                for case, error in outcome.items() if error]
+                for case, error in outcome.items() if error and not case.startswith("__")]
     assert not failures, "\n".join(failures[:5])
+
+
+def check_strategy_outcomes(outcomes):
+    """Every strategy ran on every rank of its group (single_node on the ranks of one node), and right."""
+    check_outcomes(outcomes)
+    node_ranks = outcomes[0]["__single_node_ranks__"]
+    for rank, outcome in enumerate(outcomes):
+        ran = {case.rsplit("-", 1)[0] for case in outcome if not case.startswith("__") and "-buffers" not in case}
+        assert ran == set(STRATEGIES) - ({"single_node"} if rank not in node_ranks else set()), (rank, sorted(ran))
 
 
 @pytest.mark.parametrize("config", config_names())
 def test_strategies_on_cuda_two_simulated_nodes_of_two(config):
-    check_outcomes(run_cuda(cuda_strategy_cases, 4, config, {"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=600))
+    check_strategy_outcomes(run_cuda(cuda_strategy_cases, 4, config, {"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=600))
 
 
 @pytest.mark.parametrize("config", config_names())
 def test_strategies_on_cuda_one_node(config):
-    check_outcomes(run_cuda(cuda_strategy_cases, 2, config, timeout=600))
+    check_strategy_outcomes(run_cuda(cuda_strategy_cases, 2, config, timeout=600))
 
 
 # ---- mean_coalesced: one-kernel pack/unpack with cast and scale ------------------------------------
@@ -493,7 +506,7 @@ def test_a_lost_rank_on_cuda_shrink_and_abort(config):
     shrunk group's CUDA all_reduce is right on ranks 0 and 1 of 2, and rank 1's abort fails rank 0's
     pending CUDA all_reduce with its reason."""
     outcomes = run_cuda(shrink_and_abort_on_cuda, 3, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=180,
-                        op_timeout=60, may_exit=(2,))
+                        op_timeout=60, dies={2: "killed by SIGKILL"})
     for rank in (0, 1):
         got = outcomes[rank]
         assert got["joined"] == 3.0 and "rank 2" in got["killed"] and "timed out" not in got["killed"], got
@@ -552,8 +565,21 @@ def nccl_readiness_cases():
         assert torch.allclose(tensor.cpu(), torch.full((5,), expected)), tensor
 
     def barrier_orders_the_device():
-        dist.barrier()
-        dist.barrier(async_op=True).wait()
+        # Over NCCL a barrier does as ProcessGroupNCCL's: it returns once the device has run it, and with
+        # it what the caller queued before (docs/collectives.md); on the host transports it orders the
+        # processes only. Either way a barrier's wait() leaves its Work completed.
+        over_nccl = torch_chainermn.get_options().cuda_transport == "nccl"
+        for wait in (lambda: dist.barrier(), lambda: dist.barrier(async_op=True).wait()):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued on the caller's stream
+            queued = torch.cuda.Event()
+            queued.record()
+            wait()
+            if over_nccl:
+                assert queued.query(), "the barrier returned before the device ran what was queued before it"
+            torch.cuda.synchronize()
+        work = dist.barrier(async_op=True)
+        work.wait()
+        assert work.is_completed(), "a barrier's Work was not completed after its wait()"
 
     def destroy_flushes_queued_work():
         group = dist.new_group(list(range(size)))

@@ -312,6 +312,7 @@ def extension_cases(directory):
 
 def test_extensions(tmp_path):
     crash_directory = tmp_path / "crash"
-    outcomes = run_spawn(crash_in_the_middle_of_a_save, 2, str(crash_directory), may_exit=(1,), timeout=120)
+    outcomes = run_spawn(crash_in_the_middle_of_a_save, 2, str(crash_directory), dies={1: "exit code 17"},
+                         timeout=120)
     assert outcomes[0] == [1, 2, 3, 4] and outcomes[1] is None
     assert run_spawn(extension_cases, 2, str(tmp_path), timeout=240) == [True, True]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 
-from tests.support.harness import run_spawn
+from tests.support.harness import cached_launch, run_spawn
 
 
 def dead_rank_on_another_node():
@@ -28,7 +28,7 @@ def dead_rank_on_another_node():
 
 def test_a_death_reaches_every_node_named():
     outcomes = run_spawn(dead_rank_on_another_node, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"},
-                         timeout=120, op_timeout=60, may_exit=(3,))
+                         timeout=120, op_timeout=60, dies={3: "exit code 0"})
     for rank in (0, 1, 2):
         message, waited = outcomes[rank]
         assert "rank 3 (host" in message and "died" in message, (rank, message)
@@ -73,13 +73,10 @@ def test_monitored_barrier_names_the_late_ranks_on_every_rank():
         assert "Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms" in late, (rank, late)
 
 
-_stalled = []
-
-
+@cached_launch
 def stalled_outcomes():
-    if not _stalled:
-        _stalled.append(run_spawn(stalled_rank, 3, timeout=120, op_timeout=60))
-    return _stalled[0]
+    """One launch for the two tests that read it (its failure too)."""
+    return run_spawn(stalled_rank, 3, timeout=120, op_timeout=60)
 
 
 def test_a_timeout_says_who_waited_and_the_late_rank_fails_at_once():

@@ -64,21 +64,22 @@ class WireMean:
 
 
 class DdpMean(WireMean):
-    """DDP's own mean, bit for bit: every gradient divided by the world size, then all_reduce'd (the
-    reducer's order)."""
+    """DDP's own mean, bit for bit: every gradient times 1/world size, then all_reduce'd (the reducer's
+    order, and its arithmetic: torch's reducer multiplies by the reciprocal, which at 3 ranks gives other
+    bits than a division; tests/test_overlap.py)."""
 
     def start(self, tensors, params=(), last: bool = True):
-        size = self.process_group.size()
+        scale = 1.0 / self.process_group.size()
         work = None
         for tensor in tensors:
-            tensor.div_(size)
+            tensor.mul_(scale)
             # A chainermn group completes its ops in issue order: the last one's Work covers them all.
             work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         return work
 
     def start_from(self, source: torch.Tensor, buffer: torch.Tensor, params=(), last: bool = True):
-        """The division writes the buffer: one pass over the gradients, not a copy and then a division."""
-        torch.div(source, self.process_group.size(), out=buffer)
+        """The scaling writes the buffer: one pass over the gradients, not a copy and then a scaling."""
+        torch.mul(source, 1.0 / self.process_group.size(), out=buffer)
         return dist.all_reduce(buffer, group=self.process_group, async_op=True)
 
 

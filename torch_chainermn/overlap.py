@@ -6,8 +6,8 @@ backward, and the optimizer steps a parameter only when the next forward reaches
 owns it: each module's forward pre-hook waits for its own parameters' buckets, writes their mean into
 `.grad`, steps them and clears their gradients. The next forward starts while later layers' means are
 still in flight; each layer waits only for its own. With a float32 wire, the parameters after every
-step are bit for bit those of DDP with the same optimizer (the same mean: each gradient divided by
-the world size, then summed, as DDP's reducer does; the same per-parameter update).
+step are bit for bit those of DDP with the same optimizer (the same mean: each gradient times 1/world
+size, then summed, as DDP's reducer does; the same per-parameter update).
 
     ddp = DistributedDataParallel(model)                      # on a chainermn group
     optimizer = torch_chainermn.OverlapNextForward(ddp, torch.optim.AdamW, lr=1e-3)

@@ -12,9 +12,12 @@ run that outlives `timeout` is killed, so a hang fails the test instead of stall
 
 Every rank's end is checked, not only its result: a rank that returns and then crashes (a signal, a
 non-zero exit) or hangs in the teardown (the closing barrier, destroy_process_group, the interpreter's
-shutdown) fails the run, naming the rank and how it ended. A test that means ranks to die names them in
-`may_exit`: those may end any way, and the survivors' teardown then passes a closing barrier that fails
-on the broken group (it still destroys the group and must end cleanly).
+shutdown) fails the run, naming the rank and how it ended. A test that means ranks to die names them and
+their end in `dies` ({1: "exit code 0"}, {2: "killed by SIGKILL"}): each must end that way before the
+deadline without returning (neither a result nor an exception), and the survivors' teardown then passes
+a closing barrier that fails on the broken group (it still destroys the group and must end cleanly). A
+survivor whose default group broke (a dead or departed peer, an abort, a timeout) fails the run unless
+the test declared a death or said the group may break (`group_may_break=True`).
 
 `run_job` runs any command line that way (a launcher and the ranks it starts), for tests that check
 what a whole job does.
@@ -92,9 +95,10 @@ def _resolve(reference: str):
 
 
 def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_s: float,
-              deaths_declared: bool = False) -> None:
+              group_may_break: bool = False) -> None:
     """Body of every rank: init, run, write the result (or the traceback) to out_dir/<rank>.pkl, then leave
-    together. `deaths_declared`: the test means some ranks to die, so the closing barrier may fail."""
+    together. `group_may_break`: the test means some ranks to die or the default group to break, so a
+    broken default group is no failure and the closing barrier may fail."""
     import datetime
 
     import torch.distributed as dist
@@ -111,6 +115,11 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
         outcome["value"] = _resolve(reference)(*args, **kwargs)
     except BaseException:  # noqa: BLE001  report everything to the parent
         outcome["error"] = traceback.format_exc()
+    if "error" not in outcome and not group_may_break and dist.is_initialized():
+        broken = _broken_reason()
+        if broken:  # nobody was meant to die and nothing was meant to break it: the run must say so
+            outcome["error"] = (f"the default group broke: {broken}\n(a test that means it to break declares "
+                                f"the death in run_spawn's dies=, or passes group_may_break=True)")
     tmp = Path(out_dir) / f".{rank}.tmp"
     with open(tmp, "wb") as f:
         pickle.dump(outcome, f)
@@ -119,27 +128,27 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
         # Rank 0 hosts the store: it must not leave while others may still use it. A group the test saw
         # break (a dead or departed peer, an abort: its ops fail from then on) has no closing barrier.
         try:
-            if not _group_broken():
+            if not _broken_reason():
                 dist.barrier()
         except Exception:  # noqa: BLE001
-            if not deaths_declared:  # nobody was meant to die: the group broke, and the run must say so
+            if not group_may_break:  # nobody was meant to die: the group broke, and the run must say so
                 raise
         finally:
             dist.destroy_process_group()
 
 
-def _group_broken() -> bool:
-    """Whether the default group runs on chainermn and says it is unusable after a failure."""
+def _broken_reason() -> str:
+    """Why the default group, on chainermn, is unusable after a failure ("" while it is usable)."""
     import torch_chainermn
 
     try:
         backend = torch_chainermn._backend.backend_of()
     except ValueError:  # another backend (a test of torch's own)
-        return False
-    return bool(backend.broken_reason())
+        return ""
+    return backend.broken_reason()
 
 
-def _spawn_target(reference, args_path, out_dir, init, timeout_s, deaths_declared, env, output):
+def _spawn_target(reference, args_path, out_dir, init, timeout_s, group_may_break, env, output):
     import faulthandler
 
     output.restore()
@@ -154,7 +163,7 @@ def _spawn_target(reference, args_path, out_dir, init, timeout_s, deaths_declare
         import torch
 
         torch._C._set_print_stack_traces_on_fatal_signal(True)
-    rank_main(reference, args_path, out_dir, init, timeout_s, deaths_declared)
+    rank_main(reference, args_path, out_dir, init, timeout_s, group_may_break)
 
 
 def _forked_target(*args):
@@ -246,25 +255,27 @@ def _exit_description(code) -> str:
     return f"exit code {code}"
 
 
-def _collect(out_dir: Path, world_size: int, how: str, may_exit=()) -> list:
-    results, errors = [], []
+def _outcomes(out_dir: Path, world_size: int) -> list:
+    """What each rank wrote: {"value": ...} or {"error": traceback}, or None where it wrote nothing."""
+    outcomes = []
     for rank in range(world_size):
         path = out_dir / f"{rank}.pkl"
-        if not path.exists() and rank in may_exit:
-            results.append(None)
-            continue
-        if not path.exists():
-            errors.append(f"rank {rank}: no result ({how})")
-            results.append(None)
-            continue
-        with open(path, "rb") as f:
-            outcome = pickle.load(f)
-        if "error" in outcome:
-            errors.append(f"rank {rank} raised:\n{outcome['error']}")
-        results.append(outcome.get("value"))
+        if path.exists():
+            with open(path, "rb") as f:
+                outcomes.append(pickle.load(f))
+        else:
+            outcomes.append(None)
+    return outcomes
+
+
+def _collect(out_dir: Path, world_size: int, how: str) -> list:
+    """Every rank's result; RankFailure naming each rank that raised or wrote none (`how`: how the job ended)."""
+    outcomes = _outcomes(out_dir, world_size)
+    errors = [f"rank {rank}: no result ({how})" if outcome is None else f"rank {rank} raised:\n{outcome['error']}"
+              for rank, outcome in enumerate(outcomes) if outcome is None or "error" in outcome]
     if errors:
         raise RankFailure("\n".join(errors))
-    return results
+    return [outcome["value"] for outcome in outcomes]
 
 
 def _write_args(tmp: Path, args, kwargs) -> str:
@@ -349,12 +360,16 @@ def run_job(command: list, env: dict, timeout: float, cwd=REPO, what: str = "the
 
 
 def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
-              init=True, may_exit=(), **kwargs) -> list:
+              init=True, dies=None, group_may_break=False, **kwargs) -> list:
     """Run fn on world_size new processes (env:// rendezvous, Gloo transport).
 
-    Ranks in `may_exit` are allowed to end without a result, or in any other way (tests of a rank dying);
-    every other rank must end cleanly (exit 0) within `timeout`, its result written.
+    `dies`: {rank: how it must end} for the ranks the test means to die, as the harness describes an end
+    ("exit code 0", "killed by SIGKILL"): each must end so before `timeout`, without returning (neither
+    a result nor an exception); its place in the results is None. Every other rank must end cleanly
+    (exit 0) within `timeout`, its result written. `group_may_break`: the test means the default group to
+    break though no rank dies (a peer that leaves it on purpose, an abort); with `dies` it may break too.
     """
+    dies = dict(dies or {})
     port = free_port()
     # Each rank's whole environment: a forkserver's child starts from the server's, not from ours.
     rank_envs = [{
@@ -376,8 +391,8 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
         for rank_vars in rank_envs:
             p = ctx.Process(
                 target=_forked_target if ctx.get_start_method() == "forkserver" else _spawn_target,
-                args=(_reference(fn), args_path, str(tmp), init, op_timeout, bool(may_exit), rank_vars,
-                      _TestOutput()),
+                args=(_reference(fn), args_path, str(tmp), init, op_timeout, bool(dies) or group_may_break,
+                      rank_vars, _TestOutput()),
             )
             p.start()
             procs.append(p)
@@ -392,12 +407,27 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
         ends = {rank: f"still running after {timeout:.0f} s, killed" if rank in hung
                 else _exit_description(p.exitcode) for rank, p in enumerate(procs)}
         how = ", ".join(f"rank {rank} {end}" for rank, end in ends.items())
-        results = _collect(tmp, world_size, how, may_exit)
-        bad = [f"rank {rank} returned its result, then ended badly: {ends[rank]}"
-               for rank in range(world_size) if rank not in may_exit and (rank in hung or procs[rank].exitcode != 0)]
-        if bad:
-            raise RankFailure("\n".join(bad) + "\n(a rank meant to die goes in may_exit; see tests/support/harness.py)")
-        return results
+        outcomes = _outcomes(tmp, world_size)
+        problems = []
+        for rank, outcome in enumerate(outcomes):
+            if rank in dies:
+                meant = f"rank {rank} was meant to die ({dies[rank]})"
+                if outcome is not None and "error" in outcome:
+                    problems.append(f"{meant} but raised:\n{outcome['error']}")
+                elif outcome is not None:
+                    problems.append(f"{meant} but returned its result, then ended: {ends[rank]}")
+                elif ends[rank] != dies[rank]:
+                    problems.append(f"{meant} but was {ends[rank]}" if rank in hung else f"{meant} but ended: {ends[rank]}")
+            elif outcome is None:
+                problems.append(f"rank {rank}: no result ({how})")
+            elif "error" in outcome:
+                problems.append(f"rank {rank} raised:\n{outcome['error']}")
+            elif rank in hung or procs[rank].exitcode != 0:
+                problems.append(f"rank {rank} returned its result, then ended badly: {ends[rank]}")
+        if problems:
+            raise RankFailure("\n".join(problems) + "\n(a rank meant to die goes in dies=, with its end; see "
+                              "tests/support/harness.py)")
+        return [None if outcome is None else outcome["value"] for outcome in outcomes]
 
 
 def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=60.0, init=True,
