@@ -14,13 +14,11 @@ each case is then reported as its own test, as tests/test_collectives.py does. P
 job of its own, so that a transfer failure (which makes the group unusable) cannot take the
 collectives with it.
 """
-import functools
-
 import pytest
 import torch
 
 from tests.support import collective_cases
-from tests.support.harness import RankFailure
+from tests.support.harness import cached_launch
 from tests.test_cuda import config_names, cuda_configurations, run_cuda
 
 pytestmark = pytest.mark.cuda
@@ -47,20 +45,16 @@ def point_to_point_job():
     return run_on_gpu(POINT_TO_POINT)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_launch
 def outcomes(config: str, job: str):
     """Every rank's outcome of one job, run once per configuration. A job that fails as a whole (a
-    hang, a crash) is remembered too, so each of its cases reports it without running it again."""
-    try:
-        fn = collectives_job if job == "collectives" else point_to_point_job
-        return run_cuda(fn, 2, config, timeout=600, op_timeout=120), None
-    except RankFailure as failure:
-        return None, str(failure)
+    hang, a crash, any error) is remembered too, so each of its cases reports it without running it again."""
+    fn = collectives_job if job == "collectives" else point_to_point_job
+    return run_cuda(fn, 2, config, timeout=600, op_timeout=120)
 
 
 def check_case(config: str, job: str, case: str) -> None:
-    results, job_failure = outcomes(config, job)
-    assert job_failure is None, f"the {job} job failed as a whole:\n{job_failure}"
+    results = outcomes(config, job)  # the job's failure as a whole, raised again for each of its cases
     configured = cuda_configurations()[config][0]["CHAINERMN_CUDA_TRANSPORT"]
     assert all(r["__cuda_transport__"] == configured for r in results), [r["__cuda_transport__"] for r in results]
     failures = [f"rank {rank}:\n{r[case]}" for rank, r in enumerate(results) if r[case]]

@@ -12,7 +12,6 @@ FSDP2 issues its all-gathers and reduce-scatters (ReduceOp.AVG) from streams of 
 for them through the Work: a backend that did not order its work after the caller's stream, or the
 caller's stream after its work, would read or write those buffers too early.
 """
-import functools
 import tempfile
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support import fsdp_cases, local_sgd_cases
-from tests.support.harness import RankFailure
+from tests.support.harness import cached_launch
 from tests.test_cuda import config_names, run_cuda
 from tests.test_torch_parallel import checkpoint, fsdp2, make_model, zero
 
@@ -41,22 +40,13 @@ def both_backends(directory):
     return results
 
 
-@functools.lru_cache(maxsize=None)
-def outcomes(config: str):
-    """Every rank's results, run once per configuration; a job that fails as a whole is remembered
-    too, so the next test reports it without running it again."""
-    with tempfile.TemporaryDirectory(prefix="chainermn-dcp-cuda-") as directory:
-        try:
-            return run_cuda(both_backends, 2, config, directory=directory, nccl_reference=True, timeout=300,
-                            op_timeout=120), None
-        except RankFailure as failure:
-            return None, str(failure)
-
-
+@cached_launch
 def results_of(config: str):
-    results, failure = outcomes(config)
-    assert failure is None, f"the job failed:\n{failure}"
-    return results
+    """Every rank's results, run once per configuration; a job that fails as a whole (any error) is
+    remembered too, so the next test reports it without running it again."""
+    with tempfile.TemporaryDirectory(prefix="chainermn-dcp-cuda-") as directory:
+        return run_cuda(both_backends, 2, config, directory=directory, nccl_reference=True, timeout=300,
+                        op_timeout=120)
 
 
 @pytest.mark.parametrize("config", config_names())

@@ -30,21 +30,24 @@ SCRIPT = textwrap.dedent('''
         global_except_hook.add_hook()
     dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=600))
     rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
     dist.barrier()
     if rank == 1:
         print("rank 1 about to fail")           # not flushed: the hook must flush it
-        time.sleep(0.5)                          # let rank 0 enter its collective first
+        store.wait(["rank 0 enters its collective"])  # fail while rank 0 waits in it
         if os.environ.get("FAIL_IN_THREAD"):
             def work():
                 raise RuntimeError("deliberate failure in a thread of rank 1")
             threading.Thread(target=work, name="loader").start()
-            time.sleep(600)
+            time.sleep(600)                      # the main thread lives on: the thread's failure must end it
         raise RuntimeError("deliberate failure on rank 1")
+    store.set("rank 0 enters its collective", "1")
     if os.environ.get("WAIT_OP") == "all_reduce":
         dist.all_reduce(torch.ones(16))
     else:
         dist.barrier()
-    time.sleep(600)                              # rank 0 must never get past its collective quietly
+    time.sleep(600)                              # rank 0 must never get past its collective quietly: if it
+                                                 # does, the job runs past JOB_TIMEOUT_S and fails
     print("rank 0 finished")
 ''')
 
@@ -80,10 +83,11 @@ def test_torchrun_job_ends_when_a_thread_raises_over_gloo(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec is not installed")
 def test_mpiexec_job_is_aborted_when_one_rank_raises(tmp_path):
     # Without shared memory rank 0 blocks in an MPI barrier that only MPI_Abort can end.
     # The hook is installed from CHAINERMN_FORCE_ABORT_ON_EXCEPTION, as a user of ChainerMN would.
+    # Without mpiexec this fails, as every other MPI test does (make install sets up Open MPI).
+    assert MPIEXEC is not None, "mpiexec is not installed (make install sets up Open MPI)"
     returncode, output = run_failing_job(
         tmp_path, [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable],
         {"CHAINERMN_SHM": "0", "CHAINERMN_FORCE_ABORT_ON_EXCEPTION": "1"})

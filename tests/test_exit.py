@@ -50,18 +50,20 @@ def test_exit_with_operations_in_flight(tmp_path):
 
 
 RELEASE_SCRIPT = textwrap.dedent("""
-    import time
     import torch
     import torch.distributed as dist
     import torch_chainermn
 
     dist.init_process_group("chainermn")
     rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
     group = dist.new_group(backend="chainermn")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
-    if rank == 1:
-        time.sleep(2)  # rank 0's op waits for this one while rank 0 lets go of the group
+    if rank == 1:  # rank 0's op waits for this one while rank 0 lets go of the group
+        store.wait(["rank 0 lets go of the group"])
     dist.all_reduce(torch.ones(1 << 20), group=group, async_op=True)  # only the op holds the tensor
+    if rank == 0:
+        store.set("rank 0 lets go of the group", "1")
     dist.destroy_process_group(group)
     del group
     del model  # the DDP Reducer held the last reference: the group's threads are joined here

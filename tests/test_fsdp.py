@@ -1,11 +1,10 @@
 """torch_chainermn.fsdp: FSDP2 with two-hop reduce-scatter and all-gather (tests/support/fsdp_cases.py)."""
-import functools
 import tempfile
 
 import pytest
 
 from tests.support import fsdp_cases
-from tests.support.harness import run_spawn
+from tests.support.harness import cached_launch, run_spawn
 
 
 def language_model_then_cases(directory: str) -> tuple:
@@ -13,7 +12,7 @@ def language_model_then_cases(directory: str) -> tuple:
     return fsdp_cases.lm_validation_losses(), fsdp_cases.cases(directory)
 
 
-@functools.lru_cache(maxsize=None)
+@cached_launch
 def job(ranks_per_node: int) -> list:
     """Each rank's (LM losses or None, cases) on 2 nodes of `ranks_per_node`. 2 x 2 runs both tests'
     parts in one launch (4 processes start slowly on a 2-core machine)."""

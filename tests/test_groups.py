@@ -1,5 +1,4 @@
 """Sub-groups from new_group and new_subgroups, concurrent groups, and the asynchronous contract."""
-import time
 
 import pytest
 import torch
@@ -68,13 +67,19 @@ def test_subgroups_over_mpi():
 
 
 def async_does_not_block():
-    """Rank 1 joins a second late: rank 0's async all_reduce must return at once, not after it."""
+    """Rank 1 joins only once rank 0's async all_reduce has returned (told through the store): the call
+    must return before its peer comes (else the two wait for each other until the run's deadline), with
+    the op still pending."""
     rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
     t = torch.ones(4)
     if rank == 1:
-        time.sleep(1.0)
+        store.wait(["rank 0's all_reduce returned"])
+        dist.all_reduce(t)
+        return None, t.tolist()
     work = dist.all_reduce(t, async_op=True)
     pending_right_after_issue = not work.is_completed()
+    store.set("rank 0's all_reduce returned", "1")
     work.wait()
     return pending_right_after_issue, t.tolist()
 

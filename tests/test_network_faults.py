@@ -73,16 +73,21 @@ class Job:
             found[report["rank"]] = report
         return found
 
-    def wait_for_step(self, step: int, timeout: float = 60.0) -> None:
+    def wait_until(self, reached, what: str, timeout: float = 60.0) -> None:
+        """Until `reached(reports)` holds, reading the ranks' reports every 50 ms; it failing to within
+        `timeout`, or a torchrun ending first, fails the test."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             reports = self.reports()
-            if reports and all(r["steps"] >= step for r in reports.values()):
+            if reports and reached(reports):
                 return
             if any(p.poll() is not None for p in self.procs):
                 break
             time.sleep(0.05)
-        raise AssertionError(f"the job did not reach step {step}:\n{self.logs()}")
+        raise AssertionError(f"the job did not reach {what}:\n{self.logs()}")
+
+    def wait_for_step(self, step: int, timeout: float = 60.0) -> None:
+        self.wait_until(lambda reports: all(r["steps"] >= step for r in reports.values()), f"step {step}", timeout)
 
     def wait(self, timeout: float) -> list:
         """Every torchrun's exit status; a job still running after `timeout` s is killed and fails."""
@@ -168,7 +173,10 @@ def test_the_job_restarts_from_its_checkpoint_once_the_link_is_back(unfaulted, t
     job = Job(tmp_path, "--pause", "0.05", "--timeout", str(timeout), "--checkpoint", restarts=1)
     job.wait_for_step(8)
     netns.set_link(1, up=False)
-    time.sleep(timeout + 3)  # both nodes' ranks fail; node 1's torchrun waits for the store to restart them
+    # Both nodes' ranks fail (each reports its error before it exits); node 1's torchrun then waits for
+    # the store to restart them, which only the link's return lets it reach.
+    job.wait_until(lambda reports: len(reports) == 2 and all("error" in r for r in reports.values()),
+                   "both ranks' errors", timeout + SLACK_S + 20)
     netns.set_link(1, up=True)
     assert job.wait(120) == [0, 0], job.logs()
     for rank, report in job.reports().items():

@@ -6,7 +6,6 @@ nothing else can free a caller that waits in them. A dead peer and a peer's abor
 test_failures.py and test_survival.py, whose ops wait at once; an async op whose peers come only
 after it returned by collective_cases.wait_with_timeout_case."""
 import datetime
-import functools
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 from torch_chainermn import _C
-from tests.support.harness import run_spawn
+from tests.support.harness import cached_launch, run_spawn
 
 
 @pytest.mark.parametrize("how, said", [("timeout", "timed out"), ("abort", "the test aborted the group")])
@@ -80,7 +79,7 @@ def issue_order_then_a_short_timeout():
     return issue_order_with_ops_in_flight(), barrier_with_a_short_timeout()
 
 
-@functools.lru_cache(maxsize=None)
+@cached_launch
 def launched():
     return run_spawn(issue_order_then_a_short_timeout, 2, timeout=60, env={"CHAINERMN_SHM": "1"})
 

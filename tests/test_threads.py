@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -418,6 +419,8 @@ def test_shared_memory_receives_of_any_size():
     # Transport::recvAnySize: the message lands in a tensor of the sender's count and dtype, whether
     # the receive came first, the message waited in the ring, or it was streaming past the ring
     # (larger than half of it) when the receive came.
+    big_sent = threading.Event()  # the ranks are threads of this process
+
     def per_rank(r):
         t = r.world
         big = torch.arange(BIG, dtype=torch.float32)
@@ -426,7 +429,8 @@ def test_shared_memory_receives_of_any_size():
             t.send(torch.arange(5, dtype=torch.int64), 1, tag=1).wait()
             t.send(torch.tensor([1.5, 2.5], dtype=torch.float64), 1, tag=2).wait()
             t.barrier()
-            sent = t.send(big, 1, tag=3)
+            sent = t.send(big, 1, tag=3)  # returns with the first ring-full written (the mailbox
+            big_sent.set()                # progresses at once); the other 11 MB follow as room frees
             sent.wait()
             t.barrier()
             return True
@@ -435,7 +439,7 @@ def test_shared_memory_receives_of_any_size():
         got = [first.wait()]
         t.barrier()  # the tag-2 message waited in the ring until now
         got.append(t.recv_any_size(0, tag=2).wait())
-        time.sleep(0.001)  # the big message is streaming past the ring meanwhile
+        assert big_sent.wait(30)  # the big message is streaming past the ring now
         got.append(t.recv_any_size(0, tag=3).wait())
         t.barrier()
         return (torch.equal(got[0], torch.arange(5, dtype=torch.int64))

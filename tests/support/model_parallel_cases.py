@@ -8,7 +8,6 @@ the model from one seed (float64), keeps its own part, and also runs the whole m
 from __future__ import annotations
 
 import datetime
-import functools
 import traceback
 
 import torch
@@ -306,21 +305,17 @@ def battery(sizes, parts):
     return report
 
 
-@functools.lru_cache(maxsize=None)
+@harness.cached_launch
 def _run_battery():
-    try:
-        return harness.run_spawn(battery, 4, (2, 3, 4), ("functions", "model_parallel"), timeout=300,
-                                 op_timeout=60), None
-    except harness.RankFailure as failure:  # kept, so that the other tests do not run the job again
-        return None, failure
+    """Run once per session; a failure of the job as a whole (any error) is kept too, so that the other
+    tests report it without running the job again."""
+    return harness.run_spawn(battery, 4, (2, 3, 4), ("functions", "model_parallel"), timeout=300, op_timeout=60)
 
 
 def report():
     """The battery's report, run once per session on 4 ranks (communicators of 2, 3 and 4 ranks in
     it): {check: [None or traceback, per rank]}."""
-    results, failure = _run_battery()
-    if failure is not None:
-        raise AssertionError(f"the model-parallel job failed as a whole:\n{failure}")
+    results = _run_battery()
     return {name: [r.get(name) for r in results] for name in results[0]}
 
 
