@@ -64,14 +64,14 @@ def test_a_rank_that_writes_no_result_fails_the_run():
 
 
 @pytest.mark.parametrize("what,declared,said", [
-    ("hang", "exit code 0", "rank 1 was meant to die (exit code 0) but was still running after 20 s, killed"),
+    ("hang", "exit code 0", "rank 1 was meant to die (exit code 0) but was still running after 10 s, killed"),
     ("return", "exit code 0", "rank 1 was meant to die (exit code 0) but returned its result, then ended: exit code 0"),
     ("raise", "exit code 0", "rank 1 was meant to die (exit code 0) but raised:"),
     ("exit 3", "killed by SIGKILL", "rank 1 was meant to die (killed by SIGKILL) but ended: exit code 3"),
 ], ids=["hangs", "returns", "raises", "ends-otherwise"])
 def test_a_rank_meant_to_die_that_does_not_die_as_declared_fails_the_run(what, declared, said):
     with pytest.raises(RankFailure) as info:
-        run_spawn(rank_one_does, 2, what, init=False, dies={1: declared}, timeout=20 if what == "hang" else 60)
+        run_spawn(rank_one_does, 2, what, init=False, dies={1: declared}, timeout=10 if what == "hang" else 60)
     message = str(info.value)
     assert said in message, message
     assert "rank 0" not in message.split("\n(a rank meant")[0], message  # rank 0 ended as it should
