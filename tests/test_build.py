@@ -46,23 +46,25 @@ class _StopBeforeCompiling(Exception):
     pass
 
 
-def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True):
+def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True, arch_list="9.0"):
     """The Extension setup.py passes to setup() for this (cuda, mpi, testing), without building anything."""
-    (ext,) = setup_py_arguments(monkeypatch, tmp_path, cuda, mpi, testing)["ext_modules"]
+    (ext,) = setup_py_arguments(monkeypatch, tmp_path, cuda, mpi, testing, arch_list)["ext_modules"]
     return ext
 
 
-def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=True):
-    """Everything setup.py passes to setup() for this (cuda, mpi, testing), without building anything."""
+def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=True, arch_list="9.0"):
+    """Everything setup.py passes to setup() for this (cuda, mpi, testing), without building anything.
+    A CUDA build gets TORCH_CUDA_ARCH_LIST=`arch_list` (None: unset, as on a build node)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("CHAINERMN_TESTING", "1" if testing else "0")
     monkeypatch.setattr(sys, "path", list(sys.path))  # setup.py prepends tools/
     monkeypatch.delenv("CHAINERMN_NO_CUDA", raising=False)
-    if mpi:  # an mpicc that answers --showme:compile / --showme:link
+    if mpi:  # an mpicc that answers --showme:compile / --showme:link (made once per test)
         fake = tmp_path / "bin"
-        fake.mkdir()
-        (fake / "mpicc").write_text("#!/bin/sh\necho -I/nonexistent/mpi/include\n")
-        (fake / "mpicc").chmod(0o755)
+        if not fake.exists():
+            fake.mkdir()
+            (fake / "mpicc").write_text("#!/bin/sh\necho -I/nonexistent/mpi/include\n")
+            (fake / "mpicc").chmod(0o755)
         monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
         monkeypatch.delenv("CHAINERMN_NO_MPI", raising=False)
     else:
@@ -70,7 +72,10 @@ def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=Tru
     if cuda:  # a CUDA torch, as setup.py asks for one (torch.version.cuda and CUDA_HOME)
         monkeypatch.setattr(torch.version, "cuda", "13.0")
         monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/nonexistent/cuda")
-        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")  # no GPU to ask
+        if arch_list is None:
+            monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)  # no GPU to ask
     else:
         monkeypatch.setenv("CHAINERMN_NO_CUDA", "1")
     captured = {}
@@ -110,7 +115,10 @@ def test_setup_py_builds_the_shared_list(monkeypatch, tmp_path, cuda, mpi, testi
     macros = dict(ext.define_macros)
     assert ("CHAINERMN_WITH_MPI" in macros) == mpi
     assert ("CHAINERMN_WITH_CUDA" in macros) == cuda
-    assert ("CHAINERMN_WITH_TESTING" in macros) == testing
+    # A test build compiles every common source exactly as a user's build does (it only links the
+    # harnesses in: csrc/python/submodules.h), so the two share objects and a wheel only relinks.
+    user = setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=False)
+    assert (ext.define_macros, ext.extra_compile_args) == (user.define_macros, user.extra_compile_args)
 
 
 @pytest.mark.parametrize("cuda,mpi", BUILDS, ids=BUILD_IDS)
@@ -133,9 +141,10 @@ def test_a_user_build_has_no_test_harness():
         user = set(build_sources.sources(cuda=cuda, mpi=mpi))
         test = set(build_sources.sources(cuda=cuda, mpi=mpi, testing=True))
         assert not user & harness and test - user == harness
+    # The module's init knows no harness by name: the harness registers itself where it is linked.
     bindings = (ROOT / "csrc" / "python" / "bindings.cpp").read_text()
-    guarded = bindings.split("#ifdef CHAINERMN_WITH_TESTING")
-    assert "python/testing.h" not in guarded[0] and "bindTesting" not in guarded[0]
+    assert "python/testing.h" not in bindings and "bindTesting" not in bindings
+    assert "registerSubmodule(\"testing\"" in (ROOT / "csrc" / "python" / "testing.cpp").read_text()
 
 
 def test_each_source_is_in_the_builds_it_belongs_to():

@@ -6,9 +6,11 @@
 #
 #   VENV        the CUDA venv (default /tmp/cudavenv); created and filled when it has no torch
 #   PYTHON      the interpreter that creates it (default python3)
-#   TORCH       the torch to install (default torch==2.13.0: PyPI's Linux wheel, CUDA 13.0)
+#   TORCH       the torch to install (default torch==2.13.0: PyPI's Linux wheel, CUDA 13.0; torch==2.14.1
+#               for the newest supported, with VENV=/tmp/cudavenv-2.14)
 #   CUDA_HOME   the toolkit with nvcc (default /usr/local/cuda)
-#   ARCH        TORCH_CUDA_ARCH_LIST (default 9.0 = H100): there is no GPU to ask
+#   ARCH        TORCH_CUDA_ARCH_LIST (e.g. 9.0 = H100, the quick check); unset: setup.py's default
+#               without a GPU, every architecture the installed torch was built for
 #   JOBS        ninja jobs, MAX_JOBS (default 2)
 #   BUILD_DIR   where the working tree is copied and built (default /tmp/chainermn-cuda-build), so
 #               the checkout's in-place CPU module is left alone; a second run rebuilds only changes
@@ -22,7 +24,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-/tmp/cudavenv}
 TORCH=${TORCH:-torch==2.13.0}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export TORCH_CUDA_ARCH_LIST=${ARCH:-9.0}
+# No ARCH: setup.py's default without a GPU, the architectures the installed torch was built for.
+if [ -n "${ARCH:-}" ]; then export TORCH_CUDA_ARCH_LIST=$ARCH; else unset TORCH_CUDA_ARCH_LIST; fi
 export MAX_JOBS=${JOBS:-2}
 BUILD_DIR=${BUILD_DIR:-/tmp/chainermn-cuda-build}
 
@@ -37,15 +40,8 @@ fi
 "$VENV/bin/python" -c "import torch, sys; print('torch', torch.__version__); sys.exit(torch.version.cuda is None)" \
   || { echo "$VENV has a CPU-only torch" >&2; exit 2; }
 
-mkdir -p "$BUILD_DIR"
-# Copy only what differs, with a fresh mtime, so ninja rebuilds exactly the changed sources (tar
-# would restore the checkout's older mtimes, and ninja would keep objects of other contents).
-(cd "$repo" && git ls-files -co --exclude-standard) | while read -r file; do
-  if ! cmp -s "$repo/$file" "$BUILD_DIR/$file"; then
-    mkdir -p "$BUILD_DIR/$(dirname "$file")"
-    cp "$repo/$file" "$BUILD_DIR/$file"
-  fi
-done
+# Only what differs is copied, with a fresh mtime, so ninja rebuilds exactly the changed sources.
+python3 "$repo/tools/mirror_tree.py" "$BUILD_DIR"
 cd "$BUILD_DIR"
 CHAINERMN_TESTING=1 "$VENV/bin/python" setup.py build_ext --inplace  # the test build
 

@@ -4,9 +4,7 @@
 #include "backend/transport_plan.h"
 #include "runtime/worker.h"
 #include "comm/gloo.h"
-#ifdef CHAINERMN_WITH_TESTING
-#include "python/testing.h"
-#endif
+#include "python/submodules.h"
 #include "strategies/strategy.h"
 #include "terminate_report.h"
 #include "topology.h"
@@ -280,10 +278,8 @@ PYBIND11_MODULE(_C, m) {
         return c10::make_intrusive<chainermn::BackendOptions>(o);
       });
 
-#ifdef CHAINERMN_WITH_TESTING  // a test build only (tools/build_sources.py)
-  auto testing = m.def_submodule("testing", "in-process harnesses for the C++ layers (tests only)");
-  chainermn::bindTesting(testing);
-#endif
+  // _C.testing in a test build: csrc/python/testing.cpp registers it when the build links it in.
+  chainermn::bindRegisteredSubmodules(m);
 
   m.attr("cuda_built") = chainermn::cudaBuilt();
   m.attr("cuda_transports") = chainermn::cudaTransportNames();

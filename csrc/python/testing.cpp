@@ -2,6 +2,7 @@
 // threads; every call below releases the GIL while they run, and a rank's Python function takes it
 // only while it runs Python code.
 #include "python/testing.h"
+#include "python/submodules.h"
 #include "thread_name.h"
 
 #include "backend/device_context.h"
@@ -279,6 +280,10 @@ int waiterPoolRounds(int inFlight, int rounds, double timeout) {
 }
 
 } // namespace
+
+// _C.testing exists in the builds that link this file: the test build (tools/build_sources.py).
+static const bool registered =
+    registerSubmodule("testing", "in-process harnesses for the C++ layers (tests only)", bindTesting);
 
 void bindTesting(py::module_& testing) {
   testing.attr("any_source") = kAnySource;
