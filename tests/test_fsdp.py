@@ -78,7 +78,8 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(ranks_per_node):
                 "type": "type: rank 0 has type='2bit'; rank{s} {others} {have} type='1bit'",
                 "block": "block: rank 0 has block=256; rank{s} {others} {have} block=128",
                 "keep": "keep: rank 0 has keep=8; rank{s} {others} {have} keep=4",
-                "weights": "weights: rank 0 has weights='int8'; rank{s} {others} {have} weights='float32'"}
+                "weights": "weights: rank 0 has weights='int8'; rank{s} {others} {have} weights='float32'",
+                "object": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25"}
     s = "s" if ranks_per_node > 1 else ""
     outcomes = [cases["differing"] for _, cases in job(ranks_per_node)]
     for rank, differing in enumerate(outcomes):
@@ -87,6 +88,15 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(ranks_per_node):
             message = f"{op}: the ranks differ in " + text.format(s=s, others=others, have=have)
             assert differing[setting] == message, f"rank {rank}, {setting}: {differing[setting]!r}"
         assert "block must be an int >= 1, got 0 (on rank 1)" in differing["refused"], differing["refused"]
+
+
+def test_the_old_spelling_warns_at_the_caller():
+    """gradients= (positional here) still works, with a DeprecationWarning naming compression= that
+    points at the caller's line."""
+    for rank, (_, cases) in enumerate(job(1)):
+        assert cases["old spelling"] == [
+            ("DeprecationWarning", "torch_chainermn.fsdp.compress_between_nodes: gradients= is deprecated, use "
+             'compression= ({"type": code}, or None for "float32")', "fsdp_cases.py")], (rank, cases["old spelling"])
 
 
 def test_language_model_with_codes_stays_near_fsdp2():

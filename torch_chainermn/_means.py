@@ -175,13 +175,14 @@ def load_state(mean, state, op: str) -> None:
         mean.load_state_dict(state)
 
 
-def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None) -> tuple:
+def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None,
+                        how: str = "it takes the same values") -> tuple:
     """(the value given as `new=` or under its old spelling `old=`, the spelling used: what an error
-    about it names). The old spelling warns (a DeprecationWarning naming the new one); both: ValueError."""
+    about it names). The old spelling warns (a DeprecationWarning naming the new one, and `how` to
+    write it); both: ValueError."""
     if old_value is unset:
         return new_value, new
     if new_value is not unset:
         raise ValueError(f"{op}: give {new}= only ({old}= is its old spelling), not both")
-    warnings.warn(f"{op}: {old}= is deprecated, use {new}= (it takes the same values)", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(f"{op}: {old}= is deprecated, use {new}= ({how})", DeprecationWarning, stacklevel=3)
     return old_value, old

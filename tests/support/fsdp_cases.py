@@ -1,6 +1,9 @@
 """torch_chainermn.fsdp on real ranks: FSDP2 with two-hop collectives against FSDP2's own, same group."""
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -230,6 +233,8 @@ def differing_settings() -> dict:
              "block": {"compression": {"type": "int8", "block": 256 if first else 128}},
              "keep": {"compression": {"type": "topk", "keep": 8 if first else 4}},
              "weights": {"weights": "int8" if first else "float32"},
+             "object": {"compression": torch_chainermn.hooks.GradientCompressionState(
+                 type="2bit", threshold=0.5 if first else 0.25)},
              "refused": {"block": 8 if first else 0}}
     return dict(zip(cases, value_errors(
         [lambda kwargs=kwargs: torch_chainermn.fsdp.compress_between_nodes(fully_shard(make_model()), **kwargs)
@@ -246,14 +251,26 @@ def _gloo_fsdp():
     torch_chainermn.fsdp.two_hop(model)
 
 
+def old_spelling_warns() -> list:
+    """The warnings compress_between_nodes(model, "2bit") gives: (category, message, file)."""
+    from torch.distributed.fsdp import fully_shard
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_chainermn.fsdp.compress_between_nodes(fully_shard(make_model()), "2bit")
+    return [(w.category.__name__, str(w.message), Path(w.filename).name) for w in caught]
+
+
 def cases(directory: str) -> dict:
-    return {"configs": matches_fsdp2(),
+    # The disagreements first: the cases after them show the group still in step.
+    return {"differing": differing_settings(),
+            "old spelling": old_spelling_warns(),
+            "configs": matches_fsdp2(),
             "training": {code: coded_training(code) for code in ("int8", "2bit")},
             "exchange": {code: coded_exchange_matches_reference(code) for code in ("int8", "2bit", "1bit", "4bit",
                                                                                     "topk")},
             "checkpoint": checkpoint_resumes_exactly(directory),
-            "errors": bad_input(),
-            "differing": differing_settings()}
+            "errors": bad_input()}
 
 
 def cuda_cases() -> dict:

@@ -64,7 +64,7 @@ def compress_between_nodes(model, gradients=_UNSET, weights: str = "int8", block
     op = "torch_chainermn.fsdp.compress_between_nodes"
     try:
         compression, spelling = deprecated_spelling(op, "compression", "gradients", compression, gradients,
-                                                    unset=_UNSET)
+                                                    unset=_UNSET, how='{"type": code}, or None for "float32"')
         mine = _settings(op, compression, spelling, weights, block, threshold)
     except ValueError as error:  # raised below on every rank, once the ranks have compared notes
         mine = error
