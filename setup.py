@@ -114,8 +114,15 @@ class IncrementalBuildExtension(BuildExtension):
 
 
 def with_cuda():
-    return (os.environ.get("CHAINERMN_NO_CUDA") != "1" and torch.version.cuda is not None
+    cuda = (os.environ.get("CHAINERMN_NO_CUDA") != "1" and torch.version.cuda is not None
             and CUDA_HOME is not None)
+    # torch takes CUDA_HOME from nvcc's place when it is not set: a wrapper script on PATH
+    # (/usr/local/bin/nvcc) makes it /usr/local, and every CUDA source then stops on cuda_runtime.h.
+    if cuda and not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
+        sys.exit(f"error: the CUDA toolkit at CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h (torch guesses it "
+                 f"from nvcc's place when CUDA_HOME is not set): set CUDA_HOME to the toolkit (e.g. /usr/local/cuda), "
+                 f"or CHAINERMN_NO_CUDA=1 to build without the CUDA path")
+    return cuda
 
 
 def nccl_paths():

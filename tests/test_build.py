@@ -46,15 +46,16 @@ class _StopBeforeCompiling(Exception):
     pass
 
 
-def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True, arch_list="9.0"):
+def setup_py_extension(monkeypatch, tmp_path, cuda, mpi, testing=True, arch_list="9.0", cuda_home=None):
     """The Extension setup.py passes to setup() for this (cuda, mpi, testing), without building anything."""
-    (ext,) = setup_py_arguments(monkeypatch, tmp_path, cuda, mpi, testing, arch_list)["ext_modules"]
+    (ext,) = setup_py_arguments(monkeypatch, tmp_path, cuda, mpi, testing, arch_list, cuda_home)["ext_modules"]
     return ext
 
 
-def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=True, arch_list="9.0"):
+def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=True, arch_list="9.0", cuda_home=None):
     """Everything setup.py passes to setup() for this (cuda, mpi, testing), without building anything.
-    A CUDA build gets TORCH_CUDA_ARCH_LIST=`arch_list` (None: unset, as on a build node)."""
+    A CUDA build gets TORCH_CUDA_ARCH_LIST=`arch_list` (None: unset, as on a build node) and a toolkit
+    (`cuda_home`, or a folder made here with the header setup.py checks)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("CHAINERMN_TESTING", "1" if testing else "0")
     monkeypatch.setattr(sys, "path", list(sys.path))  # setup.py prepends tools/
@@ -71,7 +72,10 @@ def setup_py_arguments(monkeypatch, tmp_path, cuda=False, mpi=False, testing=Tru
         monkeypatch.setenv("CHAINERMN_NO_MPI", "1")
     if cuda:  # a CUDA torch, as setup.py asks for one (torch.version.cuda and CUDA_HOME)
         monkeypatch.setattr(torch.version, "cuda", "13.0")
-        monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/nonexistent/cuda")
+        toolkit = tmp_path / "cuda"  # a toolkit with the header setup.py looks for
+        (toolkit / "include").mkdir(parents=True, exist_ok=True)
+        (toolkit / "include" / "cuda_runtime.h").touch()
+        monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(cuda_home or toolkit))
         if arch_list is None:
             monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
         else:

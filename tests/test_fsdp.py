@@ -27,8 +27,8 @@ def job(ranks_per_node: int) -> list:
 @pytest.mark.parametrize("ranks_per_node", [2, 1])
 def test_two_hops_equal_fsdp2(ranks_per_node):
     """2 nodes x 2 (two hops) and 2 x 1 (one hop between nodes): FSDP2's parameters after 5 steps
-    to 1e-6, with hpZ (reshard_after_forward=2), bfloat16 parameters, no reshard; int8, 2-bit and
-    1-bit gradients and int8 weights: the exchange equals the rules written plainly, residuals
+    to 1e-6, with hpZ (reshard_after_forward=2), bfloat16 parameters, no reshard; int8, 2-bit, 1-bit,
+    4-bit and top-k gradients and int8 weights: the exchange equals the rules written plainly, residuals
     carried, training stays near FSDP2's with every rank alike, and a DCP checkpoint with the
     residuals resumes exactly; bad input raises."""
     outcomes = [cases for _, cases in job(ranks_per_node)]
@@ -52,14 +52,51 @@ def test_two_hops_equal_fsdp2(ranks_per_node):
         checkpoint = outcome["checkpoint"]
         assert checkpoint["residuals"] == 2 and checkpoint["residuals carried"], f"rank {rank}: {checkpoint}"
         assert checkpoint["parameters equal"] and checkpoint["residuals equal"], f"rank {rank}: {checkpoint}"
-        no_fsdp, not_chainermn, gradients, weights, block, threshold, state = outcome["errors"]
-        assert "gradients must be one of ('float32', 'int8', '2bit', '1bit'), got 'int4'" in gradients
+        no_fsdp, not_chainermn, gradients, weights, block, threshold, state, result, both = outcome["errors"]
+        assert "gradients must be one of ('float32', 'int8', '2bit', '1bit', '4bit', 'topk'), got 'int4'" in gradients
         assert "weights must be one of ('float32', 'int8'), got '2bit'" in weights
         assert "block must be an int >= 1, got 0" in block
         assert "threshold must be a finite number > 0, got 0.0" in threshold  # codes.check_settings' rule
         assert "fsdp.load_state_dict: the state has residuals for ['0']" in state
         assert "compress_between_nodes: the model has no FSDP module" in no_fsdp
         assert "compress_between_nodes: the group does not use the chainermn backend (it uses gloo)" in not_chainermn
+        assert "compress_result and result_dtype do not apply to FSDP2" in result
+        assert "give compression= only (gradients= is its old spelling)" in both
+
+
+@pytest.mark.parametrize("ranks_per_node", [2, 1])
+def test_settings_that_differ_between_ranks_raise_on_every_rank(ranks_per_node):
+    """compress_between_nodes with rank 0's threshold (old and new spelling), code, block, keep or
+    weights code other than the other ranks': the same ValueError on every rank, naming the setting
+    and each rank's value, before any gradient is coded (a differing threshold trained silently
+    before). A bad argument on one rank raises on all, naming that rank."""
+    op = "torch_chainermn.fsdp.compress_between_nodes"
+    others = ",".join(str(r) for r in range(1, 2 * ranks_per_node))
+    have = "have" if ranks_per_node > 1 else "has"
+    expected = {"old spelling": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
+                "threshold": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
+                "type": "type: rank 0 has type='2bit'; rank{s} {others} {have} type='1bit'",
+                "block": "block: rank 0 has block=256; rank{s} {others} {have} block=128",
+                "keep": "keep: rank 0 has keep=8; rank{s} {others} {have} keep=4",
+                "weights": "weights: rank 0 has weights='int8'; rank{s} {others} {have} weights='float32'",
+                "object": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25"}
+    s = "s" if ranks_per_node > 1 else ""
+    outcomes = [cases["differing"] for _, cases in job(ranks_per_node)]
+    for rank, differing in enumerate(outcomes):
+        assert differing == outcomes[0], f"rank {rank} raised otherwise than rank 0: {differing}"
+        for setting, text in expected.items():
+            message = f"{op}: the ranks differ in " + text.format(s=s, others=others, have=have)
+            assert differing[setting] == message, f"rank {rank}, {setting}: {differing[setting]!r}"
+        assert "block must be an int >= 1, got 0 (on rank 1)" in differing["refused"], differing["refused"]
+
+
+def test_the_old_spelling_warns_at_the_caller():
+    """gradients= (positional here) still works, with a DeprecationWarning naming compression= that
+    points at the caller's line."""
+    for rank, (_, cases) in enumerate(job(1)):
+        assert cases["old spelling"] == [
+            ("DeprecationWarning", "torch_chainermn.fsdp.compress_between_nodes: gradients= is deprecated, use "
+             'compression= ({"type": code}, or None for "float32")', "fsdp_cases.py")], (rank, cases["old spelling"])
 
 
 def test_language_model_with_codes_stays_near_fsdp2():

@@ -4,8 +4,9 @@ from tests.support.harness import run_spawn
 
 
 def test_two_ranks_as_two_nodes():
-    """DDP's steps with every step synced; the rules' reference (float32, and 2-bit streaming); bad
-    input raises the same clear ValueError on every rank."""
+    """DDP's steps with every step synced (DiLoCo from replicas equal by seed: start="same"); the rules'
+    reference (float32, and 2-bit streaming); bad input raises the same clear ValueError on every rank,
+    replicas that do not start equal under start="same" included."""
     outcomes = run_spawn(local_sgd_cases.two_nodes_of_one, 2, env={"CHAINERMN_RANKS_PER_NODE": "1"}, timeout=240)
     expected = [
         "DiLoCo: sync_every must be an int >= 1, got 0",
@@ -19,6 +20,9 @@ def test_two_ranks_as_two_nodes():
         "DiLoCo: sync_every must be an int >= 1, got 0 (on rank 1)",
         "DiLoCo: ranks disagree on the model's settings: fragment_delay=1 on rank 0, fragment_delay=0 on rank 1",
         "DiLoCo: warmup_steps must be an int >= 0, got -1",
+        "DiLoCo: start must be one of ('broadcast', 'same'), got 'rank0'",
+        "DiLoCo: ranks disagree on the model's values (start='same': they must start equal): #3 ('2.bias', ",
+        "LocalSGD: ranks disagree on the model's values (start='same': they must start equal): #3 ('2.bias', ",
     ]
     for rank, errors in enumerate(outcomes):
         assert len(errors) == len(expected), errors

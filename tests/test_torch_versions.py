@@ -68,6 +68,13 @@ def test_a_torch_that_names_no_architecture_asks_for_the_list(monkeypatch, tmp_p
         setup_py_extension(monkeypatch, tmp_path, cuda=True, mpi=False, arch_list=None)
 
 
+def test_a_toolkit_without_cuda_runtime_h_is_named_before_compiling(monkeypatch, tmp_path):
+    """torch guesses CUDA_HOME from nvcc's place (/usr/local for a wrapper on PATH): a clear stop, not
+    a compiler error on every CUDA source."""
+    with pytest.raises(SystemExit, match=r"CUDA_HOME=/usr/local has no include/cuda_runtime.h.*CHAINERMN_NO_CUDA=1"):
+        setup_py_extension(monkeypatch, tmp_path, cuda=True, mpi=False, cuda_home="/usr/local")
+
+
 @pytest.mark.parametrize("version, cuda, label", [
     ("2.14.1+cu130", True, "torch2.14.cu130"),
     ("2.14.1+cu130", False, "torch2.14"),       # CHAINERMN_NO_CUDA=1: a CPU build of a CUDA torch

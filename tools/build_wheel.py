@@ -44,7 +44,8 @@ dist.all_reduce(t)
 assert torch.equal(t, torch.full((1000,), 3.0)), t[:4]
 dist.destroy_process_group()
 if os.environ["RANK"] == "0":
-    print("wheel ok:", torch_chainermn.__file__, "torch", torch.__version__)
+    print("wheel ok:", torch_chainermn.__file__, "torch", torch.__version__, "cuda_built", torch_chainermn._C.cuda_built,
+          "mpi_built", torch_chainermn._C.mpi_built)
 """
 
 

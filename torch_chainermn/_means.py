@@ -25,8 +25,8 @@ from .compression import GradientCompression
 from .gradients import mean_coalesced
 from .options import WIRE_DTYPES, wire_dtype
 
-__all__ = ["DdpMean", "KeepsMean", "WireMean", "compressed", "deprecated_spelling", "load_state", "resolve",
-           "saved_state"]
+__all__ = ["DdpMean", "KeepsMean", "WireMean", "compressed", "compression_settings", "deprecated_spelling",
+           "load_state", "resolve", "saved_state"]
 
 
 class WireMean:
@@ -99,10 +99,7 @@ def resolve(value, group, op: str, *, argument: str = "compression", plain=WireM
     group = group_of(group, op)
     backend_of(group, op)  # a chainermn group, or a clear error now
     if isinstance(value, dict):
-        unknown = sorted(set(value) - set(GradientCompression.SETTINGS))
-        if unknown:
-            raise ValueError(f"{op}: {argument} has unknown settings {unknown} "
-                             f"(known: {list(GradientCompression.SETTINGS)})")
+        _known_settings(value, op, argument)
         return GradientCompression(group, **value, op=op), group
     if value is None:
         return plain(group, own_dtype=own_dtype), group
@@ -113,6 +110,32 @@ def resolve(value, group, op: str, *, argument: str = "compression", plain=WireM
         return WireMean(group, wire_dtype(value, f"{op}: {argument}")), group
     raise ValueError(f"{op}: {argument} must be None, torch.float16, torch.bfloat16 or a GradientCompression(State) "
                      f"(also torch.float32, torch.float64, or a dict of its settings), got {value!r}")
+
+
+def _known_settings(value: dict, op: str, argument: str) -> None:
+    unknown = sorted(set(value) - set(GradientCompression.SETTINGS))
+    if unknown:
+        raise ValueError(f"{op}: {argument} has unknown settings {unknown} "
+                         f"(known: {list(GradientCompression.SETTINGS)})")
+
+
+def compression_settings(value, op: str, *, argument: str = "compression", defaults: dict | None = None):
+    """The settings a `compression=` value asks for, checked as GradientCompression checks them: a
+    dict of every setting (GradientCompression.SETTINGS), or None for None (no code). For a caller that
+    runs the codes itself on groups of its own (FSDP2's two hops), so a GradientCompression's group and
+    residuals are not used, only its settings. defaults: settings under a dict's own (the caller's
+    older arguments). A wire dtype is refused (such a caller has no plain mean in another dtype)."""
+    if value is None:
+        return None
+    if isinstance(value, GradientCompression):
+        return value.settings()
+    if isinstance(value, dict):
+        _known_settings(value, op, argument)
+        settings = {**GradientCompression.DEFAULTS, **(defaults or {}), **value}
+        GradientCompression.check(op, **settings)
+        return settings
+    raise ValueError(f"{op}: {argument} must be None, a dict of GradientCompression's settings or a "
+                     f"GradientCompression(State), got {value!r}")
 
 
 class KeepsMean:
@@ -152,13 +175,14 @@ def load_state(mean, state, op: str) -> None:
         mean.load_state_dict(state)
 
 
-def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None) -> tuple:
+def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None,
+                        how: str = "it takes the same values") -> tuple:
     """(the value given as `new=` or under its old spelling `old=`, the spelling used: what an error
-    about it names). The old spelling warns (a DeprecationWarning naming the new one); both: ValueError."""
+    about it names). The old spelling warns (a DeprecationWarning naming the new one, and `how` to
+    write it); both: ValueError."""
     if old_value is unset:
         return new_value, new
     if new_value is not unset:
         raise ValueError(f"{op}: give {new}= only ({old}= is its old spelling), not both")
-    warnings.warn(f"{op}: {old}= is deprecated, use {new}= (it takes the same values)", DeprecationWarning,
-                  stacklevel=3)
+    warnings.warn(f"{op}: {old}= is deprecated, use {new}= ({how})", DeprecationWarning, stacklevel=3)
     return old_value, old

@@ -21,6 +21,8 @@ they are carried over parameter by parameter (_layouts.py).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
@@ -85,14 +87,8 @@ class GradientCompression:
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *,
                  block: int = 256, keep: int = 8, op: str = "GradientCompression"):
-        codes.check_settings(op, type, threshold, block, keep=keep)
-        if not isinstance(compress_result, bool) and compress_result not in RESULT_CODES:
-            raise ValueError(f"{op}: compress_result must be True, False, 'int8' or '4bit', got {compress_result!r}")
-        if isinstance(compress_result, str):  # the sums' code reads the block too
-            codes.check_settings(op, compress_result, threshold, block, argument="compress_result", keep=keep)
-        if result_dtype not in RESULT_DTYPES:
-            raise ValueError(f"{op}: result_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
-                             f"got {result_dtype!r}")
+        self.check(op, type=type, threshold=threshold, compress_result=compress_result, result_dtype=result_dtype,
+                   block=block, keep=keep)
         self.process_group = group_of(process_group, op)
         self._backend = backend_of(self.process_group, op)
         self.type = type
@@ -108,6 +104,20 @@ class GradientCompression:
         self._index: dict[int, int] = {}   # id(param) -> order of first sight (the state dict's keys)
         self._numel: dict[int, int] = {}   # id(param) -> values
         self._loaded: dict[int, torch.Tensor] = {}  # index -> residual from load_state_dict, not yet placed
+
+    @staticmethod
+    def check(op: str, *, type: str, threshold: float, compress_result, result_dtype: torch.dtype, block: int,
+              keep: int) -> None:
+        """A ValueError naming `op` unless these are valid settings (every one: SETTINGS); the rule the
+        constructor applies, for a caller that takes the settings without a group (FSDP2's)."""
+        codes.check_settings(op, type, threshold, block, keep=keep)
+        if not isinstance(compress_result, bool) and compress_result not in RESULT_CODES:
+            raise ValueError(f"{op}: compress_result must be True, False, 'int8' or '4bit', got {compress_result!r}")
+        if isinstance(compress_result, str):  # the sums' code reads the block too
+            codes.check_settings(op, compress_result, threshold, block, argument="compress_result", keep=keep)
+        if result_dtype not in RESULT_DTYPES:
+            raise ValueError(f"{op}: result_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                             f"got {result_dtype!r}")
 
     def __repr__(self):
         return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
@@ -269,3 +279,9 @@ class GradientCompression:
         fits = torch.tensor([int(mine == saved)], dtype=torch.int32)
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.process_group)
         return bool(fits.item())
+
+
+# The constructor's defaults of SETTINGS, read from it (one place says them).
+GradientCompression.DEFAULTS = {
+    name: parameter.default for name, parameter in inspect.signature(GradientCompression.__init__).parameters.items()
+    if name in GradientCompression.SETTINGS}

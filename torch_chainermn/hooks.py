@@ -180,7 +180,8 @@ class GradientCompressionState(GradientCompression):
     threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256, keep=8): within a node the
     gradients are summed at full precision, between nodes the code's bits a value travel ("int8",
     "4bit": with one scale per `block` values, the codes that train with Adam; MXNet's "2bit",
-    "1bit": for SGD), and what was not sent is kept per parameter and sent later. compress_result:
+    "1bit": for SGD; "topk": the `keep` largest of each block, DiLoCo's outer gradients), and what
+    was not sent is kept per parameter and sent later. compress_result:
     True compresses the sums on their way back in the same code, "int8" or "4bit" in that code
     (type="4bit", compress_result="int8": 4 bits there, 8 back). Save
     `state.state_dict()` (collective) with a checkpoint and `load_state_dict` it on restart, so

@@ -37,6 +37,7 @@ from ._backend import backend_of, group_of
 from ._layouts import layout_of
 from ._means import compressed, load_state, resolve, saved_state
 from .gradients import mean_coalesced
+from ._start import STARTS, checksums
 from .messages.objects import agree
 
 __all__ = ["DiLoCo", "LocalSGD"]
@@ -105,15 +106,20 @@ class _EveryHSteps:
 
     _op = "LocalSGD"
 
-    def __init__(self, model, optimizer, sync_every: int, process_group, settings: dict, check=None):
+    def __init__(self, model, optimizer, sync_every: int, process_group, settings: dict, check=None,
+                 start: str = "broadcast"):
         """Check the arguments on every rank at once: a bad argument on any rank (`check` raising
         ValueError), or ranks that differ in settings or in the model's shapes, raise the same
-        ValueError on every rank, before any rank waits for a sync that would never come."""
+        ValueError on every rank, before any rank waits for a sync that would never come. With
+        start="same" the same agreement carries each tensor's checksum (_start.py), and the ranks
+        must already hold equal values: nothing is broadcast."""
         op = self._op
         self.process_group = group_of(process_group, op)
         backend_of(self.process_group, op)  # a chainermn group, or a clear error now
 
         def describe():
+            if start not in STARTS:
+                raise ValueError(f"{op}: start must be one of {STARTS}, got {start!r}")
             _check_count(op, "sync_every", sync_every, 1)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ValueError(f"{op}: the optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -121,17 +127,22 @@ class _EveryHSteps:
             if check is not None:
                 check(params)
             names = {id(p): name for name, p in model.named_parameters()}
-            return {"settings": settings,
-                    "params": [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params],
-                    "buffers": [(tuple(b.shape), str(b.dtype)) for b in _float_buffers(model)]}
+            described = {"settings": {**settings, "start": start},
+                         "params": [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params],
+                         "buffers": [(tuple(b.shape), str(b.dtype)) for b in _float_buffers(model)]}
+            if start == "same":
+                described["values"] = checksums(model, params, _float_buffers(model))
+            return described
 
         everyone = agree(self.process_group, describe)
         for rank, theirs in enumerate(everyone):
-            for field in ("settings", "params", "buffers"):
-                if theirs[field] != everyone[0][field]:
-                    raise ValueError(f"{op}: ranks disagree on the model's {field}: "
+            for field in ("settings", "params", "buffers", "values"):
+                if theirs.get(field) != everyone[0].get(field):
+                    what = "values (start='same': they must start equal)" if field == "values" else field
+                    raise ValueError(f"{op}: ranks disagree on the model's {what}: "
                                      f"{_first_difference(everyone[0][field], theirs[field])} "
                                      f"on rank 0, {_first_difference(theirs[field], everyone[0][field])} on rank {rank}")
+        self._broadcast_start = start == "broadcast"
         self.sync_every = sync_every
         self.model = model
         # The module that holds the parameters under their own names (a DDP wrapper's is .module).
@@ -141,6 +152,11 @@ class _EveryHSteps:
         self._optimizer = optimizer
         self._hooks = []
         self.step = 0  # inner steps taken
+
+    def _start_from_first(self, flat: torch.Tensor) -> None:
+        """Rank 0's values of the start, unless the ranks proved they hold them already (start="same")."""
+        if self._broadcast_start:
+            self._broadcast_from_first(flat)
 
     def _broadcast_from_first(self, flat: torch.Tensor) -> None:
         dist.broadcast(flat, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
@@ -188,21 +204,25 @@ class LocalSGD(_EveryHSteps):
         are averaged over `process_group` (default: the default group; a chainermn group) after every
         sync_every-th `optimizer.step()`, in one packed mean at full precision. With sync_every=1 this
         is DDP's training with the same optimizer (up to the order of the sums).
+    start: "broadcast" (default): take rank 0's parameters and buffers (as DDP does when it is built);
+        "same": the replicas already hold equal values (the same seed or checkpoint), proved by a
+        checksum of every parameter and floating buffer in the construction's agreement (bytes, not
+        the model, cross the network); a difference raises on every rank naming the first tensor.
     On construction every rank checks the others train the same shapes with the same settings
-    (a clear ValueError on every rank otherwise) and takes rank 0's parameters and buffers (as DDP
-    does when it is built). Averaging values, not changes, leaves nothing to compress: for compressed
-    parameter averaging use DiLoCo with torch.optim.SGD(lr=1) as the outer optimizer.
+    (a clear ValueError on every rank otherwise). Averaging values, not changes, leaves nothing to
+    compress: for compressed parameter averaging use DiLoCo with torch.optim.SGD(lr=1) as the outer
+    optimizer.
     """
 
     _op = "LocalSGD"
 
-    def __init__(self, model, optimizer, sync_every: int, process_group=None):
-        super().__init__(model, optimizer, sync_every, process_group, {"sync_every": sync_every})
+    def __init__(self, model, optimizer, sync_every: int, process_group=None, *, start: str = "broadcast"):
+        super().__init__(model, optimizer, sync_every, process_group, {"sync_every": sync_every}, start=start)
         self._tensors = [p.detach() for p in self.params] + [b for b in self.buffers]
         with torch.no_grad():
             flat, views = _flat_like(self._tensors)
             torch._foreach_copy_(views, self._tensors)
-            self._broadcast_from_first(flat)
+            self._start_from_first(flat)
             torch._foreach_copy_(self._tensors, views)
         self._dtype = flat.dtype
 
@@ -290,15 +310,19 @@ class DiLoCo(_EveryHSteps):
         of torch_chainermn.codes between nodes, full precision inside, error feedback per fragment
         across syncs; a GradientCompression's own group is the one used).
 
+    start: "broadcast" (default): take rank 0's parameters and buffers; "same": the replicas already
+        hold equal values (the same seed or checkpoint), proved by checksums: nothing else crosses the
+        network before the first step (LocalSGD's `start`).
+
     On construction every rank checks the others train the same shapes with the same settings
-    (a clear ValueError on every rank otherwise) and takes rank 0's parameters and buffers.
+    (a clear ValueError on every rank otherwise).
     """
 
     _op = "DiLoCo"
 
     def __init__(self, model, inner_optimizer, outer_optimizer, sync_every: int, process_group=None,
                  fragments: int = 1, fragment_delay: int = 0, compression=None,
-                 fragment_update_alpha: float = 0.5, warmup_steps: int = 0):
+                 fragment_update_alpha: float = 0.5, warmup_steps: int = 0, *, start: str = "broadcast"):
         op = self._op
         resolved = None
         try:  # the outer gradients' own dtype (float32) unless a wire dtype is given
@@ -329,7 +353,7 @@ class DiLoCo(_EveryHSteps):
         settings = {"sync_every": sync_every, "fragments": fragments, "fragment_delay": fragment_delay,
                     "fragment_update_alpha": fragment_update_alpha, "compression": repr(compression),
                     "warmup_steps": warmup_steps}
-        super().__init__(model, inner_optimizer, sync_every, process_group, settings, check)
+        super().__init__(model, inner_optimizer, sync_every, process_group, settings, check, start=start)
         self.outer_optimizer = outer_optimizer
         self.fragment_delay = fragment_delay
         self.alpha = float(fragment_update_alpha)
@@ -344,11 +368,11 @@ class DiLoCo(_EveryHSteps):
         with torch.no_grad():
             for fragment in self.fragments:  # rank 0's start, and the first global value
                 torch._foreach_copy_(fragment.global_views, fragment.params)
-                self._broadcast_from_first(fragment.global_flat)
+                self._start_from_first(fragment.global_flat)
                 torch._foreach_copy_(fragment.params, fragment.global_views)
                 if fragment.buffers:
                     torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
-                    self._broadcast_from_first(fragment.buffer_mean)
+                    self._start_from_first(fragment.buffer_mean)
                     torch._foreach_copy_(fragment.buffers, fragment.buffer_views)
 
     # ---- the warm start ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     fsdp-gloo   FSDP2 (fully_shard on every block and the root) on init_process_group("gloo")
     fsdp        FSDP2 on init_process_group("chainermn"), its own collectives
     fsdp-2hop   ... with torch_chainermn.fsdp.two_hop(model): in the node, then between nodes
-    fsdp-int8   ... with compress_between_nodes(model, gradients="int8", weights="int8")
+    fsdp-int8   ... with compress_between_nodes(model, compression={"type": "int8"}, weights="int8")
     fsdp-int8-hpz  ... and reshard_after_forward=<ranks per node> (hpZ: the backward all-gather
                 stays in the node)
     fsdp-2bit   ... gradients="2bit" (threshold --fsdp-threshold), weights="float32"
@@ -235,8 +235,9 @@ def setup_fsdp(args, model):
         parts = args.mode.split("-")[1:]  # e.g. ["2bit", "int8", "hpz"]
         gradients = next((p for p in parts if p in ("int8", "2bit", "1bit")), "float32")
         weights = "int8" if "int8" in parts else "float32"
-        torch_chainermn.fsdp.compress_between_nodes(model, gradients=gradients, weights=weights,
-                                                    threshold=args.fsdp_threshold)
+        coded = {"type": gradients, "threshold": args.fsdp_threshold}
+        torch_chainermn.fsdp.compress_between_nodes(model, compression=None if gradients == "float32" else coded,
+                                                    weights=weights)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return model, inner, contextlib.nullcontext(), lambda: None
 

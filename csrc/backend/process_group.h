@@ -4,7 +4,7 @@
 // posted through one funnel to the group's FIFO worker, which runs it on the transports of its
 // tensors' device (transport_plan.h). The caller gets a WorkChainerMN at once; its Future completes
 // with the output tensors. Collectives' bodies are in collectives.cpp and point to point in
-// point_to_point.cpp; the allreduce family is here.
+// point_to_point.cpp; the allreduce family in allreduce.cpp (the compressed mean: compression.cpp).
 #pragma once
 
 #include "backend/agreement.h"

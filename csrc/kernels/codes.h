@@ -14,7 +14,7 @@
 // and required for 2-bit and 1-bit, which carry a fraction of a value.
 //
 // To add a code: its CPU kernel (kernels/), its CUDA kernel (cuda/), its row in kCodes and its
-// branches in encodeCpu / decodeCpu here and in cuda/codes_kernels.cu, its tests, docs/codes.md.
+// branches in encodeCpu / decodeCpu here and in cuda/codes_kernels.cpp, its tests, docs/codes.md.
 #pragma once
 
 #include "kernels/code.h"

@@ -20,7 +20,8 @@ The steps of the tutorial, as they appear in main():
 5. `create_multi_node_checkpointer(name, comm, path=--checkpoint-dir)`: every rank saves model,
    optimizer and epoch after each epoch; at start `maybe_load()` resumes from the newest epoch that
    every rank saved, so a killed job is restarted with the same command. After a successful run
-   `finalize()` removes the snapshots (--keep-checkpoints keeps them).
+   `finalize()` removes the snapshots (--keep-checkpoints keeps them) and leaves the directory,
+   result/checkpoints under the working directory by default (the repository's .gitignore has it).
 
 Only rank 0 prints. --out writes a JSON summary (rank 0, atomically); `resumed_from` in it is the
 epoch the run resumed from (0 for a fresh start). --die-after-epoch N is for tests: once every rank

@@ -1,6 +1,9 @@
 """torch_chainermn.fsdp on real ranks: FSDP2 with two-hop collectives against FSDP2's own, same group."""
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -47,7 +50,8 @@ def trained(two_hop: bool, reshard_after_forward=True, mixed=False, codes=None, 
     """(the full parameters after STEPS of SGD, the FSDP modules' comm objects). codes: (gradients,
     weights) between nodes, else two hops at full precision (two_hop) or FSDP2's own collectives."""
     model = sharded_model(reshard_after_forward, mixed, device)
-    modules = (torch_chainermn.fsdp.compress_between_nodes(model, *codes, block=8, threshold=THRESHOLD) if codes
+    modules = (torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": codes[0]}, weights=codes[1],
+                                                           block=8, threshold=THRESHOLD) if codes
                else torch_chainermn.fsdp.two_hop(model) if two_hop else [])
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, device=device)
     comms = [(group._reduce_scatter_comm, group._all_gather_comm)
@@ -100,11 +104,12 @@ def quantized(values: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
-def carried(code: str, rows: torch.Tensor, block: int, threshold: float) -> torch.Tensor:
-    """What each row's code carries (int8: quantized; 2bit, 1bit: tests/compression_reference)."""
+def carried(code: str, rows: torch.Tensor, block: int, threshold: float, keep: int) -> torch.Tensor:
+    """What each row's code carries (int8: quantized; the others: tests/compression_reference)."""
     if code == "int8":
         return quantized(rows, block)
-    return torch.stack([compression_reference.quantize(code, row, None, row.numel(), threshold)[2] for row in rows])
+    return torch.stack([compression_reference.quantize(code, row, None, row.numel(), threshold, block, keep)[2]
+                        for row in rows])
 
 
 def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
@@ -116,12 +121,12 @@ def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
     rank_at = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
     nodes, per_node = len(rank_at), len(rank_at[0])
     node, intra = topo.node_of_rank[rank], topo.intra_rank
-    shard, block, threshold = 10, 4, 0.5
+    shard, block, threshold, keep = 10, 4, 0.5, 2
 
     def gradients(step, r):
         return torch.randn(world * shard, generator=torch.Generator().manual_seed(100 * step + r))
 
-    reduce_scatter, all_gather = TwoHopReduceScatter(code, block, threshold), TwoHopAllGather("int8", block)
+    reduce_scatter, all_gather = TwoHopReduceScatter(code, block, threshold, keep), TwoHopAllGather("int8", block)
     residual = {(n, l): torch.zeros(nodes, shard) for n in range(nodes) for l in range(per_node)}
     worst = {"reduce-scatter": 0.0, "all-gather": 0.0}
     for step in range(3):
@@ -134,7 +139,7 @@ def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
                 values = residual[(n, l)].clone()
                 for m in range(nodes):
                     values[m] += node_sum[rank_at[m][l]]
-                sent[(n, l)] = carried(code, values, block, threshold)
+                sent[(n, l)] = carried(code, values, block, threshold, keep)
                 residual[(n, l)] = values - sent[(n, l)]
         expected = sum(sent[(n, intra)][node] for n in range(nodes))
         worst["reduce-scatter"] = max(worst["reduce-scatter"], (got.cpu() - expected).abs().max().item())
@@ -160,7 +165,8 @@ def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
 
     def run():
         model = sharded_model()
-        torch_chainermn.fsdp.compress_between_nodes(model, gradients, "int8", block=8, threshold=THRESHOLD)
+        torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": gradients, "block": 8,
+                                                                        "threshold": THRESHOLD}, weights="int8")
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def state_of(model, optimizer):
@@ -199,7 +205,7 @@ def bad_input() -> list:
 
     def mismatched_state():
         model = sharded()
-        torch_chainermn.fsdp.compress_between_nodes(model, "2bit")
+        torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": "2bit"})
         torch_chainermn.fsdp.load_state_dict(model, {"0": torch.zeros(1)})
 
     return value_errors([lambda: torch_chainermn.fsdp.two_hop(make_model()),
@@ -208,7 +214,31 @@ def bad_input() -> list:
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), threshold=0.0),
-                         mismatched_state])
+                         mismatched_state,
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(
+                             sharded(), compression={"type": "int8", "compress_result": True}),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(
+                             sharded(), gradients="2bit", compression={"type": "2bit"})])
+
+
+def differing_settings() -> dict:
+    """compress_between_nodes with one setting on rank 0 and another on the others: the ValueError
+    each rank raises ("" for none). The first is the 2-bit threshold under the old spelling."""
+    from torch.distributed.fsdp import fully_shard
+
+    first = dist.get_rank() == 0
+    cases = {"old spelling": {"gradients": "2bit", "threshold": 0.5 if first else 0.25},
+             "threshold": {"compression": {"type": "2bit", "threshold": 0.5 if first else 0.25}},
+             "type": {"compression": {"type": "2bit" if first else "1bit"}},
+             "block": {"compression": {"type": "int8", "block": 256 if first else 128}},
+             "keep": {"compression": {"type": "topk", "keep": 8 if first else 4}},
+             "weights": {"weights": "int8" if first else "float32"},
+             "object": {"compression": torch_chainermn.hooks.GradientCompressionState(
+                 type="2bit", threshold=0.5 if first else 0.25)},
+             "refused": {"block": 8 if first else 0}}
+    return dict(zip(cases, value_errors(
+        [lambda kwargs=kwargs: torch_chainermn.fsdp.compress_between_nodes(fully_shard(make_model()), **kwargs)
+         for kwargs in cases.values()])))
 
 
 def _gloo_fsdp():
@@ -221,10 +251,24 @@ def _gloo_fsdp():
     torch_chainermn.fsdp.two_hop(model)
 
 
+def old_spelling_warns() -> list:
+    """The warnings compress_between_nodes(model, "2bit") gives: (category, message, file)."""
+    from torch.distributed.fsdp import fully_shard
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_chainermn.fsdp.compress_between_nodes(fully_shard(make_model()), "2bit")
+    return [(w.category.__name__, str(w.message), Path(w.filename).name) for w in caught]
+
+
 def cases(directory: str) -> dict:
-    return {"configs": matches_fsdp2(),
+    # The disagreements first: the cases after them show the group still in step.
+    return {"differing": differing_settings(),
+            "old spelling": old_spelling_warns(),
+            "configs": matches_fsdp2(),
             "training": {code: coded_training(code) for code in ("int8", "2bit")},
-            "exchange": {code: coded_exchange_matches_reference(code) for code in ("int8", "2bit", "1bit")},
+            "exchange": {code: coded_exchange_matches_reference(code) for code in ("int8", "2bit", "1bit", "4bit",
+                                                                                    "topk")},
             "checkpoint": checkpoint_resumes_exactly(directory),
             "errors": bad_input()}
 
@@ -257,7 +301,7 @@ def lm_validation_losses(steps: int = 40) -> dict:
             fully_shard(block)
         fully_shard(model)
         if codes:
-            torch_chainermn.fsdp.compress_between_nodes(model, *codes)
+            torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": codes[0]}, weights=codes[1])
         optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
         data = lm.batches(corpus.train, 8, 32, seed=dist.get_rank())
         for step in range(steps):

@@ -83,10 +83,10 @@ def equals_ddp_with_every_step_synced() -> None:
             train_step(model, optimizer, rank, step)
             torch.testing.assert_close(flat(model), expected[step - 1], rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"LocalSGD, step {step}: {m}")
-    model = make_model()
+    model = make_model()  # the same seed on every rank: equal replicas, so no broadcast is needed
     inner = sgd(model.parameters())
     outer = torch.optim.SGD(model.parameters(), lr=1.0)
-    with torch_chainermn.DiLoCo(model, inner, outer, sync_every=1):
+    with torch_chainermn.DiLoCo(model, inner, outer, sync_every=1, start="same"):
         for step in range(1, STEPS + 1):
             train_step(model, inner, rank, step)
             torch.testing.assert_close(flat(model), expected[step - 1], rtol=1e-5, atol=1e-6,
@@ -285,6 +285,10 @@ def bad_input() -> list:
     rank = dist.get_rank()
     model = make_model()
     other = nn.Linear(2, 2)
+    unequal = make_model()
+    if rank == 1:
+        with torch.no_grad():
+            unequal[2].bias[1] += 1.0
 
     def diloco(of=model, **kwargs):
         args = {"model": of, "inner_optimizer": adamw(of.parameters()),
@@ -304,6 +308,9 @@ def bad_input() -> list:
         lambda: diloco(sync_every=0 if rank == 1 else 4),   # bad on one rank only
         lambda: diloco(fragment_delay=1 if rank == 0 else 0),  # settings differ across ranks
         lambda: diloco(warmup_steps=-1),
+        lambda: diloco(start="rank0"),
+        lambda: diloco(of=unequal, start="same"),           # replicas that do not start equal
+        lambda: torch_chainermn.LocalSGD(unequal, adamw(unequal.parameters()), sync_every=2, start="same"),
     ]
     return value_errors(calls)
 

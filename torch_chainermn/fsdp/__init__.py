@@ -1,26 +1,30 @@
 """FSDP2 between nodes: reduce-scatter and all-gather in two hops (ZeRO++'s layout, FSDP2's hooks).
 
     model = fully_shard(...)                     # as usual, on a chainermn group or DeviceMesh
-    torch_chainermn.fsdp.compress_between_nodes(model, gradients="int8", weights="int8")
+    torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": "int8"}, weights="int8")
     torch_chainermn.fsdp.two_hop(model)          # the same at full precision
     fsdp.state_dict(model) / load_state_dict(model, state)   # the residuals, for a checkpoint (DCP)
 
 FSDP2 takes a custom ReduceScatter and AllGather per FSDP module (`set_custom_reduce_scatter`,
 `set_custom_all_gather`). These run them as two hops: full precision inside the node (shared
 memory / NCCL), and between nodes only 1/M of the bytes per rank for M ranks a node, optionally
-coded (torch_chainermn.codes): gradients as int8 blocks, MXNet's 2-bit or 1-bit, with error
-feedback (ZeRO++'s qgZ), weights as int8 blocks (qwZ); see reduce_scatter.py and all_gather.py.
+coded (torch_chainermn.codes): gradients in any code (int8 or 4-bit blocks, MXNet's 2-bit or 1-bit,
+top-k), with error feedback (ZeRO++'s qgZ), weights as int8 blocks (qwZ); see reduce_scatter.py and
+all_gather.py.
 With AdamW use int8 gradients: 2-bit and 1-bit, made for SGD, do not train the benchmark's language
 model with it (docs/fsdp.md). hpZ is FSDP2's own `reshard_after_forward=<ranks per node>`, whose
 post-forward all-gather stays in the node (these objects pass it to the group's all-gather).
 """
 from __future__ import annotations
 
+import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import codes
 from .._backend import backend_of
+from .._means import compression_settings, deprecated_spelling
+from ..messages.objects import agree_on_settings
 from .all_gather import TwoHopAllGather
 from .levels import levels_of
 from .reduce_scatter import TwoHopReduceScatter
@@ -28,49 +32,102 @@ from .reduce_scatter import TwoHopReduceScatter
 __all__ = ["GRADIENTS", "TwoHopAllGather", "TwoHopReduceScatter", "WEIGHTS", "compress_between_nodes",
            "load_state_dict", "state_dict", "two_hop"]
 
-GRADIENTS = ("float32", "int8", "2bit", "1bit")
+GRADIENTS = ("float32", *codes.CODES)  # gradients=, compression's old spelling: "float32" is None
 WEIGHTS = ("float32", "int8")
+_UNSET = object()  # an argument not given (None means something for compression=)
 
 
-def compress_between_nodes(model, gradients: str = "int8", weights: str = "int8", block: int = 256,
-                           threshold: float = 0.5) -> list:
+def compress_between_nodes(model, gradients=_UNSET, weights: str = "int8", block=_UNSET, threshold=_UNSET, *,
+                           compression=_UNSET) -> list:
     """Give every FSDP module of `model` a two-hop reduce-scatter and all-gather whose hop between
-    nodes carries `gradients` ("float32", "int8": one float32 scale per `block` values, "2bit": MXNet's
-    +-`threshold` or 0, "1bit": signs x mean magnitude; the codes with error feedback) and `weights`
-    ("float32" or "int8"); returns the modules.
+    nodes carries the gradients as `compression` says and the parameters as `weights`; returns the
+    modules.
+
+    compression: how the gradients travel between nodes, as the DDP hooks, the communicator, the
+        optimizer and DiLoCo take it: None (float32), a dict of GradientCompression's settings
+        ({"type": "int8"}, the default; any code of torch_chainermn.codes with its `block`,
+        `threshold`, `keep`; with error feedback), or a GradientCompression(State), whose settings are
+        used (not its group or residuals). compress_result and result_dtype do not apply: each rank
+        decodes its own shard, no sums travel back.
+    gradients: compression's old spelling, a code name or "float32" (deprecated).
+    weights: "float32" or "int8" (blocks of `block` values, no error feedback).
+    block: the int8 weights' values per scale (default: the gradients' block, else 256), and the
+        gradients' where a dict or gradients= does not say; threshold: 2-bit's, likewise.
 
     Collective over the modules' shard groups (the hops' sub-groups are made here, by every member
-    alike). A clear ValueError for an unknown type, `block < 1`, `threshold <= 0`, a model with no
-    FSDP module or a shard group that is not a chainermn group (every rank passes the same
-    arguments, so every rank raises it).
+    alike). The ranks' settings are compared first (one small all-gather a shard group): a setting
+    that differs between ranks, or a bad argument on any rank (an unknown code, `block < 1`,
+    `threshold <= 0`, ...), raises the same ValueError on every rank, naming the setting and each
+    rank's value. A model with no FSDP module, or a shard group that is not a chainermn group, raises
+    a clear ValueError at once.
     """
     op = "torch_chainermn.fsdp.compress_between_nodes"
-    if gradients not in GRADIENTS:
-        raise ValueError(f"{op}: gradients must be one of {GRADIENTS}, got {gradients!r}")
-    if weights not in WEIGHTS:
-        raise ValueError(f"{op}: weights must be one of {WEIGHTS}, got {weights!r}")
-    for code in {gradients, weights} - {"float32"}:  # the codes' own checks, one rule for each setting
-        codes.check_settings(op, code, threshold, block)
+    try:
+        compression, spelling = deprecated_spelling(op, "compression", "gradients", compression, gradients,
+                                                    unset=_UNSET, how='{"type": code}, or None for "float32"')
+        mine = _settings(op, compression, spelling, weights, block, threshold)
+    except ValueError as error:  # raised below on every rank, once the ranks have compared notes
+        mine = error
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not modules:
         raise ValueError(f"{op}: the model has no FSDP module (apply torch.distributed.fsdp.fully_shard first)")
+    groups = {}  # the distinct shard groups, in order of first sight
     for module in modules:
-        reduce_scatter = TwoHopReduceScatter(gradients, block, float(threshold))
         for param_group in module._get_fsdp_state()._fsdp_param_groups:
             group = param_group.mesh_info.shard_process_group
             backend_of(group, op)  # a chainermn group, or a clear error
+            groups.setdefault(id(group), group)
+
+    def describe() -> dict:
+        if isinstance(mine, ValueError):
+            raise mine
+        return mine
+
+    # A rank whose settings differ would code its gradients in a way its peers do not decode as it
+    # meant: a wrong result without an error (the codes' wire sizes often agree). Once, here.
+    for group in groups.values():
+        agreed = agree_on_settings(group, op, describe)
+    for module in modules:
+        reduce_scatter = TwoHopReduceScatter(agreed["type"], agreed["block"], agreed["threshold"], agreed["keep"])
+        for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            group = param_group.mesh_info.shard_process_group
             levels = levels_of(group, op)
             if levels.two_hops:
                 shard = sum(p.padded_sharded_param_size.numel() for p in param_group.fsdp_params)
                 reduce_scatter.reserve(levels.nodes, shard, param_group.device)
         module.set_custom_reduce_scatter(reduce_scatter)
-        module.set_custom_all_gather(TwoHopAllGather(weights, block))
+        module.set_custom_all_gather(TwoHopAllGather(agreed["weights"], agreed["weights' block"]))
     return modules
 
 
+def _settings(op: str, compression, spelling: str, weights: str, block, threshold) -> dict:
+    """Every setting of compress_between_nodes, checked: what the ranks compare."""
+    if spelling == "gradients":
+        if compression not in GRADIENTS:
+            raise ValueError(f"{op}: gradients must be one of {GRADIENTS}, got {compression!r}")
+        compression = None if compression == "float32" else {"type": compression}
+    elif compression is _UNSET:
+        compression = {"type": "int8"}
+    if weights not in WEIGHTS:
+        raise ValueError(f"{op}: weights must be one of {WEIGHTS}, got {weights!r}")
+    given = {name: value for name, value in (("block", block), ("threshold", threshold)) if value is not _UNSET}
+    coded = compression_settings(compression, op, defaults=given)
+    if coded is None:
+        coded = {"type": "float32", "threshold": 0.5, "block": 256, "keep": 8}
+    elif coded["compress_result"] is not False or coded["result_dtype"] != torch.float32:
+        raise ValueError(f"{op}: compression's compress_result and result_dtype do not apply to FSDP2 (each rank "
+                         f"decodes its own shard, no sums travel back), got compress_result="
+                         f"{coded['compress_result']!r}, result_dtype={coded['result_dtype']}")
+    weights_block = given.get("block", coded["block"])
+    if weights != "float32":
+        codes.check_settings(op, weights, given.get("threshold", 0.5), weights_block)
+    return {"type": coded["type"], "threshold": float(coded["threshold"]), "block": coded["block"],
+            "keep": coded["keep"], "weights": weights, "weights' block": weights_block}
+
+
 def two_hop(model) -> list:
-    """compress_between_nodes(model, "float32", "float32"): two hops at full precision."""
-    return compress_between_nodes(model, "float32", "float32")
+    """compress_between_nodes(model, compression=None, weights="float32"): two hops at full precision."""
+    return compress_between_nodes(model, compression=None, weights="float32")
 
 
 def state_dict(model) -> dict:

@@ -13,7 +13,7 @@ Only the third step crosses the network, with 1/M of the buffer per rank. FSDP's
 through: AVG and SUM are AVG and SUM on both hops (the mean of node means is the mean), a
 PREMUL_SUM's factor is applied on the first hop only. One node: the group's own reduce-scatter.
 
-With a code between nodes (gradients="int8", "2bit" or "1bit"; torch_chainermn.codes) the third
+With a code between nodes (gradients="int8", "4bit", "2bit", "1bit" or "topk"; torch_chainermn.codes) the third
 step is ZeRO++'s qgZ with error feedback: each rank encodes its N node sums plus its residual (one
 pass; the residual keeps what the codes did not carry, for the next step), the N ranks exchange
 the codes all-to-all, and each decodes and sums the N pieces of its own shard (one pass).
@@ -32,12 +32,14 @@ __all__ = ["TwoHopReduceScatter"]
 
 class TwoHopReduceScatter(ReduceScatter):
     """Gradients reduce-scattered in the node at full precision, then between nodes as `gradients`
-    ("float32", or a code of torch_chainermn.codes with `block` and `threshold`; see above)."""
+    ("float32", or a code of torch_chainermn.codes with `block`, `threshold` and `keep`; see above).
+    Made here, the ranks' settings are not compared: compress_between_nodes compares them."""
 
-    def __init__(self, gradients: str = "float32", block: int = 256, threshold: float = 0.5):
+    def __init__(self, gradients: str = "float32", block: int = 256, threshold: float = 0.5, keep: int = 8):
         self.gradients = gradients
         self.block = block
         self.threshold = threshold
+        self.keep = keep
         self._reordered = None   # the input, by intra rank then node, reused from call to call
         self._node_sums = None   # the node's sums of this rank's N shards
         # A code between nodes: what this rank owes ([N, shard] float32), kept across steps ...
@@ -90,14 +92,16 @@ class TwoHopReduceScatter(ReduceScatter):
         if values.dtype != torch.float32:
             self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
             values = self._as_float32.view(nodes, shard).copy_(values)
-        encode(values, self._sent, self.residual, code=self.gradients, block=self.block, threshold=self.threshold)
+        encode(values, self._sent, self.residual, code=self.gradients, block=self.block, threshold=self.threshold,
+               keep=self.keep)
         dist.all_to_all_single(self._received, self._sent, group=levels.inter)
         if output_tensor.dtype == torch.float32:
             total = output_tensor.view(-1)
         else:
             self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
             total = self._as_float32[:shard]
-        decode(self._received, total, code=self.gradients, block=self.block, threshold=self.threshold, sum=True)
+        decode(self._received, total, code=self.gradients, block=self.block, threshold=self.threshold, sum=True,
+               keep=self.keep)
         if op == dist.ReduceOp.AVG:
             total.div_(nodes)
         if total.data_ptr() != output_tensor.data_ptr():
@@ -113,7 +117,7 @@ class TwoHopReduceScatter(ReduceScatter):
         elif self.residual.shape != (nodes, shard):
             raise ValueError(f"TwoHopReduceScatter: the residual held (a checkpoint's?) has shape "
                              f"{tuple(self.residual.shape)}, this module's gradient shards need ({nodes}, {shard})")
-        row = wire_row_bytes(self.gradients, shard, self.block)
+        row = wire_row_bytes(self.gradients, shard, self.block, self.keep)
         if self._sent is None or self._sent.shape != (nodes, row) or self._sent.device != device:
             self._sent = torch.empty(nodes, row, dtype=torch.uint8, device=device)
             self._received = torch.empty_like(self._sent)

@@ -184,3 +184,23 @@ def agree(group, describe) -> list:
     if refusals:
         raise ValueError("; ".join(refusals))
     return everyone
+
+
+def agree_on_settings(group, op: str, describe) -> dict:
+    """This rank's `describe()`, a dict of settings, once every rank of `group` holds the same: else
+    the same ValueError on every rank, naming `op`, the first setting that differs and each rank's
+    value of it ("ranks 0,2 have threshold=0.5; rank 1 has threshold=0.25", as the backend names a
+    collective's differing setting). A ValueError from any rank's describe() raises on every rank
+    (agree()). Once per configuration, not per step: one small all-gather."""
+    everyone = agree(group, describe)
+    names = list(dict.fromkeys(name for settings in everyone for name in settings))
+    for name in names:
+        values = [settings.get(name) for settings in everyone]
+        if any(value != values[0] for value in values):
+            held: dict[str, list[int]] = {}  # each value's repr -> the ranks that hold it, in order of first rank
+            for rank, value in enumerate(values):
+                held.setdefault(f"{name}={value!r}", []).append(rank)
+            by_value = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))} "
+                                 f"{'have' if len(ranks) > 1 else 'has'} {value}" for value, ranks in held.items())
+            raise ValueError(f"{op}: the ranks differ in {name}: {by_value}")
+    return everyone[dist.get_rank(group)]
