@@ -35,6 +35,7 @@ TORCH_ADAPTERS = {
     "comm/shm_segment.h": "the same",
     "topology.cpp": "hostnames are exchanged through the c10d::Store",
     "kernels/code_checks.h": "the codes' argument checks for the torch operators (at::Tensor)",
+    "phase.cpp": "a phase (phase.h, torch-free) is recorded as torch's profiler's at::RecordFunction",
 }
 
 

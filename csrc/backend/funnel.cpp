@@ -4,6 +4,7 @@
 #include "backend/process_group.h"
 
 #include "backend/validate.h"
+#include "runtime/op_span.h"
 
 #include <c10/util/Exception.h>
 
@@ -46,7 +47,9 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
   if (device.is_cuda()) {
     devices.push_back(device);
   }
-  return c10::make_intrusive<WorkChainerMN>(
+  // Every op's one span on the profiler's timeline, with its tensors' shapes (null when not profiled).
+  std::shared_ptr<OpSpan> span = OpSpan::ifProfiled(spec.name, spec.inputs, spec.outputs);
+  auto work = c10::make_intrusive<WorkChainerMN>(
       spec.type,
       WorkChainerMN::Label{spec.name, device.is_cuda() ? plan_.cuda.name : plan_.hostLibrary, rank_, size_, timeout,
                            spec.agree.collective},
@@ -54,6 +57,8 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
       std::move(spec.outputs),
       Clock::now() + timeout,
       std::move(devices));
+  work->setSpan(std::move(span));
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work) {
@@ -73,7 +78,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   if (device.is_cpu()) {
     const bool onCaller = runsOnCaller(spec);
     Worker::Body run = [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree),
-                        folds = spec.checkFolds]() -> Pending {
+                        folds = spec.checkFolds, span = work->span()]() -> Pending {
+      OpSpan::Running running(span.get());
       if (agreement.collective) {
         if (folds && context->carryAgreement(op, agreement)) {
           return runCarryingCheck(*context->cpu, body);
@@ -100,7 +106,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   worker_->enqueue(
       work,
       [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used),
-       op = spec.name, agreement = std::move(spec.agree), nccl]() {
+       op = spec.name, agreement = std::move(spec.agree), nccl, span = work->span()]() {
+        OpSpan::Running running(span.get());
         if (agreement.collective) {
           context->agree(op, agreement);  // over the host transports: this body uses them anyway
         }
@@ -180,6 +187,7 @@ void ProcessGroupChainerMN::launch(
     auto scope = enterCuda(context_->cuda, *context_->strategy, context_->buildCuda, device, markCallerStream(used.front()));
     DeviceContext& cuda = *context_->cuda;
     keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
+    OpSpan::Running running(work->span().get());
     (void)body(cuda);  // NCCL's sends and receives are over once queued, as its collectives are
     RequestPtr end = markDeviceEnd(cuda);
     work->completeQueued();  // inside the scope: the future's event is on the group's stream

@@ -2,6 +2,8 @@
 // fingerprints of the op, through the levels where that is cheaper, and the splits of an all_to_all.
 #include "backend/group_context.h"
 
+#include "phase.h"
+
 #include <c10/util/Exception.h>
 
 namespace chainermn {
@@ -37,6 +39,7 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
   const uint64_t sequence = ++collectivesRun;
   Transport& world = *cpu->transports.world;
   if (checks != CheckLevel::Off) {
+    PhaseSpan checking(phase::kCheck);
     Fingerprint mine = makeFingerprint(sequence, op, agreement);
     if (!refusal.empty()) {
       store->set(refusalKey(sequence, rank), std::vector<uint8_t>(refusal.begin(), refusal.end()));

@@ -1,6 +1,7 @@
 #include "comm/gloo.h"
 
 #include "comm/waiter_pool.h"
+#include "phase.h"
 
 #include <c10/util/Exception.h>
 
@@ -138,6 +139,7 @@ class GlooTransport : public Transport {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
     std::vector<at::Tensor> tensors{view(buf, count, dtype)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = toGloo(op);
@@ -145,6 +147,7 @@ class GlooTransport : public Transport {
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
     std::vector<at::Tensor> tensors{bytes(buf, count, dtype)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -153,6 +156,7 @@ class GlooTransport : public Transport {
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
       override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
     // Gloo reduces in place and may overwrite the input on every rank, so it works on recv; the
     // caller passes a recv that may be clobbered (scratch off the root).
     if (send != recv) {
@@ -166,12 +170,14 @@ class GlooTransport : public Transport {
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
     std::vector<at::Tensor> inputs{bytes(send, count, dtype)};
     std::vector<std::vector<at::Tensor>> outputs{blocks(bytes(recv, count * size(), dtype), size())};
     backend_->allgather(outputs, inputs)->wait();
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
     std::vector<at::Tensor> inputs{bytes(send, count, dtype)};
     std::vector<std::vector<at::Tensor>> outputs;
     if (rank() == root) {
@@ -183,6 +189,7 @@ class GlooTransport : public Transport {
   }
 
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
     std::vector<at::Tensor> outputs{bytes(recv, count, dtype)};
     std::vector<std::vector<at::Tensor>> inputs;
     if (rank() == root) {
@@ -195,6 +202,7 @@ class GlooTransport : public Transport {
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op)
       override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", size() * count * c10::elementSize(dtype));
     at::Tensor output = view(recv, count, dtype);
     at::Tensor input = view(send, count * size(), dtype);
     c10d::ReduceScatterOptions opts;
@@ -208,6 +216,7 @@ class GlooTransport : public Transport {
       void* recv,
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", bytesOf(sendCounts, dtype));
     const int64_t width = static_cast<int64_t>(c10::elementSize(dtype));
     std::vector<int64_t> sendSplits(sendCounts), recvSplits(recvCounts);
     int64_t sendTotal = 0, recvTotal = 0;
@@ -236,6 +245,7 @@ class GlooTransport : public Transport {
   }
 
   void barrier() override {
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", 0);
     backend_->barrier()->wait();
   }
 

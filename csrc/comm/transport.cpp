@@ -71,6 +71,12 @@ TransportSet makeTransportSet(const Topology& topology, const TransportFactory& 
   // Every rank takes the same branches: they depend on the whole group's topology only.
   set.intra = topology.interSize == 1 ? set.world : make(intraLevel(topology));
   set.inter = topology.interSize == topology.size ? set.world : make(interLevel(topology));
+  // The world is within the node when the group is one node; the intra level always is.
+  set.world->setWithinNode(topology.interSize == 1);
+  set.intra->setWithinNode(true);
+  if (set.inter != set.world) {
+    set.inter->setWithinNode(false);
+  }
   return set;
 }
 

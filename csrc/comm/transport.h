@@ -183,7 +183,28 @@ class Transport {
   // flushes and frees its communicator (ncclCommFinalize, ncclCommDestroy), which abort() must not
   // be used for (it drops queued work). Bounded; later calls throw. Never throws.
   virtual void close() {}
+
+  // Whether every rank of this transport is on this rank's node (makeTransportSet says so): its
+  // calls are the phase "within the node" on the profiler's timeline, else "between nodes" (phase.h).
+  bool withinNode() const {
+    return withinNode_;
+  }
+  void setWithinNode(bool withinNode) {
+    withinNode_ = withinNode;
+  }
+
+ private:
+  bool withinNode_ = false;
 };
+
+// The bytes of blocks of `counts` elements of `dtype` (what an alltoallv sends).
+inline int64_t bytesOf(const std::vector<int64_t>& counts, c10::ScalarType dtype) {
+  int64_t total = 0;
+  for (const int64_t count : counts) {
+    total += count;
+  }
+  return total * static_cast<int64_t>(c10::elementSize(dtype));
+}
 
 constexpr size_t kExchangeBytes = 128;
 

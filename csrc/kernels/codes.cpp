@@ -4,6 +4,7 @@
 #include "kernels/int8.h"
 #include "kernels/quantize.h"
 #include "kernels/topk.h"
+#include "phase.h"
 
 #include <c10/util/Exception.h>
 
@@ -91,6 +92,7 @@ int64_t wireRowBytes(Code code, int64_t count, const CodeSettings& settings) {
 
 void encodeCpu(Code code, const CodeSettings& settings, const float* values, float* residual, uint8_t* wire,
                int64_t rows, int64_t rowBytes, int64_t count) {
+  PhaseSpan phase(phase::kEncode, codeName(code), rows * rowBytes);
   TORCH_CHECK(values != nullptr || rows * count == 0 || (residual != nullptr && !codeInfo(code).usesBlock), "encode (",
               codeName(code),
               "): the values are needed (2-bit and 1-bit may take them from the residual)");
@@ -120,6 +122,7 @@ void encodeCpu(Code code, const CodeSettings& settings, const float* values, flo
 
 void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
                int64_t count, bool sum, bool accumulate) {
+  PhaseSpan phase(phase::kDecode, codeName(code), rows * rowBytes);
   switch (code) {
     case Code::Int8:
       decodeInt8Cpu(wire, rows, rowBytes, out, count, settings.block, sum, accumulate);

@@ -1,6 +1,7 @@
 #include "runtime/work.h"
 
 #include "runtime/backoff.h"
+#include "runtime/op_span.h"
 #include "spin.h"
 
 #include <c10/util/Exception.h>
@@ -66,6 +67,9 @@ void WorkChainerMN::markDone(std::exception_ptr error, bool queuedOnly) {
     }
     completed_ = true;
     exception_ = error;
+  }
+  if (span_) {
+    span_->end();  // before the waiter wakes: on the caller's thread, the span closes inside its op
   }
   done_.store(true, std::memory_order_release);
   cv_.notify_all();

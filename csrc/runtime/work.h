@@ -7,10 +7,13 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace chainermn {
+
+class OpSpan;  // runtime/op_span.h
 
 using Clock = std::chrono::steady_clock;
 
@@ -68,6 +71,14 @@ class WorkChainerMN : public c10d::Work {
     outputs_ = std::move(outputs);
   }
   void setSourceRank(int rank);
+  // The op's span on torch's profiler timeline (null unless its poster was being profiled): ended when
+  // the Work completes or fails. Set before the Work is posted.
+  void setSpan(std::shared_ptr<OpSpan> span) {
+    span_ = std::move(span);
+  }
+  const std::shared_ptr<OpSpan>& span() const {
+    return span_;
+  }
 
   // "all_reduce (seq 7, rank 0 of 4, gloo, timeout 30000 ms)", for messages.
   std::string description() const;
@@ -104,6 +115,7 @@ class WorkChainerMN : public c10d::Work {
   std::atomic<int> sourceRank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::function<void()> hostSync_;
+  std::shared_ptr<OpSpan> span_;
 };
 
 // A thread that completes Works: a group's worker. The then() callbacks it runs may wait() for a
