@@ -129,7 +129,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # 2.92, 0.7/0.5 2.61, SGD 1.0 2.53 = LocalSGD, SGD 0.8 2.41; at H=1 Nesterov 0.7/0.5 gave 2.63
     # where SGD 1.0 gives DDP's 2.44). docs/low-communication.md has the runs.
     p.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov momentum when > 0, else plain SGD")
-    p.add_argument("--start", choices=["same", "broadcast"], default="same",
+    p.add_argument("--replica-start", choices=["same", "broadcast"], default="same",
                    help="localsgd/diloco/streaming: 'same' (every rank built the model from seed 0: proved by "
                         "checksums, nothing broadcast) or 'broadcast' (rank 0's model over the link)")
     p.add_argument("--diloco-warmup", type=int, default=0,
@@ -170,7 +170,7 @@ def setup(args, model):
             # broadcast (init_sync=False).
             ddp = DDP(model, process_group=torch_chainermn.node_group(), init_sync=False)
         if args.mode == "localsgd":
-            local_sgd = torch_chainermn.LocalSGD(ddp, inner, sync_every=args.sync_every, start=args.start)
+            local_sgd = torch_chainermn.LocalSGD(ddp, inner, sync_every=args.sync_every, start=args.replica_start)
             return ddp, inner, local_sgd, local_sgd.flush
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
                                 nesterov=args.outer_momentum > 0)
@@ -183,7 +183,7 @@ def setup(args, model):
                                         fragments=args.fragments if streaming else 1,
                                         fragment_delay=args.fragment_delay if streaming else 0,
                                         compression=compression, warmup_steps=args.diloco_warmup,
-                                        fragment_update_alpha=args.fragment_alpha, start=args.start)
+                                        fragment_update_alpha=args.fragment_alpha, start=args.replica_start)
         return ddp, inner, diloco, diloco.flush
     # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
     buckets = args.buckets or (8 if args.mode.startswith("overlap") else 0)
