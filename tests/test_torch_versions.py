@@ -48,7 +48,8 @@ def test_the_override_builds_against_a_newer_torch_with_the_newest_standard(monk
 
 def test_without_a_gpu_the_cuda_build_targets_the_installed_torchs_architectures(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90", "sm_100", "compute_120"])
+    # What torch compiled in; torch.cuda.get_arch_list() says [] without a GPU before 2.14.
+    monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: "sm_80 sm_90 sm_100 compute_120", raising=False)
     setup_py_extension(monkeypatch, tmp_path, cuda=True, mpi=False, arch_list=None)
     # Read by torch's BuildExtension when it compiles (the monkeypatched environment is restored after).
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0"
@@ -56,14 +57,14 @@ def test_without_a_gpu_the_cuda_build_targets_the_installed_torchs_architectures
 
 def test_an_explicit_arch_list_wins(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
+    monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: "sm_80 sm_90", raising=False)
     setup_py_extension(monkeypatch, tmp_path, cuda=True, mpi=False, arch_list="12.0")
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "12.0"
 
 
 def test_a_torch_that_names_no_architecture_asks_for_the_list(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])
+    monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: None, raising=False)
     with pytest.raises(SystemExit, match="TORCH_CUDA_ARCH_LIST"):
         setup_py_extension(monkeypatch, tmp_path, cuda=True, mpi=False, arch_list=None)
 
