@@ -66,7 +66,8 @@ def distribution_version(cuda):
 def cuda_architectures():
     """TORCH_CUDA_ARCH_LIST for a CUDA build: the user's when set; torch's own (the visible GPUs')
     when a GPU is there; otherwise, on a build node or CI runner with no GPU, the architectures the
-    installed torch was built for (sm_75 ... sm_120 for 2.12's to 2.14's cu130 wheels), where torch would stop with an IndexError on an empty list.
+    installed torch was built for (sm_75 ... sm_120 for 2.12's to 2.14's cu130 wheels), where torch
+    would stop with an IndexError on an empty list.
 
     The list is the one compiled into torch (torch._C._cuda_getArchFlags()): torch.cuda.get_arch_list()
     reads it too, but before torch 2.14 answers [] when no GPU is visible (it asks is_available())."""
