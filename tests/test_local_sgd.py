@@ -23,6 +23,10 @@ def test_two_ranks_as_two_nodes():
         "DiLoCo: start must be one of ('broadcast', 'same'), got 'rank0'",
         "DiLoCo: ranks disagree on the model's values (start='same': they must start equal): #3 ('2.bias', ",
         "LocalSGD: ranks disagree on the model's values (start='same': they must start equal): #3 ('2.bias', ",
+        "DiLoCo: eager=True keeps each exchange in flight for a whole round (sync_every steps): fragment_delay "
+        "must be 0, got 1",
+        "DiLoCo: eager must be True or False, got 'yes'",
+        "DiLoCo: ranks disagree on the model's settings: eager=True on rank 0, eager=False on rank 1",
     ]
     for rank, errors in enumerate(outcomes):
         assert len(errors) == len(expected), errors
