@@ -10,7 +10,10 @@ steps communicate nothing), then the replicas meet:
   outer optimizer (Nesterov SGD in the paper);
 - Streaming DiLoCo syncs the model in F fragments at staggered steps and lets each fragment's exchange
   run in the background for tau inner steps, then merges the new global value into the replica's
-  (which went on training meanwhile): `alpha * local + (1 - alpha) * global`.
+  (which went on training meanwhile): `alpha * local + (1 - alpha) * global`;
+- eager updates (`eager=True`) let each exchange run during the whole next round: every replica steps
+  at once with its own fresh outer gradient standing in for its share of the mean, and corrects it
+  when the mean arrives (DiLoCo's docstring, docs/low-communication.md).
 
     inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
@@ -564,6 +567,8 @@ class DiLoCo(_EveryHSteps):
         structure is the same for every DiLoCo of the same model and settings, so a fresh one's
         state_dict() is the template torch.distributed.checkpoint loads into; the outer optimizer's
         state is torch's get_optimizer_state_dict (keyed by parameter names, initialised if empty).
+        With eager updates the state is this replica's own (its global value, what it sent at the last
+        sync, its outer optimizer): save it per rank, not through DCP as one replicated state.
         """
         fragments = []
         for fragment in self.fragments:
