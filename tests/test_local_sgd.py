@@ -40,5 +40,5 @@ def test_two_nodes_of_two():
     start; checkpoints mid-run (between syncs, a fragment in flight, through torch.distributed.checkpoint,
     during the warm start) resume bit for bit; eager updates against their reference (buffers, 2-bit with two
     fragments, a warm start) and resumed bit for bit with an exchange in flight (float32, 4-bit, top-k);
-    one replica per node (DDP over node_group())."""
+    one replica per node (DDP over node_group()), eager too (M = the number of nodes)."""
     run_spawn(local_sgd_cases.two_nodes_of_two, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=360)

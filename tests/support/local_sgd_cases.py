@@ -188,8 +188,9 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
 
 
 def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batch_norm: bool,
-                    warmup: int = 0) -> list:
-    """[step][rank] -> flat(replica) under eager updates (DiLoCo's `eager`), one replica per rank (M = world).
+                    warmup: int = 0, batch_of=batch) -> list:
+    """[step][replica] -> flat(replica) under eager updates (DiLoCo's `eager`) for M = world replicas,
+    replica r training on batch_of(r, step) (default: one replica per rank, on its rank's batches).
 
     Written from the paper's rule (Kale, Douillard et al. 2025): at fragment i's sync, replica r steps
     its OWN outer optimizer, on its OWN global value, with
@@ -227,8 +228,11 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
                 sent_buffers = [[b.clone() for b in float_buffers(m)] for m in replicas]
             history.append([flat(m) for m in replicas])
             continue
-        for rank in range(world):
-            train_step(replicas[rank], inners[rank], rank, step)
+        for r in range(world):
+            x, y = batch_of(r, step)
+            nn.functional.mse_loss(replicas[r](x), y).backward()
+            inners[r].step()
+            inners[r].zero_grad()
         after = step - warmup
         for i in range(len(runs)):
             if not (after >= offsets[i] and (after - offsets[i]) % H == 0):
@@ -393,6 +397,25 @@ def one_replica_per_node() -> None:
     dist.all_gather(everyone, mine)
     for other in topo.ranks_of_node[topo.node_of_rank[rank]]:
         assert torch.equal(everyone[other], mine), f"ranks {rank} and {other} of one node differ"
+
+    # Eager updates with a replica per node: M is the number of nodes (the replica's share of the
+    # mean is its node's ranks' shares), as the reference with one replica per node on the node's
+    # batches (DDP's mean of its ranks' losses is the loss of their batches together) says.
+    nodes = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
+
+    def node_batch(node_index, step):
+        x, y = zip(*(batch(q, step) for q in nodes[node_index]))
+        return torch.cat(x), torch.cat(y)
+
+    model = nn.parallel.DistributedDataParallel(make_model(), process_group=node)
+    inner, _, diloco = diloco_for(model, 3, 1, 0, "float32", eager=True)
+    expected = reference_eager(len(nodes), nodes, runs_of(diloco, model), 3, "float32", False,
+                               batch_of=node_batch)
+    with diloco:
+        for step in range(1, STEPS + 1):
+            train_step(model, inner, rank, step)
+            torch.testing.assert_close(flat(model), expected[step - 1][topo.node_of_rank[rank]], rtol=1e-5,
+                                       atol=1e-6, msg=lambda m: f"eager, one replica per node, step {step}: {m}")
 
 
 # ---- bad input ------------------------------------------------------------------------------------
