@@ -375,6 +375,16 @@ def resumes_exactly(configs, eager: bool = False) -> None:
         assert torch.equal(flat(model), straight), \
             f"H={H} F={F} tau={tau} {kind} eager={eager}, stopped after {stop}, dcp={through_dcp}: " \
             f"max difference {(flat(model) - straight).abs().max()}"
+        if eager:  # an eager state does not load into a DiLoCo without eager updates
+            other = make_model(batch_norm=True)
+            _, _, plain = diloco_for(other, H, F, tau, kind, warmup=warmup)
+            try:
+                plain.load_state_dict(saved["diloco"])
+            except ValueError as error:
+                assert "DiLoCo.load_state_dict: the state was saved with eager=True, this DiLoCo has eager=False" \
+                    in str(error), error
+            else:
+                raise AssertionError("an eager state loaded into a DiLoCo without eager updates")
 
 
 # ---- one replica per node -------------------------------------------------------------------------
