@@ -450,8 +450,9 @@ class DiLoCo(_EveryHSteps):
                     if self.eager and fragment.buffers:
                         # The replicas' buffers differ (each saw its own batches): their mean is what
                         # the others "sent"; it travels during the first round, as a sync's does.
+                        torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
+                        fragment.own_buffers.copy_(fragment.buffer_mean)  # before the mean overwrites it
                         self._start_buffer_mean(fragment)
-                        fragment.own_buffers.copy_(fragment.buffer_mean)
             return
         for fragment in self.fragments:
             if after >= fragment.offset and (after - fragment.offset) % self.sync_every == 0:
