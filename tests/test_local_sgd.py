@@ -5,7 +5,8 @@ from tests.support.harness import run_spawn
 
 def test_two_ranks_as_two_nodes():
     """DDP's steps with every step synced (DiLoCo from replicas equal by seed: start="same"); the rules'
-    reference (float32, and 2-bit streaming); bad input raises the same clear ValueError on every rank,
+    reference (float32, and 2-bit streaming); eager updates against their reference (float32, 2-bit with two
+    fragments); bad input raises the same clear ValueError on every rank,
     replicas that do not start equal under start="same" included."""
     outcomes = run_spawn(local_sgd_cases.two_nodes_of_one, 2, env={"CHAINERMN_RANKS_PER_NODE": "1"}, timeout=240)
     expected = [
@@ -23,6 +24,10 @@ def test_two_ranks_as_two_nodes():
         "DiLoCo: start must be one of ('broadcast', 'same'), got 'rank0'",
         "DiLoCo: ranks disagree on the model's values (start='same': they must start equal): #3 ('2.bias', ",
         "LocalSGD: ranks disagree on the model's values (start='same': they must start equal): #3 ('2.bias', ",
+        "DiLoCo: eager=True keeps each exchange in flight for a whole round (sync_every steps): fragment_delay "
+        "must be 0, got 1",
+        "DiLoCo: eager must be True or False, got 'yes'",
+        "DiLoCo: ranks disagree on the model's settings: eager=True on rank 0, eager=False on rank 1",
     ]
     for rank, errors in enumerate(outcomes):
         assert len(errors) == len(expected), errors
@@ -33,6 +38,7 @@ def test_two_ranks_as_two_nodes():
 def test_two_nodes_of_two():
     """The reference for H=3, F=1/2, tau=0/1, float32 and 2-bit, with buffers, with and without a warm
     start; checkpoints mid-run (between syncs, a fragment in flight, through torch.distributed.checkpoint,
-    during the warm start) resume bit for bit;
-    one replica per node (DDP over node_group())."""
+    during the warm start) resume bit for bit; eager updates against their reference (buffers, 2-bit with two
+    fragments, a warm start) and resumed bit for bit with an exchange in flight (float32, 4-bit, top-k);
+    one replica per node (DDP over node_group()), eager too (M = the number of nodes)."""
     run_spawn(local_sgd_cases.two_nodes_of_two, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=360)

@@ -10,7 +10,10 @@ steps communicate nothing), then the replicas meet:
   outer optimizer (Nesterov SGD in the paper);
 - Streaming DiLoCo syncs the model in F fragments at staggered steps and lets each fragment's exchange
   run in the background for tau inner steps, then merges the new global value into the replica's
-  (which went on training meanwhile): `alpha * local + (1 - alpha) * global`.
+  (which went on training meanwhile): `alpha * local + (1 - alpha) * global`;
+- eager updates (`eager=True`) let each exchange run during the whole next round: every replica steps
+  at once with its own fresh outer gradient standing in for its share of the mean, and corrects it
+  when the mean arrives (DiLoCo's docstring, docs/low-communication.md).
 
     inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
@@ -260,9 +263,12 @@ class _Fragment:
     outer: the outer gradient `global - local`, flat, then (once `work` is done) its mean.
     local: the replica's own values kept for the merge (only with a fragment delay).
     buffers/buffer_mean: the model's floating buffers and their mean in flight (first fragment only).
+    With eager updates (only then): own/own_buffers, what this replica sent at its last sync (its
+    outer gradient, its buffers), and scratch/buffer_scratch, where the applied values are formed.
     """
 
-    def __init__(self, index: int, params: list, offset: int, buffers: list, keep_local: bool):
+    def __init__(self, index: int, params: list, offset: int, buffers: list, keep_local: bool,
+                 eager: bool = False):
         self.index = index
         self.params = params
         self.offset = offset  # the fragment is synced at steps offset, offset + H, offset + 2H, ...
@@ -271,6 +277,11 @@ class _Fragment:
         self.local, self.local_views = _flat_like(params) if keep_local else (None, None)
         self.buffers = buffers
         self.buffer_mean, self.buffer_views = _flat_like(buffers) if buffers else (None, None)
+        nothing = (None, None)
+        self.own, _ = _flat_like(params) if eager else nothing  # zeros: nothing sent before the first sync
+        self.scratch, self.scratch_views = _flat_like(params) if eager else nothing
+        self.own_buffers, _ = _flat_like(buffers) if eager and buffers else nothing
+        self.buffer_scratch, self.buffer_scratch_views = _flat_like(buffers) if eager and buffers else nothing
         self.layout = layout_of(params, params)  # the compression's residuals follow these parameters
         self.work = None          # the outer gradient's mean in flight
         self.buffer_work = None   # the buffers' mean in flight
@@ -313,6 +324,22 @@ class DiLoCo(_EveryHSteps):
     start: "broadcast" (default): take rank 0's parameters and buffers; "same": the replicas already
         hold equal values (the same seed or checkpoint), proved by checksums: nothing else crosses the
         network before the first step (LocalSGD's `start`).
+    eager: eager outer updates (Kale, Douillard et al. 2025, "Eager updates for overlapped
+        communication and computation in DiLoCo", arXiv 2502.12996): a fragment's exchange runs in
+        the background for a whole round (H inner steps, until the fragment's next sync) and nothing
+        waits for it at the sync that starts it. At each sync the replica steps the outer optimizer at
+        once on `mean_prev + (fresh - own_prev) / M`: the mean that arrived from the last sync, with
+        this replica's own share of it (`own_prev / M`, what it sent then) replaced by its share of the
+        outer gradient it has now (`fresh / M`), i.e. the others' last outer gradients and its own
+        fresh one, averaged. M is the number of replicas (the group's size, over a DDP replica's ranks).
+        The stand-in is corrected at the next sync, when the mean of what it stood for arrives: summed
+        over rounds the replica applies every mean, its own share only one round early. Each replica
+        keeps its own global value and outer optimizer state (they differ by the share of their own
+        outer gradients); no merge (fragment_delay must be 0). Floating buffers take the same rule
+        with values: the others' values at the last sync and the replica's own now, averaged. Works
+        with `fragments` (each fragment's exchange in flight for H steps), `compression` (its error
+        feedback as without eager: the correction removes exactly the stand-in, so what is applied
+        over rounds is the sum of the compressed means) and a warm start.
 
     On construction every rank checks the others train the same shapes with the same settings
     (a clear ValueError on every rank otherwise).
@@ -322,7 +349,8 @@ class DiLoCo(_EveryHSteps):
 
     def __init__(self, model, inner_optimizer, outer_optimizer, sync_every: int, process_group=None,
                  fragments: int = 1, fragment_delay: int = 0, compression=None,
-                 fragment_update_alpha: float = 0.5, warmup_steps: int = 0, *, start: str = "broadcast"):
+                 fragment_update_alpha: float = 0.5, warmup_steps: int = 0, *, start: str = "broadcast",
+                 eager: bool = False):
         op = self._op
         resolved = None
         try:  # the outer gradients' own dtype (float32) unless a wire dtype is given
@@ -341,6 +369,13 @@ class DiLoCo(_EveryHSteps):
                 raise ValueError(f"{op}: fragments must be at most the number of trainable parameters "
                                  f"({len(params)}), got {fragments}")
             _check_count(op, "fragment_delay", fragment_delay, 0)
+            if not isinstance(eager, bool):
+                raise ValueError(f"{op}: eager must be True or False, got {eager!r}")
+            if eager and fragment_delay:
+                # The eager exchange is in flight for a whole round already; a delayed mean and its
+                # merge on top would be a second, different overlap.
+                raise ValueError(f"{op}: eager=True keeps each exchange in flight for a whole round "
+                                 f"(sync_every steps): fragment_delay must be 0, got {fragment_delay}")
             if isinstance(sync_every, int) and fragment_delay >= sync_every / fragments:
                 raise ValueError(f"{op}: fragment_delay must be below sync_every / fragments "
                                  f"({sync_every} / {fragments}), got {fragment_delay}")
@@ -352,7 +387,7 @@ class DiLoCo(_EveryHSteps):
 
         settings = {"sync_every": sync_every, "fragments": fragments, "fragment_delay": fragment_delay,
                     "fragment_update_alpha": fragment_update_alpha, "compression": repr(compression),
-                    "warmup_steps": warmup_steps}
+                    "warmup_steps": warmup_steps, "eager": eager}
         super().__init__(model, inner_optimizer, sync_every, process_group, settings, check, start=start)
         self.outer_optimizer = outer_optimizer
         self.fragment_delay = fragment_delay
@@ -360,8 +395,14 @@ class DiLoCo(_EveryHSteps):
         self.mean = mean
         self.compression = compression
         self.warmup_steps = warmup_steps
+        self.eager = eager
+        # This replica's share of the group's mean: a DDP replica (one per node) spans its group's ranks.
+        ranks = self.model.process_group.size() \
+            if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else 1
+        self._share = min(1.0, ranks / self.process_group.size())
         self.fragments = [
-            _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0)
+            _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0,
+                      eager)
             for i, run in enumerate(_split_runs(self.params, fragments))]
         for fragment in self.fragments:  # residuals in fragment order: a checkpoint's fixed structure
             mean.reserve(fragment.layout, fragment.outer.device)
@@ -374,6 +415,8 @@ class DiLoCo(_EveryHSteps):
                     torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
                     self._start_from_first(fragment.buffer_mean)
                     torch._foreach_copy_(fragment.buffers, fragment.buffer_views)
+                    if eager:  # every replica "sent" the start: the mean before the first sync
+                        fragment.own_buffers.copy_(fragment.buffer_mean)
 
     # ---- the warm start ----------------------------------------------------------------------------
 
@@ -404,10 +447,19 @@ class DiLoCo(_EveryHSteps):
             with torch.no_grad():
                 for fragment in self.fragments:
                     torch._foreach_copy_(fragment.global_views, fragment.params)
+                    if self.eager and fragment.buffers:
+                        # The replicas' buffers differ (each saw its own batches): their mean is what
+                        # the others "sent"; it travels during the first round, as a sync's does.
+                        torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
+                        fragment.own_buffers.copy_(fragment.buffer_mean)  # before the mean overwrites it
+                        self._start_buffer_mean(fragment)
             return
         for fragment in self.fragments:
             if after >= fragment.offset and (after - fragment.offset) % self.sync_every == 0:
-                self._start(fragment)
+                if self.eager:
+                    self._eager_sync(fragment)
+                else:
+                    self._start(fragment)
         for fragment in self.fragments:
             if fragment.apply_at == self.step:
                 self._apply(fragment)
@@ -422,10 +474,50 @@ class DiLoCo(_EveryHSteps):
         torch.sub(fragment.global_flat, fragment.outer, out=fragment.outer)   # global - local
         fragment.work = self.mean.start([fragment.outer], fragment.layout)
         if fragment.buffers:
-            torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
+            self._start_buffer_mean(fragment)
+        fragment.apply_at = self.step + self.fragment_delay
+
+    def _start_buffer_mean(self, fragment: _Fragment) -> None:
+        """The mean of the replica's floating buffers now, in flight in fragment.buffer_mean."""
+        torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
+        fragment.buffer_work = mean_coalesced([fragment.buffer_mean], group=self.process_group,
+                                              dtype=fragment.buffer_mean.dtype, async_op=True)
+
+    @torch.no_grad()
+    def _eager_sync(self, fragment: _Fragment) -> None:
+        """Eager updates (the class docstring's `eager`): wait for the last sync's mean (in flight
+        for a round; zeros before the first sync, when nothing was sent), start this sync's, and step
+        the outer optimizer at once on the last mean with this replica's share of it made fresh."""
+        fragment.wait()
+        fresh, fresh_views = fragment.scratch, fragment.scratch_views
+        torch._foreach_copy_(fresh_views, fragment.params)
+        torch.sub(fragment.global_flat, fresh, out=fresh)   # global - local: this round's outer gradient
+        self._eager_mix(fragment.outer, fragment.own, fresh)
+        # The fresh outer gradient goes out; the mixed one, now in the other buffer, is stepped on.
+        stepped = fragment.outer_views
+        fragment.outer, fragment.outer_views, fragment.scratch, fragment.scratch_views = \
+            fresh, fresh_views, fragment.outer, stepped
+        fragment.work = self.mean.start([fragment.outer], fragment.layout)
+        if fragment.buffers:
+            now, now_views = fragment.buffer_scratch, fragment.buffer_scratch_views
+            torch._foreach_copy_(now_views, fragment.buffers)
+            self._eager_mix(fragment.buffer_mean, fragment.own_buffers, now)
+            mixed = fragment.buffer_views
+            fragment.buffer_mean, fragment.buffer_views, fragment.buffer_scratch, fragment.buffer_scratch_views = \
+                now, now_views, fragment.buffer_mean, mixed
             fragment.buffer_work = mean_coalesced([fragment.buffer_mean], group=self.process_group,
                                                   dtype=fragment.buffer_mean.dtype, async_op=True)
-        fragment.apply_at = self.step + self.fragment_delay
+            torch._foreach_copy_(fragment.buffers, mixed)
+        torch._foreach_copy_(fragment.params, fragment.global_views)
+        self._outer_step(fragment, stepped)
+        torch._foreach_copy_(fragment.global_views, fragment.params)
+
+    def _eager_mix(self, mean: torch.Tensor, own: torch.Tensor, fresh: torch.Tensor) -> None:
+        """mean <- mean + share * (fresh - own), own <- fresh: in the last mean, this replica's share of
+        what it sent then replaced by its share of what it has now (`own` is scratch meanwhile)."""
+        torch.sub(fresh, own, out=own)
+        mean.add_(own, alpha=self._share)
+        own.copy_(fresh)
 
     @torch.no_grad()
     def _apply(self, fragment: _Fragment) -> None:
@@ -445,13 +537,14 @@ class DiLoCo(_EveryHSteps):
             torch._foreach_copy_(fragment.buffers, fragment.buffer_views)
         fragment.apply_at = None
 
-    def _outer_step(self, fragment: _Fragment) -> None:
-        """Step the outer optimizer on this fragment alone: the other parameters' .grad (the inner
-        step's) are set aside meanwhile, so the outer optimizer skips them."""
+    def _outer_step(self, fragment: _Fragment, grads=None) -> None:
+        """Step the outer optimizer on this fragment alone, on `grads` (views; default: the averaged
+        outer gradient's): the other parameters' .grad (the inner step's) are set aside meanwhile, so
+        the outer optimizer skips them."""
         kept = [(p, p.grad) for group in self.outer_optimizer.param_groups for p in group["params"]]
         for p, _ in kept:
             p.grad = None
-        for p, grad in zip(fragment.params, fragment.outer_views):
+        for p, grad in zip(fragment.params, fragment.outer_views if grads is None else grads):
             p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
         try:
             self.outer_optimizer.step()
@@ -475,6 +568,8 @@ class DiLoCo(_EveryHSteps):
         structure is the same for every DiLoCo of the same model and settings, so a fresh one's
         state_dict() is the template torch.distributed.checkpoint loads into; the outer optimizer's
         state is torch's get_optimizer_state_dict (keyed by parameter names, initialised if empty).
+        With eager updates the state is this replica's own (its global value, what it sent at the last
+        sync, its outer optimizer): save it per rank, not through DCP as one replicated state.
         """
         fragments = []
         for fragment in self.fragments:
@@ -482,6 +577,9 @@ class DiLoCo(_EveryHSteps):
             fragments.append({"global": fragment.global_flat.clone(), "outer_gradient": fragment.outer.clone(),
                               "buffers": fragment.buffer_mean.clone() if fragment.buffers else torch.zeros(0),
                               "apply_at": -1 if fragment.apply_at is None else fragment.apply_at})
+            if self.eager:  # what this replica sent at the last sync: the next sync's correction
+                fragments[-1]["own_outer_gradient"] = fragment.own.clone()
+                fragments[-1]["own_buffers"] = fragment.own_buffers.clone() if fragment.buffers else torch.zeros(0)
         return {"step": self.step, "fragments": fragments,
                 "outer_optimizer": get_optimizer_state_dict(self._module, self.outer_optimizer),
                 "compression": saved_state(self.mean)}
@@ -498,6 +596,9 @@ class DiLoCo(_EveryHSteps):
             if values["global"].numel() != fragment.global_flat.numel():
                 raise ValueError(f"{op}: fragment {fragment.index} holds {values['global'].numel()} values "
                                  f"in the state, {fragment.global_flat.numel()} here")
+            if ("own_outer_gradient" in values) != self.eager:
+                raise ValueError(f"{op}: the state was saved with eager={not self.eager}, this DiLoCo has "
+                                 f"eager={self.eager}")
         if (compressed(self.mean) is None) != (state.get("compression") is None):
             load_state(self.mean, state.get("compression"), op)  # raises: saved with another kind of mean
         for fragment, values in zip(self.fragments, saved):
@@ -506,6 +607,10 @@ class DiLoCo(_EveryHSteps):
             fragment.outer.copy_(values["outer_gradient"])
             if fragment.buffers:
                 fragment.buffer_mean.copy_(values["buffers"])
+            if self.eager:
+                fragment.own.copy_(values["own_outer_gradient"])
+                if fragment.buffers:
+                    fragment.own_buffers.copy_(values["own_buffers"])
             apply_at = int(values["apply_at"])
             fragment.apply_at = None if apply_at < 0 else apply_at
         set_optimizer_state_dict(self._module, self.outer_optimizer, state["outer_optimizer"])

@@ -95,6 +95,24 @@ def equals_ddp_with_every_step_synced() -> None:
 
 # ---- against the rules, written plainly -----------------------------------------------------------
 
+def warm_step(replicas, inners, step: int) -> None:
+    """DDP's step for every replica: the replicas' gradients averaged before each inner step."""
+    for rank, model in enumerate(replicas):
+        x, y = batch(rank, step)
+        nn.functional.mse_loss(model(x), y).backward()
+    for tensors in zip(*[[p.grad for p in m.parameters()] for m in replicas]):
+        mean = torch.stack(tensors).mean(0)
+        for grad in tensors:
+            grad.copy_(mean)
+    for inner in inners:
+        inner.step()
+        inner.zero_grad()
+
+
+def float_buffers(model) -> list:
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
 def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: int, alpha: float,
                      kind: str, batch_norm: bool, warmup: int = 0) -> list:
     """[step][rank] -> flat(replica) for every replica, from the rules.
@@ -123,16 +141,7 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
     history = []
     for step in range(1, STEPS + 1):
         if step <= warmup:
-            for rank in range(world):
-                x, y = batch(rank, step)
-                nn.functional.mse_loss(replicas[rank](x), y).backward()
-            for tensors in zip(*[[p.grad for p in m.parameters()] for m in replicas]):
-                mean = torch.stack(tensors).mean(0)
-                for grad in tensors:
-                    grad.copy_(mean)
-            for rank in range(world):
-                inners[rank].step()
-                inners[rank].zero_grad()
+            warm_step(replicas, inners, step)
             if step == warmup:
                 with torch.no_grad():
                     for g, p in zip(global_model.parameters(), replicas[0].parameters()):
@@ -178,12 +187,103 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
     return history
 
 
-def diloco_for(model, H, F, tau, kind, alpha=0.5, warmup=0):
+def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batch_norm: bool,
+                    warmup: int = 0, batch_of=batch) -> list:
+    """[step][replica] -> flat(replica) under eager updates (DiLoCo's `eager`) for M = world replicas,
+    replica r training on batch_of(r, step) (default: one replica per rank, on its rank's batches).
+
+    Written from the paper's rule (Kale, Douillard et al. 2025): at fragment i's sync, replica r steps
+    its OWN outer optimizer, on its OWN global value, with
+        (sum over the other replicas q of what q sent at i's last sync + r's outer gradient now) / M
+    and takes the result; what every replica sent (zeros before the first sync) is then its outer
+    gradient now. With a code ("2bit") the others' part is the compressed mean of the last sync less
+    r's share of what r sent (a code's sum cannot be split by sender). Floating buffers: (the others'
+    buffers at the last sync + r's own now) / M, the start (or the end of the warm start) counting as
+    the first "sent".
+    """
+    replicas = [make_model(batch_norm) for _ in range(world)]
+    inners = [adamw(m.parameters()) for m in replicas]
+    globals_ = [make_model(batch_norm) for _ in range(world)]  # every replica's own global value
+    outers = [nesterov(g.parameters()) for g in globals_]      # and its own outer optimizer
+    offsets = [i * H // len(runs) for i in range(len(runs))]
+    sizes = [sum(list(replicas[0].parameters())[j].numel() for j in run) for run in runs]
+    sent = [[torch.zeros(n) for n in sizes] for _ in range(world)]
+    means = [torch.zeros(n) for n in sizes]
+    residuals = [None] * len(runs)
+    sent_buffers = [[b.clone() for b in float_buffers(m)] for m in replicas]
+
+    def params(model, i):
+        every = list(model.parameters())
+        return [every[j] for j in runs[i]]
+
+    history = []
+    for step in range(1, STEPS + 1):
+        if step <= warmup:
+            warm_step(replicas, inners, step)
+            if step == warmup:
+                with torch.no_grad():
+                    for g, model in zip(globals_, replicas):
+                        for mine, theirs in zip(g.parameters(), model.parameters()):
+                            mine.copy_(theirs)
+                sent_buffers = [[b.clone() for b in float_buffers(m)] for m in replicas]
+            history.append([flat(m) for m in replicas])
+            continue
+        for r in range(world):
+            x, y = batch_of(r, step)
+            nn.functional.mse_loss(replicas[r](x), y).backward()
+            inners[r].step()
+            inners[r].zero_grad()
+        after = step - warmup
+        for i in range(len(runs)):
+            if not (after >= offsets[i] and (after - offsets[i]) % H == 0):
+                continue
+            fresh = [torch.cat([(g - p).detach().reshape(-1) for g, p in zip(params(globals_[r], i),
+                                                                              params(replicas[r], i))])
+                     for r in range(world)]
+            for r in range(world):
+                if kind == "float32":
+                    grad = (sum(sent[q][i] for q in range(world) if q != r) + fresh[r]) / world
+                else:
+                    grad = means[i] - sent[r][i] / world + fresh[r] / world
+                for p in globals_[r].parameters():
+                    p.grad = None
+                offset = 0
+                for p in params(globals_[r], i):
+                    p.grad = grad[offset:offset + p.numel()].view(p.shape).clone()
+                    offset += p.numel()
+                outers[r].step()
+                with torch.no_grad():
+                    for mine, new in zip(params(replicas[r], i), params(globals_[r], i)):
+                        mine.copy_(new)
+            if i == 0 and batch_norm:
+                now = [[b.clone() for b in float_buffers(m)] for m in replicas]
+                with torch.no_grad():
+                    for r in range(world):
+                        for k, mine in enumerate(float_buffers(replicas[r])):
+                            mine.copy_((sum(sent_buffers[q][k] for q in range(world) if q != r) + now[r][k])
+                                       / world)
+                sent_buffers = now
+            for r in range(world):
+                sent[r][i] = fresh[r]
+            if kind == "float32":
+                means[i] = torch.stack(fresh).mean(0)
+            else:
+                mean, residuals[i], _ = compressed.compressed_mean_steps(
+                    [fresh], nodes, 1, kind, threshold=THRESHOLD, residuals=residuals[i])
+                means[i] = mean[0]
+        history.append([flat(m) for m in replicas])
+    return history
+
+
+def diloco_for(model, H, F, tau, kind, alpha=0.5, warmup=0, eager=False):
     inner = adamw(model.parameters())
     outer = nesterov(model.parameters())
-    compression = hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD) if kind == "2bit" else None
+    compression = {"2bit": hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD),
+                   "4bit": {"type": "4bit", "compress_result": True},
+                   "topk": {"type": "topk", "block": 16, "keep": 4, "compress_result": True}}.get(kind)
     diloco = torch_chainermn.DiLoCo(model, inner, outer, sync_every=H, fragments=F, fragment_delay=tau,
-                                    compression=compression, fragment_update_alpha=alpha, warmup_steps=warmup)
+                                    compression=compression, fragment_update_alpha=alpha, warmup_steps=warmup,
+                                    eager=eager)
     return inner, outer, diloco
 
 
@@ -211,20 +311,41 @@ def equals_reference(configs) -> None:
                                   f"step {step}: {m}")
 
 
+def eager_equals_reference(configs) -> None:
+    """Eager updates against reference_eager, every step, for (H, F, kind, batch_norm, warmup) configs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topo = torch_chainermn.topology()
+    nodes = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
+    for H, F, kind, batch_norm, warmup in configs:
+        model = make_model(batch_norm)
+        inner, _, diloco = diloco_for(model, H, F, 0, kind, warmup=warmup, eager=True)
+        expected = reference_eager(world, nodes, runs_of(diloco, model), H, kind, batch_norm, warmup)
+        with diloco:
+            for step in range(1, STEPS + 1):
+                train_step(model, inner, rank, step)
+                torch.testing.assert_close(
+                    flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
+                    msg=lambda m: f"eager H={H} F={F} {kind} batch_norm={batch_norm} warmup={warmup}, "
+                                  f"step {step}: {m}")
+
+
 # ---- checkpoints ----------------------------------------------------------------------------------
 
-def resumes_exactly(configs) -> None:
+def resumes_exactly(configs, eager: bool = False) -> None:
     """Stop after `stop` steps (between syncs, or with a fragment in flight), save, start a new
-    model, optimizers and DiLoCo, load, finish: the same parameters as the run that never stopped."""
+    model, optimizers and DiLoCo, load, finish: the same parameters as the run that never stopped.
+    With eager updates an exchange is in flight at every stop after the first sync."""
     rank = dist.get_rank()
     for H, F, tau, kind, stop, through_dcp, *warm in configs:
         warmup = warm[0] if warm else 0
         model = make_model(batch_norm=True)
-        inner, _, diloco = diloco_for(model, H, F, tau, kind, warmup=warmup)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind, warmup=warmup, eager=eager)
         with diloco:
             for step in range(1, STEPS + 1):
                 train_step(model, inner, rank, step)
                 if step == stop:
+                    if eager:
+                        assert any(f.work is not None for f in diloco.fragments), "no exchange in flight"
                     assert tau == 0 or stop <= warmup or any(f.apply_at is not None for f in diloco.fragments), \
                         "none in flight"
                     saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(),
@@ -234,7 +355,7 @@ def resumes_exactly(configs) -> None:
         model = make_model(batch_norm=True)
         for p in model.parameters():
             p.data.add_(1.0)  # a fresh start that is not the saved one
-        inner, _, diloco = diloco_for(model, H, F, tau, kind, warmup=warmup)
+        inner, _, diloco = diloco_for(model, H, F, tau, kind, warmup=warmup, eager=eager)
         if through_dcp:
             # DiLoCo's state is the same on every rank, as DCP takes a plain tensor to be; the
             # replicas' own models and inner optimizers differ between syncs, so they are not.
@@ -252,8 +373,18 @@ def resumes_exactly(configs) -> None:
             for step in range(stop + 1, STEPS + 1):
                 train_step(model, inner, rank, step)
         assert torch.equal(flat(model), straight), \
-            f"H={H} F={F} tau={tau} {kind}, stopped after {stop}, dcp={through_dcp}: " \
+            f"H={H} F={F} tau={tau} {kind} eager={eager}, stopped after {stop}, dcp={through_dcp}: " \
             f"max difference {(flat(model) - straight).abs().max()}"
+        if eager:  # an eager state does not load into a DiLoCo without eager updates
+            other = make_model(batch_norm=True)
+            _, _, plain = diloco_for(other, H, F, tau, kind, warmup=warmup)
+            try:
+                plain.load_state_dict(saved["diloco"])
+            except ValueError as error:
+                assert "DiLoCo.load_state_dict: the state was saved with eager=True, this DiLoCo has eager=False" \
+                    in str(error), error
+            else:
+                raise AssertionError("an eager state loaded into a DiLoCo without eager updates")
 
 
 # ---- one replica per node -------------------------------------------------------------------------
@@ -276,6 +407,25 @@ def one_replica_per_node() -> None:
     dist.all_gather(everyone, mine)
     for other in topo.ranks_of_node[topo.node_of_rank[rank]]:
         assert torch.equal(everyone[other], mine), f"ranks {rank} and {other} of one node differ"
+
+    # Eager updates with a replica per node: M is the number of nodes (the replica's share of the
+    # mean is its node's ranks' shares), as the reference with one replica per node on the node's
+    # batches (DDP's mean of its ranks' losses is the loss of their batches together) says.
+    nodes = [list(topo.ranks_of_node[n]) for n in range(topo.inter_size)]
+
+    def node_batch(node_index, step):
+        x, y = zip(*(batch(q, step) for q in nodes[node_index]))
+        return torch.cat(x), torch.cat(y)
+
+    model = nn.parallel.DistributedDataParallel(make_model(), process_group=node)
+    inner, _, diloco = diloco_for(model, 3, 1, 0, "float32", eager=True)
+    expected = reference_eager(len(nodes), nodes, runs_of(diloco, model), 3, "float32", False,
+                               batch_of=node_batch)
+    with diloco:
+        for step in range(1, STEPS + 1):
+            train_step(model, inner, rank, step)
+            torch.testing.assert_close(flat(model), expected[step - 1][topo.node_of_rank[rank]], rtol=1e-5,
+                                       atol=1e-6, msg=lambda m: f"eager, one replica per node, step {step}: {m}")
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -311,6 +461,9 @@ def bad_input() -> list:
         lambda: diloco(start="rank0"),
         lambda: diloco(of=unequal, start="same"),           # replicas that do not start equal
         lambda: torch_chainermn.LocalSGD(unequal, adamw(unequal.parameters()), sync_every=2, start="same"),
+        lambda: diloco(eager=True, fragment_delay=1),      # eager has no delayed mean to merge
+        lambda: diloco(eager="yes"),
+        lambda: diloco(eager=rank == 0),                    # eager on one rank only
     ]
     return value_errors(calls)
 
@@ -319,6 +472,7 @@ def two_nodes_of_one() -> list:
     equals_ddp_with_every_step_synced()
     equals_reference([(3, 1, 0, "float32", False, 0.5), (3, 2, 1, "2bit", False, 0.5),
                       (2, 2, 0, "float32", False, 0.5, 3)])  # a warm start of 3 steps
+    eager_equals_reference([(3, 1, "float32", False, 0), (2, 2, "2bit", False, 0)])
     return bad_input()
 
 
@@ -331,6 +485,10 @@ def two_nodes_of_two() -> None:
                      (3, 2, 1, "2bit", 4, False),      # fragment 1 in flight (started at 4, applied at 5)
                      (3, 2, 1, "2bit", 4, True),       # the same through torch.distributed.checkpoint
                      (3, 2, 1, "2bit", 2, False, 3)])  # during a warm start of 3 steps
+    eager_equals_reference([(3, 1, "float32", True, 0), (3, 2, "2bit", True, 0), (3, 1, "float32", True, 2)])
+    resumes_exactly([(3, 1, 0, "float32", 4, False),   # round 1's exchange in flight (started at 3)
+                     (3, 2, 0, "4bit", 5, False),      # both fragments' in flight
+                     (3, 1, 0, "topk", 7, False)], eager=True)
     one_replica_per_node()
 
 
