@@ -29,6 +29,9 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     diloco+topk, streaming+topk  the same with the top-k code between nodes (--outer-keep of every
                 --outer-block values, error feedback; SparseLoCo's outer gradients)
     diloco+4bit, streaming+4bit  ... with the 4-bit block code (one scale per --outer-block values)
+    diloco+eager, diloco+4bit+eager, diloco+topk+eager  DiLoCo with eager outer updates: each
+                exchange runs during the next round, the replica's own outer gradient stands in for
+                its share of the mean until it arrives (docs/low-communication.md)
     streaming-ranks  the same with every rank a replica of its own (no DDP in the node: no
                 communication at all between syncs; the backend still sums a node's outer
                 gradients in the node and sends one compressed copy per node)
@@ -82,8 +85,9 @@ DDP_MODES = ("gloo", "chainermn", "db", "fp16+db", "fp16+db+dc", "2bit", "1bit",
              "4bit+cr", "4bit+int8", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
 CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr", "4bit+int8")
 # Replicas synced every H steps; "+topk": that code for the outer gradients (else streaming's --outer-code).
+# "+eager": DiLoCo's eager outer updates (each exchange in flight for the next round).
 LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks", "diloco+topk", "streaming+topk", "diloco+4bit",
-               "streaming+4bit")
+               "streaming+4bit", "diloco+eager", "diloco+4bit+eager", "diloco+topk+eager")
 FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
               "fsdp-2bit-int8-hpz", "fsdp-1bit-int8-hpz")  # sharded, no compute-alone phase
 MODES = DDP_MODES + LOCAL_MODES + FSDP_MODES
@@ -174,8 +178,10 @@ def setup(args, model):
             return ddp, inner, local_sgd, local_sgd.flush
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
                                 nesterov=args.outer_momentum > 0)
-        streaming = args.mode.startswith("streaming")
-        code = args.mode.partition("+")[2] or (args.outer_code if streaming else None)
+        eager = args.mode.endswith("+eager")
+        base = args.mode.removesuffix("+eager")
+        streaming = base.startswith("streaming")
+        code = base.partition("+")[2] or (args.outer_code if streaming else None)
         compression = (GradientCompressionState(type=code, threshold=args.outer_threshold, block=args.outer_block,
                                                 keep=args.outer_keep, compress_result=True)
                        if code else None)
@@ -183,7 +189,8 @@ def setup(args, model):
                                         fragments=args.fragments if streaming else 1,
                                         fragment_delay=args.fragment_delay if streaming else 0,
                                         compression=compression, warmup_steps=args.diloco_warmup,
-                                        fragment_update_alpha=args.fragment_alpha, start=args.replica_start)
+                                        fragment_update_alpha=args.fragment_alpha, start=args.replica_start,
+                                        eager=eager)
         return ddp, inner, diloco, diloco.flush
     # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
     buckets = args.buckets or (8 if args.mode.startswith("overlap") else 0)
