@@ -302,13 +302,8 @@ def equals_reference(configs) -> None:
         inner, _, diloco = diloco_for(model, H, F, tau, kind, alpha=alpha, warmup=warmup)
         expected = reference_diloco(world, nodes, runs_of(diloco, model), H, F, tau, alpha, kind, batch_norm,
                                     warmup)
-        with diloco:
-            for step in range(1, STEPS + 1):
-                train_step(model, inner, rank, step)
-                torch.testing.assert_close(
-                    flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
-                    msg=lambda m: f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm} warmup={warmup}, "
-                                  f"step {step}: {m}")
+        follows_reference(diloco, model, inner, expected, rank,
+                          f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm} warmup={warmup}")
 
 
 def eager_equals_reference(configs) -> None:
@@ -320,13 +315,17 @@ def eager_equals_reference(configs) -> None:
         model = make_model(batch_norm)
         inner, _, diloco = diloco_for(model, H, F, 0, kind, warmup=warmup, eager=True)
         expected = reference_eager(world, nodes, runs_of(diloco, model), H, kind, batch_norm, warmup)
-        with diloco:
-            for step in range(1, STEPS + 1):
-                train_step(model, inner, rank, step)
-                torch.testing.assert_close(
-                    flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
-                    msg=lambda m: f"eager H={H} F={F} {kind} batch_norm={batch_norm} warmup={warmup}, "
-                                  f"step {step}: {m}")
+        follows_reference(diloco, model, inner, expected, rank,
+                          f"eager H={H} F={F} {kind} batch_norm={batch_norm} warmup={warmup}")
+
+
+def follows_reference(diloco, model, inner, expected, rank: int, label: str) -> None:
+    """Train STEPS steps under `diloco`; after each, this rank's replica must be expected[step][rank]."""
+    with diloco:
+        for step in range(1, STEPS + 1):
+            train_step(model, inner, rank, step)
+            torch.testing.assert_close(flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{label}, step {step}: {m}")
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
