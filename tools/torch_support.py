@@ -72,7 +72,7 @@ def local_version(version, cuda_version=None):
 
 def main(argv):
     if len(argv) != 3 or argv[1] not in ("cxx-standard", "check"):
-        print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
+        print("usage: torch_support.py cxx-standard|check TORCH_VERSION", file=sys.stderr)
         return 2
     try:
         check(argv[2])
