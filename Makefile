@@ -5,6 +5,8 @@
 #   make test-torch TORCH=2.14.1
 #               the smoke selection (tests/smoke.txt) on another torch, in an environment and a copy of
 #               the sources of its own (.venv-torch-2.14.1, build/torch-2.14.1/tree), kept between runs
+#   make format apply the code style (ruff for Python, clang-format for csrc/: pyproject.toml, .clang-format)
+#   make lint   check it, changing nothing (tests/test_format.py runs the same checks)
 #   make wheel  one manylinux wheel per supported torch in dist/ (tools/build_wheel.py), each checked in a
 #               fresh environment with its torch; `make wheel TORCHES=2.13.0` for one
 #
@@ -42,8 +44,11 @@ IPROUTE_STAMP := $(VENV)/.iproute-checked
 NPROC ?= 4
 
 BENCH_STAMP := $(VENV)/.bench-deps-installed
+LINT_STAMP := $(VENV)/.lint-deps-installed
+# The files each formatter owns: the tracked Python (ruff reads .gitignore) and csrc's C++ and CUDA.
+CXX_FILES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
 
-.PHONY: install demo test test-torch smoke bench wheel wheel-one clean
+.PHONY: install demo test test-torch smoke bench wheel wheel-one format lint clean
 
 install: $(EXTENSION_STAMP)
 
@@ -161,6 +166,22 @@ bench: install $(BENCH_STAMP)
 
 $(BENCH_STAMP): $(EXTENSION_STAMP)
 	CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[bench]"
+	touch $@
+
+# The formatters (setup.py's "lint" extra, part of "test" too). ruff check --fix drops unused imports;
+# what it cannot fix, `make lint` reports.
+format: $(LINT_STAMP)
+	$(VENV)/bin/ruff check --fix -q .
+	$(VENV)/bin/ruff format -q .
+	$(VENV)/bin/clang-format -i $(CXX_FILES)
+
+lint: $(LINT_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_FILES)
+
+$(LINT_STAMP): $(EXTENSION_STAMP)
+	$(BUILD_ENV) CHAINERMN_TESTING=1 $(PY) -m pip install -q --no-build-isolation -e ".[lint]"
 	touch $@
 
 clean:

