@@ -48,3 +48,11 @@ def mark_smoke_selection(config, items):
             unmatched.append(pattern)
     if unmatched and config.getoption("markexpr") == "smoke":
         raise pytest.UsageError("tests/smoke.txt names tests that do not exist: " + ", ".join(unmatched))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """tests/test_docs.py's count of the docs' code blocks, with every reason one is not run."""
+    report = getattr(config, "docs_snippets_report", None)
+    if report:
+        terminalreporter.write_sep("-", "docs")
+        terminalreporter.write_line(report)

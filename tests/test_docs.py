@@ -1,7 +1,24 @@
-"""The docs name what is there: every repository path that README.md and docs/*.md name exists
-(docs/settings.md's table is checked in tests/test_settings.py)."""
+"""The docs are true as written. Every repository path, link and anchor that README.md and docs/*.md
+name exists (docs/settings.md's table is checked in tests/test_settings.py), and every code block
+says what it is and runs:
+
+- a block is ```python, ```sh (commands) or ```text (output, layouts: not code);
+- the line before a python or sh block says whether the suite runs it: `<!-- run: 2 ranks -->` (on
+  the 2 ranks of one torchrun job, as 2 simulated nodes), `<!-- run -->` (one process; for sh, bash
+  in the repository's root, with `.venv/bin/` the suite's own environment), or `<!-- not run: why -->`
+  (a fragment, a GPU, a cluster, minutes of training: the reason is there for the reader too).
+
+A page's Python snippets run in order in one namespace, as a reader would run them
+(tests/support/doc_snippets.py); every runnable snippet shares one launch. A failure names the page
+and line of the snippet that broke. The counts, and every reason not to run, are in pytest's summary."""
+import collections
 import re
+import sys
 from pathlib import Path
+
+import json
+
+from tests.support.harness import job_environment, launch, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -9,13 +26,20 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TOP = ("benchmarks", "csrc", "docs", "examples", "tests", "tools", "torch_chainermn")
 # ... and csrc's own, which the C++ pages write from csrc/ (backend/agreement.cpp).
 CSRC = tuple(sorted(p.name for p in (REPO / "csrc").iterdir() if p.is_dir()))
-# Written by the benchmarks when they run, ignored by git: named as where to look, not as a file here.
-GENERATED = ("benchmarks/results",)
+# What the benchmarks write when they run (git-ignored) is named as where to look, not as a file here;
+# the dated records of past runs there (benchmarks/results/2026-...) are files and must exist.
+GENERATED = "benchmarks/results/"
 
 _TAIL = r"[\w./{},*<>-]*[\w}*]"  # a path's characters; braces for alternatives, * for a glob
 FROM_ROOT = re.compile(rf"(?<![\w/.-])((?:{'|'.join(TOP)})/{_TAIL})")
 FROM_CSRC = re.compile(rf"(?<![\w/.-])((?:{'|'.join(CSRC)})/{_TAIL})")
-LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")  # [text](target#anchor): relative to the page
+LINK = re.compile(r"\]\(([^)\s#]*)(?:#([^)\s]*))?\)")  # [text](target#anchor): relative to the page
+
+FENCE = re.compile(r"^```(\S*)\s*$")
+MARKER = re.compile(r"^<!-- (run|run: 2 ranks|not run: .+) -->$")
+LANGUAGES = ("python", "sh", "text")
+
+Snippet = collections.namedtuple("Snippet", "doc line language marker code")
 
 
 def alternatives(path: str) -> list:
@@ -35,6 +59,21 @@ def found(base: Path, path: str) -> bool:
     return (base / path).exists() or ("." not in Path(path).name and any(base.glob(path + ".*")))
 
 
+def generated(path: str) -> bool:
+    return path.startswith(GENERATED) and not Path(path).name.startswith("20")
+
+
+def prose(doc: Path) -> str:
+    """The page without its code blocks (a layout map or a command is checked as a path elsewhere)."""
+    out, inside = [], False
+    for line in doc.read_text().splitlines():
+        if FENCE.match(line):
+            inside = not inside
+            continue
+        out.append("" if inside else line)
+    return "\n".join(out)
+
+
 def named_paths(doc: Path):
     """(path, where it is looked for) for every repository path the page names."""
     text = doc.read_text()
@@ -43,8 +82,21 @@ def named_paths(doc: Path):
             yield match.group(1), base
     for match in LINK.finditer(text):
         target = match.group(1)
-        if "://" not in target and not target.startswith("mailto:"):
+        if target and "://" not in target and not target.startswith("mailto:"):
             yield target, doc.parent
+
+
+def anchors(page: Path) -> set:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens, a
+    repeated one numbered."""
+    seen, out = collections.Counter(), set()
+    for line in prose(page).splitlines():
+        heading = re.match(r"^#{1,6} (.+)$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            out.add(slug if not seen[slug] else f"{slug}-{seen[slug]}")
+            seen[slug] += 1
+    return out
 
 
 def test_every_path_the_docs_name_exists():
@@ -52,7 +104,94 @@ def test_every_path_the_docs_name_exists():
     missing = []
     for doc in DOCS:
         for path, base in named_paths(doc):
-            if "<" in path or path.rstrip("/").startswith(GENERATED):  # a placeholder (kernels/<code>.h)
+            if "<" in path or generated(path):  # a placeholder (kernels/<code>.h)
                 continue
             missing += [f"{doc.relative_to(REPO)}: {path}" for one in alternatives(path) if not found(base, one)]
     assert not missing, "named in the docs, not in the repository:\n" + "\n".join(missing)
+
+
+def test_every_link_to_a_heading_finds_it():
+    broken = []
+    for doc in DOCS:
+        for match in LINK.finditer(prose(doc)):
+            target, anchor = match.groups()
+            page = (doc.parent / target).resolve() if target else doc
+            if anchor is None or page.suffix != ".md" or not page.is_file():
+                continue
+            if anchor not in anchors(page):
+                broken.append(f"{doc.relative_to(REPO)}: {target}#{anchor}")
+    assert not broken, "links to headings that are not there:\n" + "\n".join(broken)
+
+
+def snippets() -> list:
+    """Every code block of the docs, with the marker on the line before it."""
+    found_ = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            fence = FENCE.match(lines[i])
+            if not fence:
+                i += 1
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            marker = MARKER.match(before.strip())
+            found_.append(Snippet(str(doc.relative_to(REPO)), i + 2, fence.group(1),
+                                  marker.group(1) if marker else None, "\n".join(lines[i + 1:end]) + "\n"))
+            i = end + 1
+    return found_
+
+
+def test_every_code_block_says_what_it_is_and_whether_it_runs(request):
+    wrong = []
+    for s in snippets():
+        where = f"{s.doc}:{s.line}"
+        if s.language not in LANGUAGES:
+            wrong.append(f"{where}: a ```{s.language} block: say ```python, ```sh or ```text")
+        elif s.language == "text" and s.marker:
+            wrong.append(f"{where}: a text block is not run: no marker")
+        elif s.language != "text" and not s.marker:
+            wrong.append(f"{where}: say on the line before it <!-- run: 2 ranks -->, <!-- run --> or "
+                         f"<!-- not run: why -->")
+        elif s.language == "sh" and s.marker == "run: 2 ranks":
+            wrong.append(f"{where}: a command runs as written (<!-- run -->), its launcher in it")
+    assert not wrong, "\n".join(wrong)
+    code = [s for s in snippets() if s.language != "text"]
+    not_run = [s for s in code if s.marker.startswith("not run")]
+    report = [f"docs: {len(code) - len(not_run)} of {len(code)} code blocks run, {len(not_run)} not run:"]
+    report += [f"  {s.doc}:{s.line} {s.marker}" for s in not_run]
+    request.config.docs_snippets_report = "\n".join(report)
+
+
+def run_python(selected: list, command: list, tmp_path: Path) -> None:
+    path = tmp_path / "snippets.json"
+    path.write_text(json.dumps([s._asdict() for s in selected]))
+    env = job_environment({"CHAINERMN_RANKS_PER_NODE": "1"})  # 2 ranks as 2 nodes: the codes between them run
+    done = launch(command + [str(REPO / "tests/support/doc_snippets.py"), str(path)], env, timeout=300,
+                  cwd=tmp_path, what="the docs' snippets", merged=True)
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    assert done.returncode == 0, (f"{failed[0] if failed else 'the job failed'}:\n{done.stdout[-6000:]}")
+    ran = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert ran == [f"{s.doc}:{s.line}" for s in selected], done.stdout[-3000:]
+
+
+def test_python_snippets_run_on_two_ranks(tmp_path):
+    selected = [s for s in snippets() if s.language == "python" and s.marker == "run: 2 ranks"]
+    assert selected
+    run_python(selected, torchrun(2), tmp_path)
+
+
+def test_python_snippets_run_in_one_process(tmp_path):
+    selected = [s for s in snippets() if s.language == "python" and s.marker == "run"]
+    if selected:  # none today: every snippet that runs is multi-rank
+        run_python(selected, [sys.executable], tmp_path)
+
+
+def test_shell_snippets_run(tmp_path):
+    venv_bin = str(Path(sys.executable).parent) + "/"
+    for s in [s for s in snippets() if s.language == "sh" and s.marker == "run"]:
+        script = s.code.replace(".venv/bin/", venv_bin)
+        done = launch(["bash", "-euo", "pipefail", "-c", script], job_environment(), timeout=120,
+                      what=f"{s.doc}:{s.line}", merged=True)
+        assert done.returncode == 0, f"{s.doc}:{s.line} failed:\n{done.stdout[-4000:]}"
