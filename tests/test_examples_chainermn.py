@@ -52,7 +52,7 @@ def test_mnist_chainermn_under_torchrun(tmp_path):
     assert run["resumed_from"] == 0 and epoch_lines(result.stdout) == [1, 2, 3, 4, 5, 6]
     assert [h["epoch"] for h in run["history"]] == [1, 2, 3, 4, 5, 6]
     assert run["final_accuracy"] >= 0.95, run["history"]
-    assert list(checkpoints.iterdir()) == []  # finalize() removed every rank's snapshots
+    assert not checkpoints.exists()  # finalize() removed every rank's snapshots, rank 0 the directory it made
 
 
 def test_mnist_chainermn_killed_and_restarted_resumes(tmp_path):

@@ -20,8 +20,9 @@ The steps of the tutorial, as they appear in main():
 5. `create_multi_node_checkpointer(name, comm, path=--checkpoint-dir)`: every rank saves model,
    optimizer and epoch after each epoch; at start `maybe_load()` resumes from the newest epoch that
    every rank saved, so a killed job is restarted with the same command. After a successful run
-   `finalize()` removes the snapshots (--keep-checkpoints keeps them) and leaves the directory,
-   result/checkpoints under the working directory by default (the repository's .gitignore has it).
+   `finalize()` removes the snapshots (--keep-checkpoints keeps them), then rank 0 the directories the
+   run made for them (result/checkpoints under the working directory by default): a run that ends
+   well leaves nothing behind.
 
 Only rank 0 prints. --out writes a JSON summary (rank 0, atomically); `resumed_from` in it is the
 epoch the run resumed from (0 for a fresh start). --die-after-epoch N is for tests: once every rank
@@ -124,6 +125,9 @@ def main():
         torch.set_num_threads(1)
 
     # Step 1: the communicator (and torch.distributed's default group, with these options).
+    # The checkpoint directories this run makes (result/checkpoints and result/ by default), deepest
+    # first: looked at before any rank can make them (create_communicator is the first collective).
+    made = [d for d in (args.checkpoint_dir, *args.checkpoint_dir.parents) if not d.exists()]
     comm = torch_chainermn.create_communicator(args.communicator,
                                                allreduce_grad_dtype=GRAD_DTYPES[args.allreduce_grad_dtype])
     transport = torch_chainermn.transport(comm.group)
@@ -197,6 +201,9 @@ def main():
 
     if not args.keep_checkpoints:
         checkpointer.finalize()  # collective: no rank deletes its snapshots before all got here
+        if comm.rank == 0:
+            for directory in made:
+                directory.rmdir()  # empty now: finalize() removed every rank's snapshots
     final_accuracy = history[-1]["test/accuracy"] if history else float("nan")
     if comm.rank == 0:
         print(f"final test accuracy: {final_accuracy:.4f}", flush=True)
