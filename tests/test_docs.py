@@ -12,11 +12,10 @@ A page's Python snippets run in order in one namespace, as a reader would run th
 (tests/support/doc_snippets.py); every runnable snippet shares one launch. A failure names the page
 and line of the snippet that broke. The counts, and every reason not to run, are in pytest's summary."""
 import collections
+import json
 import re
 import sys
 from pathlib import Path
-
-import json
 
 from tests.support.harness import job_environment, launch, torchrun
 

@@ -201,9 +201,10 @@ def main():
 
     if not args.keep_checkpoints:
         checkpointer.finalize()  # collective: no rank deletes its snapshots before all got here
+        dist.barrier(group=comm.group)  # every rank's snapshots are gone
         if comm.rank == 0:
             for directory in made:
-                directory.rmdir()  # empty now: finalize() removed every rank's snapshots
+                directory.rmdir()
     final_accuracy = history[-1]["test/accuracy"] if history else float("nan")
     if comm.rank == 0:
         print(f"final test accuracy: {final_accuracy:.4f}", flush=True)
