@@ -1,6 +1,6 @@
 """Runs the docs' Python snippets that tests/test_docs.py hands it, as a reader would: one page's
 snippets in order, in one namespace (a later snippet uses what an earlier one made), every page in a
-fresh one; on each rank of a torchrun job, or in one plain process.
+fresh one; on each rank of a torchrun job.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/support/doc_snippets.py SNIPPETS.json
 
