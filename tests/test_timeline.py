@@ -1,0 +1,118 @@
+"""python -m torch_chainermn.timeline (docs/observability.md, "A picture"): real ranks profiled by
+torch.profiler, one of them sleeping before each op; the timeline read from their Chrome traces has
+every rank's ops with their phases, matches the collectives across the ranks, names the sleeper as the
+straggler, and the command draws the PNG. A folder that holds no usable trace is refused with a
+message naming the file and what is wrong with it."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from tests.support.harness import REPO, run_spawn
+from torch_chainermn.timeline import TimelineError, load
+
+SLEEPER = 2
+SLEEP_S = 0.05
+OPS = ["all_reduce"] * 4 + ["all_gather_into_tensor", "barrier"]
+
+
+def profiled_with_a_sleeper(folder):
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(1024)
+    gathered = torch.empty(1024 * size)
+    dist.barrier()  # every rank starts profiling together: the first op is not late for start-up's sake
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for name in OPS:
+            if rank == SLEEPER:
+                time.sleep(SLEEP_S)
+            if name == "all_reduce":
+                dist.all_reduce(x)
+            elif name == "all_gather_into_tensor":
+                dist.all_gather_into_tensor(gathered, x)
+            else:
+                dist.barrier()
+    prof.export_chrome_trace(os.path.join(folder, f"rank{rank}.json"))
+
+
+def test_the_rank_that_sleeps_before_each_op_is_named_the_straggler(tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    run_spawn(profiled_with_a_sleeper, 3, str(traces))
+
+    timeline = load(traces)
+    assert [trace.rank for trace in timeline.ranks] == [0, 1, 2]
+    for trace in timeline.ranks:
+        assert [op.name for op in trace.ops] == OPS, (trace.rank, [op.name for op in trace.ops])
+        # One node: shared memory carries every op, inside the op's own time.
+        for op in trace.ops:
+            phases = [phase for phase in op.phases if phase.name == "within_node"]
+            assert phases, (trace.rank, op)
+            assert all(op.start_ns <= phase.start_ns <= phase.end_ns <= op.end_ns for phase in op.phases), op
+    assert [(c.name, sorted(c.ops)) for c in timeline.collectives] == [(name, [0, 1, 2]) for name in OPS]
+    assert timeline.unmatched == []
+    assert timeline.straggler == SLEEPER
+    summaries = {s.rank: s for s in timeline.summaries}
+    assert summaries[SLEEPER].times_last > len(OPS) / 2, summaries
+    # Every rank waited for the last one; the last one itself only where another rank came after it.
+    assert summaries[0].waited_ns > 0 and summaries[1].waited_ns > 0, summaries
+
+    # The command: the analysis on stdout, the picture written.
+    picture = tmp_path / "timeline.png"
+    done = subprocess.run([sys.executable, "-m", "torch_chainermn.timeline", str(traces), "-o", str(picture)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"straggler: rank {SLEEPER}" in done.stdout, done.stdout
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+    height, width = imread(picture).shape[:2]
+    assert width == 1200 and height > 200, (width, height)  # 12 inches at 100 dpi, a row per rank
+
+
+def _write(path, content):
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def test_a_folder_with_no_usable_trace_is_refused_naming_the_file(tmp_path):
+    with pytest.raises(TimelineError, match="no profiler trace in it"):
+        load(tmp_path)
+    with pytest.raises(TimelineError, match="no such folder"):
+        load(tmp_path / "absent")
+
+    broken = _write(tmp_path / "rank0.json", '{"traceEvents": [')
+    with pytest.raises(TimelineError, match=re.escape(f"{broken}: not a readable profiler trace")):
+        load(tmp_path)
+
+    _write(broken, {"schemaVersion": 1})
+    with pytest.raises(TimelineError, match="no 'traceEvents' list"):
+        load(tmp_path)
+
+    _write(broken, {"traceEvents": []})
+    with pytest.raises(TimelineError, match="names no rank"):
+        load(tmp_path)
+
+    # A rank whose profiler saw none of the backend's ops.
+    unrelated = {"distributedInfo": {"rank": 0}, "baseTimeNanoseconds": 0,
+                 "traceEvents": [{"ph": "X", "name": "aten::add_", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}]}
+    _write(broken, unrelated)
+    with pytest.raises(TimelineError, match="rank 0's trace holds no chainermn span"):
+        load(tmp_path)
+
+    # Two files of one rank (two runs in one folder).
+    op = {"ph": "X", "name": "chainermn:all_reduce", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}
+    _write(broken, {**unrelated, "traceEvents": [op]})
+    _write(tmp_path / "rank0-again.json", {**unrelated, "traceEvents": [op]})
+    with pytest.raises(TimelineError, match="two files of rank 0"):
+        load(tmp_path)
+
+    # The command says it on stderr and fails.
+    done = subprocess.run([sys.executable, "-m", "torch_chainermn.timeline", str(tmp_path / "absent")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no such folder" in done.stderr, (done.returncode, done.stderr)
