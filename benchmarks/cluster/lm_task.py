@@ -41,6 +41,7 @@ def parse_args(argv=None):
     passed = p.add_argument_group("model and modes (passed to every rank)")
     lm.add_model_args(passed)
     train_lm.add_method_args(passed)
+    train_lm.add_profile_args(p)  # --profile-dir DIR: each run's traces in DIR/<mode>-<rate>/
     p.add_argument("--target-loss", type=float, default=2.75, help="validation loss to reach (nats per byte)")
     p.add_argument("--steps", type=int, default=160, help="step budget per run")
     p.add_argument("--time-budget", type=float, default=30.0,
@@ -68,6 +69,10 @@ def worker_args(args, mode: str, rate: str) -> list:
         out += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
     if rate != BASE_RATE:
         out += ["--stop-at-target", "--time-budget", str(args.time_budget)]
+    if args.profile_dir:
+        folder = Path(args.profile_dir) / f"{mode.replace('+', '_')}-{rate}"
+        out += ["--profile-dir", str(folder), "--profile-start", str(args.profile_start),
+                "--profile-steps", str(args.profile_steps)]
     return out
 
 

@@ -61,6 +61,11 @@ the first and after the last step; every rank runs in its node's namespace, so t
 traffic), and the compute alone: --compute-steps steps at the end with no communication at all
 (DDP's no_sync, outside the DiLoCo/LocalSGD context), the median of the slowest rank's times.
 Rank 0 writes one JSON object to --json.
+
+--profile-dir DIR: every rank profiles --profile-steps steps from step --profile-start with
+torch.profiler and writes its Chrome trace to DIR/rank<R>.json (`python -m torch_chainermn.timeline
+DIR` draws them, docs/observability.md). Writing the traces takes time on the training clock: a
+profiled run's times are not for the tables.
 """
 from __future__ import annotations
 
@@ -142,11 +147,37 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--powersgd-start", type=int, default=10, help="steps of plain allreduce before PowerSGD")
 
 
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    """Profiling a few steps of every rank (shared with the driver, lm_task.py)."""
+    p.add_argument("--profile-dir", default=None,
+                   help="every rank writes torch.profiler's Chrome trace of the profiled steps to DIR/rank<R>.json")
+    p.add_argument("--profile-start", type=int, default=4, help="the first profiled step (from 1)")
+    p.add_argument("--profile-steps", type=int, default=2, help="how many steps are profiled")
+
+
+def step_profiler(args, rank: int):
+    """torch.profiler over steps --profile-start .. of this rank (call .step() after every step), or
+    None without --profile-dir. The step before the first is the profiler's warm-up: starting it
+    takes a rank a fraction of a second, which would otherwise make the first profiled op's
+    stragglers the ranks whose profiler started last."""
+    if not args.profile_dir:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+    if args.profile_start < 2:
+        raise SystemExit("--profile-start must be 2 or more (the step before it warms the profiler up)")
+    path = Path(args.profile_dir) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return profile(activities=[ProfilerActivity.CPU],
+                   schedule=schedule(wait=args.profile_start - 2, warmup=1, active=args.profile_steps, repeat=1),
+                   on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=MODES, default="chainermn")
     lm.add_model_args(p)
     add_method_args(p)
+    add_profile_args(p)
     p.add_argument("--steps", type=int, default=160, help="step budget")
     p.add_argument("--time-budget", type=float, default=0.0, help="seconds of training clock (0: none)")
     p.add_argument("--target-loss", type=float, required=True)
@@ -298,7 +329,8 @@ def main(argv=None) -> int:
     steps = 0
     clock = 0.0
     startup_s = time.time() - t_start
-    with context:
+    profiler = step_profiler(args, rank)
+    with context, profiler if profiler is not None else contextlib.nullcontext():
         dist.barrier(group=side)
         tx_start = node_tx_bytes(local_rank)
         next_meeting = 1
@@ -312,6 +344,8 @@ def main(argv=None) -> int:
             inner.step()
             inner.zero_grad(set_to_none=True)
             steps += 1
+            if profiler is not None:
+                profiler.step()
             if steps != next_meeting and steps != args.steps:
                 continue
             # An exchange still in flight is waited for on the clock: the link must not get the
@@ -364,7 +398,7 @@ def main(argv=None) -> int:
         result = {
             "mode": args.mode, "world_size": world, "nodes": n_nodes, "params": n_params,
             "grad_mb": n_params * 4 / 1e6, "corpus": corpus.describe(), "corpus_sha": corpus.digest,
-            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "mode")},
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "mode") and not k.startswith("profile_")},
             "steps": steps, "clock_s": clock, "tokens": steps * world * args.batch * args.context,
             "reached": reached is not None,
             "steps_to_target": reached["step"] if reached else None,
