@@ -1,8 +1,9 @@
 """python -m torch_chainermn.timeline (docs/observability.md, "A picture"): real ranks profiled by
 torch.profiler, one of them sleeping before each op; the timeline read from their Chrome traces has
 every rank's ops with their phases, matches the collectives across the ranks, names the sleeper as the
-straggler, and the command draws the PNG. A folder that holds no usable trace is refused with a
-message naming the file and what is wrong with it."""
+straggler, and the command draws the PNG. The same from flight-recorder dumps in torch's format, as
+torch's gloo backend writes them. A folder that holds no usable trace is refused with a message
+naming the file and what is wrong with it."""
 import json
 import os
 import re
@@ -73,6 +74,41 @@ def test_the_rank_that_sleeps_before_each_op_is_named_the_straggler(tmp_path):
     from matplotlib.image import imread
     height, width = imread(picture).shape[:2]
     assert width == 1200 and height > 200, (width, height)  # 12 inches at 100 dpi, a row per rank
+
+
+def dumped_with_a_sleeper(folder):
+    """The ops run on a gloo group, recorded by torch's own flight recorder; each rank writes its dump
+    as torch's debug-info writer names it (a prefix, then the rank)."""
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo")
+    x = torch.ones(1024)
+    for _ in range(3):
+        if rank == SLEEPER:
+            time.sleep(SLEEP_S)
+        dist.all_reduce(x, group=group)
+    if rank == SLEEPER:
+        time.sleep(SLEEP_S)
+    dist.barrier(group=group)
+    with open(os.path.join(folder, f"fr_trace_rank_{rank}"), "wb") as f:
+        f.write(torch._C._distributed_c10d._dump_fr_trace())
+    return group.group_name
+
+
+def test_flight_recorder_dumps_of_torchs_gloo_name_the_straggler(tmp_path):
+    names = run_spawn(dumped_with_a_sleeper, 3, str(tmp_path), env={"TORCH_FR_BUFFER_SIZE": "100"})
+
+    timeline = load(tmp_path)
+    assert [trace.rank for trace in timeline.ranks] == [0, 1, 2]
+    on_gloo = [c for c in timeline.collectives if all(op.group == names[0] for op in c.ops.values())]
+    # Matched by the group's sequence numbers, in the order the ranks ran them.
+    assert [(c.name, sorted(c.ops), [op.seq for op in c.ops.values()]) for c in on_gloo] == [
+        (name, [0, 1, 2], [seq] * 3) for seq, name in enumerate(["all_reduce"] * 3 + ["barrier"], start=1)]
+    assert timeline.straggler == SLEEPER
+    assert {s.rank: s.times_last for s in timeline.summaries}[SLEEPER] > len(on_gloo) / 2, timeline.summaries
+    picture = tmp_path / "timeline.png"
+    from torch_chainermn.timeline import draw
+    draw(timeline, picture)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _write(path, content):

@@ -2,7 +2,8 @@
 
     python -m torch_chainermn.timeline DIR -o timeline.png
 
-reads DIR's per-rank profiler traces (torch.profiler's export_chrome_trace) into a Timeline
+reads DIR's per-rank profiler traces (torch.profiler's export_chrome_trace) or flight-recorder dumps
+(torch's pickle format, one a rank) into a Timeline
 (model.py: per rank, ops with their phases and times; stragglers.py: the collectives matched across
 ranks, the rank that entered each last, a summary per rank) and draws it (drawing.py, matplotlib).
 """

@@ -2,7 +2,8 @@
 
 Left, time (milliseconds from the first op) runs to the right; a rank whose ops ran on several threads
 (the caller's and a group's worker) gets a lane per thread. An op is a grey bar; its phases are drawn
-over it in their colours, a phase inside another phase thinner. For every matched collective a red
+over it in their colours, a phase inside another phase thinner; an op whose end is unknown (a
+flight-recorder entry never seen to complete) is a tick where the rank entered it. For every matched collective a red
 tick marks the rank that entered it last, and a red stroke before its bar spans its margin (how much
 later it came than the rank before it). Right, per rank: its margins summed (how long it held the others up) and how many
 collectives it entered last.
@@ -64,9 +65,14 @@ def draw(timeline: Timeline, path: Path, title: str | None = None) -> Path:
 
     # Ops, then their phases over them (outer phases first, so a phase inside another stays visible).
     boxes: dict[tuple, list] = {}  # (bottom, height, colour) -> [(x, width)]: one broken_barh per style
+    unfinished = False
     for trace in timeline.ranks:
         for op in trace.ops:
             bottom, height = lanes[(trace.rank, op.thread)]
+            if not op.completed:  # no end known: a tick where the rank entered it
+                bars.plot([ms(op.start_ns)] * 2, [bottom, bottom + height], color="#505050", linewidth=1)
+                unfinished = True
+                continue
             boxes.setdefault((bottom, height, OP_COLOUR, -1), []).append((ms(op.start_ns), op.duration_ns / 1e6))
             for phase in op.phases:
                 shrink = 0.3 * height * min(phase.depth, 2)
@@ -115,7 +121,11 @@ def draw(timeline: Timeline, path: Path, title: str | None = None) -> Path:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     used = {phase.name for trace in timeline.ranks for op in trace.ops for phase in op.phases}
-    legend = [Patch(facecolor=OP_COLOUR, edgecolor="#7f7f7f", label="op")]
+    legend = []
+    if any(op.completed for trace in timeline.ranks for op in trace.ops):
+        legend.append(Patch(facecolor=OP_COLOUR, edgecolor="#7f7f7f", label="op"))
+    if unfinished:
+        legend.append(Line2D([], [], color="#505050", marker="|", linestyle="none", label="op, end unknown"))
     legend += [Patch(facecolor=colour, label=name) for name, colour in PHASE_COLOURS.items() if name in used]
     if used - set(PHASE_COLOURS):
         legend.append(Patch(facecolor=OTHER_PHASE, label="op inside an op"))

@@ -28,7 +28,8 @@ class Phase:
 
 @dataclass
 class Op:
-    """One op of the backend on one rank, from the moment a thread started it to its completion."""
+    """One op of the backend on one rank, from the moment the rank entered it to its completion: in a
+    profiler trace, when a thread started running it; in a flight-recorder dump, when it was posted."""
     name: str  # torch's op name without the prefix: "all_reduce", "barrier", "send"
     start_ns: int
     end_ns: int
@@ -36,6 +37,7 @@ class Op:
     phases: list[Phase] = field(default_factory=list)
     group: str | None = None  # the process group, where the source names it (a flight-recorder dump)
     seq: int | None = None  # the op's sequence number in its group, where the source has it
+    completed: bool = True  # False: the source knows no end (a flight-recorder entry never seen to complete)
 
     @property
     def duration_ns(self) -> int:
@@ -44,7 +46,7 @@ class Op:
 
 @dataclass
 class RankTrace:
-    """One rank's ops, in start order, as read from one file."""
+    """One rank's ops, in start order, as read from one file (a profiler trace or a flight-recorder dump)."""
     rank: int
     source: str  # the file read
     host: str | None = None

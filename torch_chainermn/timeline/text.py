@@ -28,9 +28,11 @@ def headline(timeline: Timeline) -> str:
 def rank_lines(timeline: Timeline) -> list[str]:
     lines = []
     for trace, summary in zip(timeline.ranks, timeline.summaries):
-        busy = sum(op.duration_ns for op in trace.ops)
+        busy = sum(op.duration_ns for op in trace.ops if op.completed)
+        unfinished = sum(not op.completed for op in trace.ops)
+        ends = f" ({unfinished} with no end known)" if unfinished else ""
         host = f" ({trace.host})" if trace.host else ""
-        lines.append(f"rank {trace.rank}{host}: {len(trace.ops)} ops, {duration(busy)} in them; last into "
+        lines.append(f"rank {trace.rank}{host}: {len(trace.ops)} ops{ends}, {duration(busy)} in them; last into "
                      f"{summary.times_last} of {summary.collectives} collectives (by {duration(summary.mean_margin_ns)} "
                      f"on average, at most {duration(summary.max_margin_ns)}, {duration(summary.total_margin_ns)} in all); waited {duration(summary.waited_ns)} "
                      f"for the last rank")
