@@ -167,7 +167,8 @@ def step_profiler(args, rank: int):
         raise SystemExit("--profile-start must be 2 or more (the step before it warms the profiler up)")
     path = Path(args.profile_dir) / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    return profile(activities=[ProfilerActivity.CPU],
+    # record_shapes: the ops' shapes and the phases' transports and bytes (docs/observability.md).
+    return profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                    schedule=schedule(wait=args.profile_start - 2, warmup=1, active=args.profile_steps, repeat=1),
                    on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)))
 
