@@ -3,10 +3,10 @@
 Left, time (milliseconds from the first op) runs to the right; a rank whose ops ran on several threads
 (the caller's and a group's worker) gets a lane per thread. An op is a grey bar; its phases are drawn
 over it in their colours, a phase inside another phase thinner; an op whose end is unknown (a
-flight-recorder entry never seen to complete) is a tick where the rank entered it. For every matched collective a red
-tick marks the rank that entered it last, and a red stroke before its bar spans its margin (how much
-later it came than the rank before it). Right, per rank: its margins summed (how long it held the others up) and how many
-collectives it entered last.
+flight-recorder entry never seen to complete) is a tick where the rank entered it. For every matched
+collective a red triangle marks the rank that entered it last, and a red stroke before its bar spans
+its margin (how much later it came than the rank before it). Right, per rank: its margins summed
+(how long it held the others up) and how many collectives it entered last.
 
 matplotlib is imported here only, through its object-oriented interface (no pyplot, no global
 backend switch), so that reading traces needs no matplotlib.
@@ -42,7 +42,8 @@ def _figure_class():
 
 
 def _lanes(timeline: Timeline) -> dict[tuple[int, str], tuple[float, float]]:
-    """(rank, thread) -> (bottom, height) of that lane: rank r's row spans r-0.4 .. r+0.4, rank 0 on top."""
+    """(rank, thread) -> (y0, height) of that lane: rank r's row spans y = r-0.4 .. r+0.4; the y axis runs
+    downwards (rank 0 on top), so y0 is the lane's upper edge on screen."""
     lanes = {}
     for trace in timeline.ranks:
         threads = list(dict.fromkeys(op.thread for op in trace.ops))
@@ -64,31 +65,30 @@ def draw(timeline: Timeline, path: Path, title: str | None = None) -> Path:
     bars, summary = figure.subplots(1, 2, width_ratios=[5, 1], sharey=True)
 
     # Ops, then their phases over them (outer phases first, so a phase inside another stays visible).
-    boxes: dict[tuple, list] = {}  # (bottom, height, colour) -> [(x, width)]: one broken_barh per style
+    boxes: dict[tuple, list] = {}  # (y0, height, colour) -> [(x, width)]: one broken_barh per style
     unfinished = False
     for trace in timeline.ranks:
         for op in trace.ops:
-            bottom, height = lanes[(trace.rank, op.thread)]
+            y0, height = lanes[(trace.rank, op.thread)]
             if not op.completed:  # no end known: a tick where the rank entered it
-                bars.plot([ms(op.start_ns)] * 2, [bottom, bottom + height], color="#505050", linewidth=1)
+                bars.plot([ms(op.start_ns)] * 2, [y0, y0 + height], color="#505050", linewidth=1)
                 unfinished = True
                 continue
-            boxes.setdefault((bottom, height, OP_COLOUR, -1), []).append((ms(op.start_ns), op.duration_ns / 1e6))
+            boxes.setdefault((y0, height, OP_COLOUR, -1), []).append((ms(op.start_ns), op.duration_ns / 1e6))
             for phase in op.phases:
                 shrink = 0.3 * height * min(phase.depth, 2)
                 colour = PHASE_COLOURS.get(phase.name, OTHER_PHASE)
-                boxes.setdefault((bottom + shrink / 2, height - shrink, colour, phase.depth), []).append(
+                boxes.setdefault((y0 + shrink / 2, height - shrink, colour, phase.depth), []).append(
                     (ms(phase.start_ns), (phase.end_ns - phase.start_ns) / 1e6))
-    for (bottom, height, colour, depth), spans in sorted(boxes.items(), key=lambda item: item[0][3]):
-        bars.broken_barh(spans, (bottom, height), facecolors=colour,
+    for (y0, height, colour, depth), spans in sorted(boxes.items(), key=lambda item: item[0][3]):
+        bars.broken_barh(spans, (y0, height), facecolors=colour,
                          edgecolors="#7f7f7f" if depth < 0 else "none", linewidth=0.3)
 
     # Who entered each collective last, and by how much.
     for collective in timeline.collectives:
         last = collective.last_rank
         op = collective.ops[last]
-        bottom, height = lanes[(last, op.thread)]
-        top = bottom + height
+        top = lanes[(last, op.thread)][0]  # above the bar, pointing down at its start
         bars.plot([ms(op.start_ns - collective.margin_ns), ms(op.start_ns)], [top, top], color=LATE, linewidth=1.5,
                   solid_capstyle="butt")
         bars.plot([ms(op.start_ns)], [top], marker="v", color=LATE, markersize=4)
@@ -111,7 +111,8 @@ def draw(timeline: Timeline, path: Path, title: str | None = None) -> Path:
 
     # Per rank: how long it held the others up, and in how many collectives.
     held = [s.total_margin_ns / 1e6 for s in timeline.summaries]
-    summary.barh(ranks, held, height=0.5, color=[LATE if s.rank == straggler else "#7f7f7f" for s in timeline.summaries])
+    colours = [LATE if s.rank == straggler else "#7f7f7f" for s in timeline.summaries]
+    summary.barh(ranks, held, height=0.5, color=colours)
     for s, x in zip(timeline.summaries, held):
         summary.text(x, s.rank, f" last {s.times_last}/{s.collectives}", va="center", fontsize=8)
     summary.set_xlim(0, max(max(held, default=0), 1e-3) * 1.8)

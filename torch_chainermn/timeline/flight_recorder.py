@@ -37,8 +37,9 @@ def _op_of(entry: dict, path: Path) -> Op:
         group = str(group[0]) if isinstance(group, (tuple, list)) and group else str(entry.get("pg_id"))
         seq = entry["p2p_seq_id"] if entry.get("is_p2p") else entry["collective_seq_id"]
     except (KeyError, TypeError, ValueError) as error:
+        shown = {k: v for k, v in entry.items() if k != "frames"} if isinstance(entry, dict) else entry
         raise TimelineError(f"{path}: a flight-recorder entry lacks a field torch's format has ({error!r}): "
-                            f"{ {k: v for k, v in entry.items() if k != 'frames'} if isinstance(entry, dict) else entry!r}") from error
+                            f"{shown!r}") from error
     return Op(name=name, start_ns=created, end_ns=int(completed) if completed else created,
               thread=str(entry.get("thread_name") or entry.get("thread_id") or "?"), group=group, seq=int(seq),
               completed=bool(completed))
@@ -50,7 +51,8 @@ def read_flight_recorder_dump(path: Path) -> RankTrace:
         with open(path, "rb") as f:
             dump = pickle.load(f)
     except Exception as error:  # noqa: BLE001  any unpickling failure means: not a dump
-        raise TimelineError(f"{path}: not a flight-recorder dump (torch's pickle): {type(error).__name__}: {error}") from error
+        raise TimelineError(f"{path}: not a flight-recorder dump (torch's pickle): "
+                            f"{type(error).__name__}: {error}") from error
     if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
         raise TimelineError(f"{path}: not a flight-recorder dump: no 'entries' list (torch's format has "
                             f"version, pg_config, pg_status, entries)")

@@ -64,7 +64,8 @@ def read_profiler_trace(path: Path) -> RankTrace:
                 start, end = _span(event, base_ns)
             except (KeyError, TypeError, ValueError) as error:
                 raise TimelineError(f"{path}: the span {event!r} has no usable ts/dur: {error}") from error
-            spans.append((start, end, (event.get("pid"), event.get("tid")), name[len(PREFIX):], event.get("args") or {}))
+            thread = (event.get("pid"), event.get("tid"))
+            spans.append((start, end, thread, name[len(PREFIX):], event.get("args") or {}))
     if not spans:
         raise TimelineError(f"{path}: rank {rank}'s trace holds no chainermn span: was the profiler on while the "
                             f"backend ran ops (docs/observability.md)?")

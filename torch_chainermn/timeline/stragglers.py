@@ -20,7 +20,8 @@ from .model import Collective, Op, RankSummary, RankTrace, Timeline
 POINT_TO_POINT = ("send", "recv", "send_message", "recv_message")
 
 
-def _collectives_of(name: str, group: str | None, ops_by_rank: dict[int, list[Op]], unmatched: list[str]) -> list[Collective]:
+def _collectives_of(name: str, group: str | None, ops_by_rank: dict[int, list[Op]],
+                    unmatched: list[str]) -> list[Collective]:
     """The collectives of one op name (on one group) across the ranks that ran it."""
     label = name if group is None else f"{name} on group {group}"
     if len(ops_by_rank) < 2:
@@ -73,7 +74,8 @@ def summarise(ranks: list[RankTrace], collectives: list[Collective]) -> list[Ran
         margins = [c.margin_ns for c in joined if c.last_rank == trace.rank]
         summaries.append(RankSummary(
             rank=trace.rank, collectives=len(joined), times_last=len(margins),
-            mean_margin_ns=statistics.fmean(margins) if margins else 0.0, max_margin_ns=max(margins, default=0), total_margin_ns=sum(margins),
+            mean_margin_ns=statistics.fmean(margins) if margins else 0.0, max_margin_ns=max(margins, default=0),
+            total_margin_ns=sum(margins),
             waited_ns=sum(c.waited_ns(trace.rank) for c in joined)))
     return summaries
 
