@@ -141,11 +141,25 @@ def test_a_folder_with_no_usable_trace_is_refused_naming_the_file(tmp_path):
     with pytest.raises(TimelineError, match="rank 0's trace holds no chainermn span"):
         load(tmp_path)
 
+    # A phase with no op around it.
+    _write(broken, {**unrelated, "traceEvents": [{**unrelated["traceEvents"][0], "name": "chainermn:within_node"}]})
+    with pytest.raises(TimelineError, match="phases of the backend but no op span"):
+        load(tmp_path)
+
     # Two files of one rank (two runs in one folder).
     op = {"ph": "X", "name": "chainermn:all_reduce", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}
     _write(broken, {**unrelated, "traceEvents": [op]})
     _write(tmp_path / "rank0-again.json", {**unrelated, "traceEvents": [op]})
     with pytest.raises(TimelineError, match="two files of rank 0"):
+        load(tmp_path)
+
+    # A flight-recorder dump (a name ending in the rank) beside the traces; then alone, and not a dump.
+    dump = _write(tmp_path / "fr_trace_rank_1", "not a pickle")
+    with pytest.raises(TimelineError, match="both profiler traces .* and flight-recorder dumps"):
+        load(tmp_path)
+    for trace in tmp_path.glob("*.json"):
+        trace.unlink()
+    with pytest.raises(TimelineError, match=re.escape(f"{dump}: not a flight-recorder dump")):
         load(tmp_path)
 
     # The command says it on stderr and fails.

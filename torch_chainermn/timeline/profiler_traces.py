@@ -93,4 +93,7 @@ def read_profiler_trace(path: Path) -> RankTrace:
             open_ops[key] = op
             open_phases[key] = []
             ops.append(op)
+    if not ops:
+        raise TimelineError(f"{path}: rank {rank}'s trace holds phases of the backend but no op span "
+                            f"(chainermn:<op>) around them: not a trace torch.profiler wrote of this backend")
     return RankTrace(rank=rank, source=str(path), host=trace.get("host_name"), ops=ops)
