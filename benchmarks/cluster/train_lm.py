@@ -399,7 +399,8 @@ def main(argv=None) -> int:
         result = {
             "mode": args.mode, "world_size": world, "nodes": n_nodes, "params": n_params,
             "grad_mb": n_params * 4 / 1e6, "corpus": corpus.describe(), "corpus_sha": corpus.digest,
-            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "mode") and not k.startswith("profile_")},
+            "settings": {k: v for k, v in vars(args).items()
+                         if k not in ("json", "mode") and not k.startswith("profile_")},  # as before profiling
             "steps": steps, "clock_s": clock, "tokens": steps * world * args.batch * args.context,
             "reached": reached is not None,
             "steps_to_target": reached["step"] if reached else None,
