@@ -4,6 +4,7 @@ every rank's ops with their phases, matches the collectives across the ranks, na
 straggler, and the command draws the PNG. The same from flight-recorder dumps in torch's format, as
 torch's gloo backend writes them. A folder that holds no usable trace is refused with a message
 naming the file and what is wrong with it."""
+
 import json
 import os
 import re
@@ -69,12 +70,18 @@ def test_the_rank_that_sleeps_before_each_op_is_named_the_straggler(tmp_path):
 
     # The command: the analysis on stdout, the picture written.
     picture = tmp_path / "timeline.png"
-    done = subprocess.run([sys.executable, "-m", "torch_chainermn.timeline", str(traces), "-o", str(picture)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch_chainermn.timeline", str(traces), "-o", str(picture)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert f"straggler: rank {SLEEPER}" in done.stdout, done.stdout
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib.image import imread
+
     height, width = imread(picture).shape[:2]
     assert width == 1200 and height > 200, (width, height)  # 12 inches at 100 dpi, a row per rank
 
@@ -105,11 +112,13 @@ def test_flight_recorder_dumps_of_torchs_gloo_name_the_straggler(tmp_path):
     on_gloo = [c for c in timeline.collectives if all(op.group == names[0] for op in c.ops.values())]
     # Matched by the group's sequence numbers, in the order the ranks ran them.
     assert [(c.name, sorted(c.ops), [op.seq for op in c.ops.values()]) for c in on_gloo] == [
-        (name, [0, 1, 2], [seq] * 3) for seq, name in enumerate(["all_reduce"] * 3 + ["barrier"], start=1)]
+        (name, [0, 1, 2], [seq] * 3) for seq, name in enumerate(["all_reduce"] * 3 + ["barrier"], start=1)
+    ]
     assert timeline.straggler == SLEEPER
     assert {s.rank: s.times_last for s in timeline.summaries}[SLEEPER] > len(on_gloo) / 2, timeline.summaries
     picture = tmp_path / "timeline.png"
     from torch_chainermn.timeline import draw
+
     draw(timeline, picture)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -138,8 +147,11 @@ def test_a_folder_with_no_usable_trace_is_refused_naming_the_file(tmp_path):
         load(tmp_path)
 
     # A rank whose profiler saw none of the backend's ops.
-    unrelated = {"distributedInfo": {"rank": 0}, "baseTimeNanoseconds": 0,
-                 "traceEvents": [{"ph": "X", "name": "aten::add_", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}]}
+    unrelated = {
+        "distributedInfo": {"rank": 0},
+        "baseTimeNanoseconds": 0,
+        "traceEvents": [{"ph": "X", "name": "aten::add_", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}],
+    }
     _write(broken, unrelated)
     with pytest.raises(TimelineError, match="rank 0's trace holds no chainermn span"):
         load(tmp_path)
@@ -166,6 +178,11 @@ def test_a_folder_with_no_usable_trace_is_refused_naming_the_file(tmp_path):
         load(tmp_path)
 
     # The command says it on stderr and fails.
-    done = subprocess.run([sys.executable, "-m", "torch_chainermn.timeline", str(tmp_path / "absent")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch_chainermn.timeline", str(tmp_path / "absent")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "no such folder" in done.stderr, (done.returncode, done.stderr)

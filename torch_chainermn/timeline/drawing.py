@@ -11,12 +11,13 @@ its margin (how much later it came than the rank before it). Right, per rank: it
 matplotlib is imported here only, through its object-oriented interface (no pyplot, no global
 backend switch), so that reading traces needs no matplotlib.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from .model import Timeline
-from .text import duration, headline
+from .text import headline
 
 PHASE_COLOURS = {
     "within_node": "#4c72b0",
@@ -29,8 +30,9 @@ PHASE_COLOURS = {
 OTHER_PHASE = "#937860"  # an op run inside another op (drawn as its part)
 OP_COLOUR = "#d9d9d9"
 LATE = "#d62728"
-MATPLOTLIB_MISSING = ("drawing the timeline needs matplotlib: pip install 'torch-chainermn[timeline]' "
-                      "(or pip install matplotlib)")
+MATPLOTLIB_MISSING = (
+    "drawing the timeline needs matplotlib: pip install 'torch-chainermn[timeline]' (or pip install matplotlib)"
+)
 
 
 def _figure_class():
@@ -79,18 +81,25 @@ def draw(timeline: Timeline, path: Path, title: str | None = None) -> Path:
                 shrink = 0.3 * height * min(phase.depth, 2)
                 colour = PHASE_COLOURS.get(phase.name, OTHER_PHASE)
                 boxes.setdefault((y0 + shrink / 2, height - shrink, colour, phase.depth), []).append(
-                    (ms(phase.start_ns), (phase.end_ns - phase.start_ns) / 1e6))
+                    (ms(phase.start_ns), (phase.end_ns - phase.start_ns) / 1e6)
+                )
     for (y0, height, colour, depth), spans in sorted(boxes.items(), key=lambda item: item[0][3]):
-        bars.broken_barh(spans, (y0, height), facecolors=colour,
-                         edgecolors="#7f7f7f" if depth < 0 else "none", linewidth=0.3)
+        bars.broken_barh(
+            spans, (y0, height), facecolors=colour, edgecolors="#7f7f7f" if depth < 0 else "none", linewidth=0.3
+        )
 
     # Who entered each collective last, and by how much.
     for collective in timeline.collectives:
         last = collective.last_rank
         op = collective.ops[last]
         top = lanes[(last, op.thread)][0]  # above the bar, pointing down at its start
-        bars.plot([ms(op.start_ns - collective.margin_ns), ms(op.start_ns)], [top, top], color=LATE, linewidth=1.5,
-                  solid_capstyle="butt")
+        bars.plot(
+            [ms(op.start_ns - collective.margin_ns), ms(op.start_ns)],
+            [top, top],
+            color=LATE,
+            linewidth=1.5,
+            solid_capstyle="butt",
+        )
         bars.plot([ms(op.start_ns)], [top], marker="v", color=LATE, markersize=4)
 
     straggler = timeline.straggler
@@ -121,6 +130,7 @@ def draw(timeline: Timeline, path: Path, title: str | None = None) -> Path:
 
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
+
     used = {phase.name for trace in timeline.ranks for op in trace.ops for phase in op.phases}
     legend = []
     if any(op.completed for trace in timeline.ranks for op in trace.ops):

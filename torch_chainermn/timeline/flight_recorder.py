@@ -12,6 +12,7 @@ entry that never completed (or whose backend does not say: torch 2.13's gloo lea
 
 A pickle can run code when it is read: read only dumps you trust (torch's analyzer reads them so too).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -38,11 +39,18 @@ def _op_of(entry: dict, path: Path) -> Op:
         seq = entry["p2p_seq_id"] if entry.get("is_p2p") else entry["collective_seq_id"]
     except (KeyError, TypeError, ValueError) as error:
         shown = {k: v for k, v in entry.items() if k != "frames"} if isinstance(entry, dict) else entry
-        raise TimelineError(f"{path}: a flight-recorder entry lacks a field torch's format has ({error!r}): "
-                            f"{shown!r}") from error
-    return Op(name=name, start_ns=created, end_ns=int(completed) if completed else created,
-              thread=str(entry.get("thread_name") or entry.get("thread_id") or "?"), group=group, seq=int(seq),
-              completed=bool(completed))
+        raise TimelineError(
+            f"{path}: a flight-recorder entry lacks a field torch's format has ({error!r}): {shown!r}"
+        ) from error
+    return Op(
+        name=name,
+        start_ns=created,
+        end_ns=int(completed) if completed else created,
+        thread=str(entry.get("thread_name") or entry.get("thread_id") or "?"),
+        group=group,
+        seq=int(seq),
+        completed=bool(completed),
+    )
 
 
 def read_flight_recorder_dump(path: Path) -> RankTrace:
@@ -51,13 +59,18 @@ def read_flight_recorder_dump(path: Path) -> RankTrace:
         with open(path, "rb") as f:
             dump = pickle.load(f)
     except Exception as error:  # noqa: BLE001  any unpickling failure means: not a dump
-        raise TimelineError(f"{path}: not a flight-recorder dump (torch's pickle): "
-                            f"{type(error).__name__}: {error}") from error
+        raise TimelineError(
+            f"{path}: not a flight-recorder dump (torch's pickle): {type(error).__name__}: {error}"
+        ) from error
     if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
-        raise TimelineError(f"{path}: not a flight-recorder dump: no 'entries' list (torch's format has "
-                            f"version, pg_config, pg_status, entries)")
+        raise TimelineError(
+            f"{path}: not a flight-recorder dump: no 'entries' list (torch's format has "
+            f"version, pg_config, pg_status, entries)"
+        )
     if not dump["entries"]:
-        raise TimelineError(f"{path}: rank {rank}'s flight-recorder dump has no entries: did the recorder run "
-                            f"(TORCH_FR_BUFFER_SIZE > 0)?")
+        raise TimelineError(
+            f"{path}: rank {rank}'s flight-recorder dump has no entries: did the recorder run "
+            f"(TORCH_FR_BUFFER_SIZE > 0)?"
+        )
     ops = sorted((_op_of(entry, path) for entry in dump["entries"]), key=lambda op: op.start_ns)
     return RankTrace(rank=rank, source=str(path), ops=ops)

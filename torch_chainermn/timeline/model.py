@@ -5,6 +5,7 @@ and flight recorder take it): ranks on one machine share it; ranks on different 
 apart as their clocks (NTP keeps them within about a millisecond on a LAN, PTP within microseconds),
 and that error adds to every lateness measured between them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ class TimelineError(ValueError):
 class Phase:
     """A part of an op (docs/observability.md): `name` without the "chainermn:" prefix
     ("within_node", "between_nodes", "encode", "decode", "wait_peers", "check")."""
+
     name: str
     start_ns: int
     end_ns: int
@@ -30,6 +32,7 @@ class Phase:
 class Op:
     """One op of the backend on one rank, from the moment the rank entered it to its completion: in a
     profiler trace, when a thread started running it; in a flight-recorder dump, when it was posted."""
+
     name: str  # torch's op name without the prefix: "all_reduce", "barrier", "send"
     start_ns: int
     end_ns: int
@@ -47,6 +50,7 @@ class Op:
 @dataclass
 class RankTrace:
     """One rank's ops, in start order, as read from one file (a profiler trace or a flight-recorder dump)."""
+
     rank: int
     source: str  # the file read
     host: str | None = None
@@ -56,6 +60,7 @@ class RankTrace:
 @dataclass
 class Collective:
     """One collective as every rank ran it, matched across the ranks (stragglers.py)."""
+
     name: str
     index: int  # this is the index-th op of its name (and group) on every rank, from 0
     ops: dict[int, Op]  # rank -> that rank's op
@@ -79,6 +84,7 @@ class Collective:
 @dataclass
 class RankSummary:
     """One rank over every matched collective."""
+
     rank: int
     collectives: int  # the matched collectives this rank took part in
     times_last: int  # in how many of them it entered last
@@ -91,6 +97,7 @@ class RankSummary:
 @dataclass
 class Timeline:
     """Every rank's ops, the collectives matched across them and who held them up."""
+
     ranks: list[RankTrace]  # by rank
     collectives: list[Collective]
     summaries: list[RankSummary]  # by rank

@@ -7,6 +7,7 @@ clock (model.py says what that means across machines). The backend's ops are the
 "chainermn:<op>", its phases the child spans named in PHASES (docs/observability.md), found on the
 op's own thread within the op's time.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -31,16 +32,19 @@ def _load(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise TimelineError(f"{path}: not a readable profiler trace (JSON): {error}") from error
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
-        raise TimelineError(f"{path}: no 'traceEvents' list: not a Chrome trace of torch.profiler "
-                            f"(prof.export_chrome_trace)")
+        raise TimelineError(
+            f"{path}: no 'traceEvents' list: not a Chrome trace of torch.profiler (prof.export_chrome_trace)"
+        )
     return trace
 
 
 def _rank_of(trace: dict, path: Path) -> int:
     rank = (trace.get("distributedInfo") or {}).get("rank")
     if not isinstance(rank, int):
-        raise TimelineError(f"{path}: the trace names no rank (its distributedInfo.rank): export it from a "
-                            f"process whose process group was initialised while the profiler ran")
+        raise TimelineError(
+            f"{path}: the trace names no rank (its distributedInfo.rank): export it from a "
+            f"process whose process group was initialised while the profiler ran"
+        )
     return rank
 
 
@@ -65,10 +69,12 @@ def read_profiler_trace(path: Path) -> RankTrace:
             except (KeyError, TypeError, ValueError) as error:
                 raise TimelineError(f"{path}: the span {event!r} has no usable ts/dur: {error}") from error
             thread = (event.get("pid"), event.get("tid"))
-            spans.append((start, end, thread, name[len(PREFIX):], event.get("args") or {}))
+            spans.append((start, end, thread, name[len(PREFIX) :], event.get("args") or {}))
     if not spans:
-        raise TimelineError(f"{path}: rank {rank}'s trace holds no chainermn span: was the profiler on while the "
-                            f"backend ran ops (docs/observability.md)?")
+        raise TimelineError(
+            f"{path}: rank {rank}'s trace holds no chainermn span: was the profiler on while the "
+            f"backend ran ops (docs/observability.md)?"
+        )
     # Longest first at equal starts, so that an op comes before the phases it holds.
     spans.sort(key=lambda s: (s[0], -s[1]))
     ops = []
@@ -94,6 +100,8 @@ def read_profiler_trace(path: Path) -> RankTrace:
             open_phases[key] = []
             ops.append(op)
     if not ops:
-        raise TimelineError(f"{path}: rank {rank}'s trace holds phases of the backend but no op span "
-                            f"(chainermn:<op>) around them: not a trace torch.profiler wrote of this backend")
+        raise TimelineError(
+            f"{path}: rank {rank}'s trace holds phases of the backend but no op span "
+            f"(chainermn:<op>) around them: not a trace torch.profiler wrote of this backend"
+        )
     return RankTrace(rank=rank, source=str(path), host=trace.get("host_name"), ops=ops)

@@ -11,6 +11,7 @@ The rank that entered a collective last made everybody else wait: its start, les
 rank before it, is its margin (the least anyone waited for it). Point-to-point ops are drawn but not
 matched: a send has one partner, not a group that waits.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,8 +21,9 @@ from .model import Collective, Op, RankSummary, RankTrace, Timeline
 POINT_TO_POINT = ("send", "recv", "send_message", "recv_message")
 
 
-def _collectives_of(name: str, group: str | None, ops_by_rank: dict[int, list[Op]],
-                    unmatched: list[str]) -> list[Collective]:
+def _collectives_of(
+    name: str, group: str | None, ops_by_rank: dict[int, list[Op]], unmatched: list[str]
+) -> list[Collective]:
     """The collectives of one op name (on one group) across the ranks that ran it."""
     label = name if group is None else f"{name} on group {group}"
     if len(ops_by_rank) < 2:
@@ -35,13 +37,17 @@ def _collectives_of(name: str, group: str | None, ops_by_rank: dict[int, list[Op
         everyone = len(ops_by_rank)
         complete = [seq for seq in sorted(by_seq) if len(by_seq[seq]) == everyone]
         if len(complete) < len(by_seq):
-            unmatched.append(f"{label}: {len(by_seq) - len(complete)} of {len(by_seq)} sequence numbers are missing "
-                             f"on some of ranks {sorted(ops_by_rank)}")
+            unmatched.append(
+                f"{label}: {len(by_seq) - len(complete)} of {len(by_seq)} sequence numbers are missing "
+                f"on some of ranks {sorted(ops_by_rank)}"
+            )
         return [Collective(name, index, by_seq[seq]) for index, seq in enumerate(complete)]
     counts = {rank: len(ops) for rank, ops in ops_by_rank.items()}
     if len(set(counts.values())) != 1:
-        unmatched.append(f"{label}: the ranks ran it a different number of times "
-                         f"({', '.join(f'rank {rank}: {count}' for rank, count in sorted(counts.items()))})")
+        unmatched.append(
+            f"{label}: the ranks ran it a different number of times "
+            f"({', '.join(f'rank {rank}: {count}' for rank, count in sorted(counts.items()))})"
+        )
         return []
     (count,) = set(counts.values())
     return [Collective(name, index, {rank: ops[index] for rank, ops in ops_by_rank.items()}) for index in range(count)]
@@ -59,8 +65,10 @@ def match_collectives(ranks: list[RankTrace]) -> tuple[list[Collective], list[st
             continue
         if len(ops_by_rank) < len(ranks) and all(op.seq is None for ops in ops_by_rank.values() for op in ops):
             missing = sorted({trace.rank for trace in ranks} - set(ops_by_rank))
-            unmatched.append(f"{name}: not run on rank{'s' if len(missing) > 1 else ''} "
-                             f"{', '.join(map(str, missing))} (a subgroup, or a profiler window that missed it)")
+            unmatched.append(
+                f"{name}: not run on rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} (a subgroup, or a profiler window that missed it)"
+            )
             continue
         collectives += _collectives_of(name, group, ops_by_rank, unmatched)
     collectives.sort(key=lambda c: min(op.start_ns for op in c.ops.values()))
@@ -72,11 +80,17 @@ def summarise(ranks: list[RankTrace], collectives: list[Collective]) -> list[Ran
     for trace in ranks:
         joined = [c for c in collectives if trace.rank in c.ops]
         margins = [c.margin_ns for c in joined if c.last_rank == trace.rank]
-        summaries.append(RankSummary(
-            rank=trace.rank, collectives=len(joined), times_last=len(margins),
-            mean_margin_ns=statistics.fmean(margins) if margins else 0.0, max_margin_ns=max(margins, default=0),
-            total_margin_ns=sum(margins),
-            waited_ns=sum(c.waited_ns(trace.rank) for c in joined)))
+        summaries.append(
+            RankSummary(
+                rank=trace.rank,
+                collectives=len(joined),
+                times_last=len(margins),
+                mean_margin_ns=statistics.fmean(margins) if margins else 0.0,
+                max_margin_ns=max(margins, default=0),
+                total_margin_ns=sum(margins),
+                waited_ns=sum(c.waited_ns(trace.rank) for c in joined),
+            )
+        )
     return summaries
 
 
