@@ -33,6 +33,7 @@ _FROM_MODULE = {
     "local_sgd": ("DiLoCo", "LocalSGD"),
     "links": ("MultiNodeChainList", "create_multi_node_n_step_rnn"),
     "monitoring": ("monitored_barrier",),
+    "observability": ("counters", "reset_counters", "stragglers"),
     "nn": ("MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d", "convert_mnbn_model",
            "create_mnbn_model"),
     "optimizers": ("create_multi_node_optimizer",),

@@ -56,6 +56,8 @@ def create_backend(dist_options, pg_options=None):
 
     setup = _C.GroupSetup(store, rank, size, timeout, dist_options.group_id, topology)
     setup.shm_chunk_bytes = settings.shm_chunk_bytes()
+    window, margin_ms, warn = settings.stragglers()
+    setup.set_stragglers(window, margin_ms, warn)
     if transport == "mpi":
         setup.use_mpi(global_ranks)
     else:

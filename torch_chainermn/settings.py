@@ -42,6 +42,12 @@ VARIABLES: tuple[Variable, ...] = (
              "this process's node name, in place of the host's", "settings.py"),
     Variable("CHAINERMN_SHM_CHUNK_BYTES", "process", None, "1048576",
              "the shared-memory collectives' chunk (at least 4096)", "settings.py"),
+    Variable("CHAINERMN_STRAGGLER_WINDOW", "process", None, "16",
+             "collectives the stragglers' summary covers (at least 2)", "settings.py"),
+    Variable("CHAINERMN_STRAGGLER_MARGIN_MS", "process", None, "5",
+             "the mean lateness (ms) that names a rank last in most of the window", "settings.py"),
+    Variable("CHAINERMN_STRAGGLER_WARN", "process", None, "1",
+             "rank 0 logs one line when a straggler is named (0/1)", "settings.py"),
     Variable("CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "process", None, None,
              "install the global except hook at import (ChainerMN's name; ...EXCEPTIONS too)",
              "settings.py"),
@@ -92,6 +98,25 @@ def shm_chunk_bytes() -> int:
     if not text.isdigit() or int(text) < 4096:
         raise ValueError(f"CHAINERMN_SHM_CHUNK_BYTES must be an integer of at least 4096, got {text!r}")
     return int(text)
+
+
+def stragglers() -> tuple[int, float, bool]:
+    """(window, margin in ms, warn) of the stragglers' summary (CHAINERMN_STRAGGLER_WINDOW, _MARGIN_MS,
+    _WARN; docs/observability.md#stragglers)."""
+    window = _set("CHAINERMN_STRAGGLER_WINDOW") or BY_NAME["CHAINERMN_STRAGGLER_WINDOW"].default
+    if not window.isdigit() or int(window) < 2:
+        raise ValueError(f"CHAINERMN_STRAGGLER_WINDOW must be an integer of at least 2, got {window!r}")
+    margin = _set("CHAINERMN_STRAGGLER_MARGIN_MS") or BY_NAME["CHAINERMN_STRAGGLER_MARGIN_MS"].default
+    try:
+        margin_ms = float(margin)
+    except ValueError:
+        margin_ms = -1.0
+    if not margin_ms >= 0:  # also refuses nan
+        raise ValueError(f"CHAINERMN_STRAGGLER_MARGIN_MS must be a number of milliseconds >= 0, got {margin!r}")
+    warn = _set("CHAINERMN_STRAGGLER_WARN") or BY_NAME["CHAINERMN_STRAGGLER_WARN"].default
+    if warn not in ("0", "1"):
+        raise ValueError(f"CHAINERMN_STRAGGLER_WARN must be 0 or 1, got {warn!r}")
+    return int(window), margin_ms, warn == "1"
 
 
 def abort_on_exception_requested() -> bool:

@@ -198,7 +198,7 @@ const std::vector<Fingerprint>& FingerprintExchange::all(Transport& world, const
 namespace {
 bool allSame(const std::vector<Fingerprint>& prints) {
   return std::all_of(prints.begin(), prints.end(), [&](const Fingerprint& print) {
-    return std::memcmp(&print, &prints.front(), sizeof(Fingerprint)) == 0;
+    return std::memcmp(&print, &prints.front(), kComparedBytes) == 0;
   });
 }
 } // namespace
@@ -207,10 +207,26 @@ bool FingerprintExchange::agreeThroughLevels(const TransportSet& transports, con
   // Both exchanges on every rank, whatever the first shows: the peers of the second wait for it.
   const bool nodeSame = allSame(exchange(*transports.intra, mine, node_));
   const bool acrossSame = allSame(exchange(*transports.inter, mine, across_));
-  const int64_t sawNoDifference = nodeSame && acrossSame;
+  // The times ride along: this node's ranks together saw every rank's (intra rank i's peers across
+  // nodes are every node's rank i).
+  const Verdict verdict{nodeSame && acrossSame, Arrival::merge(arrivalOf(node_), arrivalOf(across_))};
   verdicts_.resize(transports.intra->size());
-  transports.intra->exchange(&sawNoDifference, verdicts_.data(), sizeof(int64_t));
-  return std::all_of(verdicts_.begin(), verdicts_.end(), [](int64_t verdict) { return verdict == 1; });
+  transports.intra->exchange(&verdict, verdicts_.data(), sizeof(Verdict));
+  arrival_ = Arrival{};
+  bool agreed = true;
+  for (const Verdict& seen : verdicts_) {
+    agreed = agreed && seen.sawNoDifference == 1;
+    arrival_ = Arrival::merge(arrival_, seen.arrival);
+  }
+  return agreed;
+}
+
+Arrival arrivalOf(const std::vector<Fingerprint>& prints) {
+  Arrival arrival;
+  for (const Fingerprint& print : prints) {
+    arrival = Arrival::merge(arrival, Arrival::of(print.rank, print.tookMicros));
+  }
+  return arrival;
 }
 
 std::string disagreement(
@@ -220,7 +236,7 @@ std::string disagreement(
   // Every op takes this path: agreeing fingerprints are equal byte for byte (plain data, zero-filled),
   // and then nothing is built (no string, no allocation).
   if (std::all_of(all.begin(), all.end(), [&](const Fingerprint& p) {
-        return std::memcmp(&p, &first, sizeof(Fingerprint)) == 0 && !p.refused;
+        return std::memcmp(&p, &first, kComparedBytes) == 0 && !p.refused;
       })) {
     return "";
   }
@@ -275,13 +291,15 @@ std::string disagreement(
   return "";
 }
 
-CarriedFingerprint::CarriedFingerprint(int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf)
-    : all_(size), reasonOf_(std::move(reasonOf)) {}
+CarriedFingerprint::CarriedFingerprint(
+    int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf, Stragglers& stragglers)
+    : all_(size), reasonOf_(std::move(reasonOf)), stragglers_(stragglers) {}
 
 void CarriedFingerprint::verify(const void* all) {
   std::memcpy(all_.data(), all, all_.size() * sizeof(Fingerprint));
   const std::string problem = disagreement(all_, [this](int r) { return reasonOf_(mine_.sequence, r); });
   TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
+  stragglers_.observe(arrivalOf(all_));
 }
 
 void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {

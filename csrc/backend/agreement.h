@@ -13,12 +13,14 @@
 // the group stays in step.
 #pragma once
 
+#include "backend/stragglers.h"
 #include "comm/transport.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -64,12 +66,18 @@ struct Fingerprint {
   uint64_t layout = 0;
   char rootName[8] = {};
   int32_t refused = 0;  // this rank refused the call; its reason is in the store (refusalKey)
-  int32_t pad = 0;
   int32_t settings[kSettings] = {};      // Agreement::settings' values ...
   uint8_t settingNames[kSettings] = {};  // ... and names (SettingName)
-  uint8_t settingsPad[7] = {};
+  uint8_t settingsPad[3] = {};
+  // Not compared (they differ from rank to rank): carried for the stragglers' summary
+  // (backend/stragglers.h), at no message of their own.
+  uint32_t tookMicros = Arrival::kNone;  // how long this rank's previous collective took
+  int32_t rank = -1;                     // this rank in the group
 };
 static_assert(sizeof(Fingerprint) == 128, "the exchanged fingerprint has a fixed size");
+// The bytes of a fingerprint every rank must send the same: all but the fields after `tookMicros`.
+constexpr size_t kComparedBytes = offsetof(Fingerprint, tookMicros);
+static_assert(kComparedBytes + 8 == sizeof(Fingerprint), "the fields not compared are last");
 static_assert(sizeof(Fingerprint) <= kExchangeBytes, "a carried check fits a shared-memory cell's head");
 
 // The root and the reduce op, for the collectives that have them.
@@ -98,21 +106,36 @@ class FingerprintExchange {
   // and if any differ, every node has a rank that saw it. Two node-local exchanges (shared memory: one
   // barrier each) and one exchange among as many ranks as there are nodes, instead of one among all.
   bool agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine);
+  // After agreeThroughLevels returned true: every rank's times merged (the same on every rank).
+  const Arrival& arrivalThroughLevels() const {
+    return arrival_;
+  }
 
  private:
   static const std::vector<Fingerprint>& exchange(
       Transport& transport, const Fingerprint& mine, std::vector<Fingerprint>& into);
 
+  // What a node's ranks tell each other last: whether they saw a difference, and the times they saw.
+  struct Verdict {
+    int64_t sawNoDifference;
+    Arrival arrival;
+  };
   std::vector<Fingerprint> world_, node_, across_;
-  std::vector<int64_t> verdicts_;
+  std::vector<Verdict> verdicts_;
+  Arrival arrival_;
 };
+
+// Every rank's times in these fingerprints, merged.
+Arrival arrivalOf(const std::vector<Fingerprint>& prints);
 
 // A collective's fingerprint carried in its first exchange (Transport::carryCheck, group_context.h):
 // verify() throws, on every rank, the ValueError that an exchange of its own would have.
 class CarriedFingerprint : public CarriedCheck {
  public:
-  // `reasonOf(sequence, rank)`: the reason of a rank that refused collective `sequence`.
-  CarriedFingerprint(int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf);
+  // `reasonOf(sequence, rank)`: the reason of a rank that refused collective `sequence`. Once the
+  // ranks agree, their times go to `stragglers`.
+  CarriedFingerprint(
+      int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf, Stragglers& stragglers);
 
   void set(const Fingerprint& mine) {
     mine_ = mine;
@@ -129,6 +152,7 @@ class CarriedFingerprint : public CarriedCheck {
   Fingerprint mine_;
   std::vector<Fingerprint> all_;  // sized once
   std::function<std::string(uint64_t, int)> reasonOf_;
+  Stragglers& stragglers_;
 };
 
 // Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 
 namespace chainermn {
 
@@ -80,13 +81,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
     Worker::Body run = [context = context_, body = std::move(body), op = spec.name, agreement = std::move(spec.agree),
                         folds = spec.checkFolds, span = work->span()]() -> Pending {
       OpSpan::Running running(span.get());
-      if (agreement.collective) {
-        if (folds && context->carryAgreement(op, agreement)) {
-          return runCarryingCheck(*context->cpu, body);
-        }
-        context->agree(op, agreement);
+      CountingScope counting(context->counters);
+      if (!agreement.collective) {
+        return body(*context->cpu);
       }
-      return body(*context->cpu);
+      CollectiveTimer timer(*context->stragglers);
+      RequestPtr request;
+      if (folds && context->carryAgreement(op, agreement)) {
+        request = runCarryingCheck(*context->cpu, body);
+      } else {
+        context->agree(op, agreement);
+        request = body(*context->cpu);
+      }
+      timer.done();
+      return request;
     };
     if (onCaller && worker_->runIfIdle(work, run)) {
       opsOnCaller_.fetch_add(1, std::memory_order_relaxed);
@@ -108,7 +116,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
       [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used),
        op = spec.name, agreement = std::move(spec.agree), nccl, span = work->span()]() {
         OpSpan::Running running(span.get());
+        CountingScope counting(context->counters);
+        std::optional<CollectiveTimer> timer;
         if (agreement.collective) {
+          timer.emplace(*context->stragglers);
           context->agree(op, agreement);  // over the host transports: this body uses them anyway
         }
         std::unique_lock<std::mutex> launching;
@@ -119,6 +130,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
         DeviceContext& cuda = *context->cuda;
         keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
         RequestPtr request = body(cuda);
+        if (timer) {
+          timer->done();  // the host's part: staging through the host transports, waits included
+        }
         if (request) {
           return Pending(std::move(request));  // point to point: the Work completes with the transfer
         }

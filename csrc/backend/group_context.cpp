@@ -22,17 +22,26 @@ bool GroupContext::carryAgreement(const char* op, const Agreement& agreement) {
     return false;
   }
   if (!carried) {
-    carried = std::make_unique<CarriedFingerprint>(world.size(), [this](uint64_t sequence, int r) {
-      const auto reason = store->get(refusalKey(sequence, r));
-      return std::string(reason.begin(), reason.end());
-    });
+    carried = std::make_unique<CarriedFingerprint>(
+        world.size(),
+        [this](uint64_t sequence, int r) {
+          const auto reason = store->get(refusalKey(sequence, r));
+          return std::string(reason.begin(), reason.end());
+        },
+        *stragglers);
   }
-  carried->set(makeFingerprint(collectivesRun + 1, op, agreement));
   if (!world.carryCheck(carried.get())) {
     return false;
   }
-  ++collectivesRun;  // as agree() numbers it
+  carried->set(fingerprintOf(++collectivesRun, op, agreement));  // numbered as agree() numbers it
   return true;
+}
+
+Fingerprint GroupContext::fingerprintOf(uint64_t sequence, const char* op, const Agreement& agreement) {
+  Fingerprint print = makeFingerprint(sequence, op, agreement);
+  print.tookMicros = stragglers->takeMine();
+  print.rank = rank;
+  return print;
 }
 
 void GroupContext::agree(const char* op, const Agreement& agreement, const std::string& refusal) {
@@ -40,7 +49,7 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
   Transport& world = *cpu->transports.world;
   if (checks != CheckLevel::Off) {
     PhaseSpan checking(phase::kCheck);
-    Fingerprint mine = makeFingerprint(sequence, op, agreement);
+    Fingerprint mine = fingerprintOf(sequence, op, agreement);
     if (!refusal.empty()) {
       store->set(refusalKey(sequence, rank), std::vector<uint8_t>(refusal.begin(), refusal.end()));
       mine.refused = 1;
@@ -48,14 +57,17 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
     // Between nodes the levels are cheaper; only a disagreement (rare) needs every fingerprint to
     // say which ranks differ, and then every rank knows to ask.
     if (checkThroughLevels && fingerprints.agreeThroughLevels(cpu->transports, mine)) {
+      stragglers->observe(fingerprints.arrivalThroughLevels());
       checkSplitsIfAny(world, op, sequence, agreement);
       return;
     }
-    const std::string problem = disagreement(fingerprints.all(world, mine), [&](int r) {
+    const auto& all = fingerprints.all(world, mine);
+    const std::string problem = disagreement(all, [&](int r) {
       const auto reason = store->get(refusalKey(sequence, r));
       return std::string(reason.begin(), reason.end());
     });
     TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
+    stragglers->observe(arrivalOf(all));
   }
   checkSplitsIfAny(world, op, sequence, agreement);
 }

@@ -6,6 +6,8 @@
 #include "backend/device_context.h"
 #include "backend/checked_transfers.h"
 #include "backend/options.h"
+#include "backend/stragglers.h"
+#include "counters.h"
 #include "strategies/strategy.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -31,9 +33,12 @@ struct GroupContext {
   std::unique_ptr<CarriedFingerprint> carried;  // the fingerprint a folded check hands the transport
   uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
   MessageOrder messages;        // worker thread only: point-to-point numbering (checked_transfers.h)
+  std::unique_ptr<Stragglers> stragglers;  // who arrived last at recent collectives (stragglers.h)
+  Counters counters;                       // what the ops moved and their phases' time (counters.h)
 
   // Worker thread, before a collective's body: numbers it and, unless checks are off, compares its
-  // fingerprint with every rank's; throws the same ValueError on every rank when they differ.
+  // fingerprint with every rank's; throws the same ValueError on every rank when they differ. The
+  // fingerprints carry every rank's time in its previous collective to `stragglers`.
   // `refusal` is this rank's reason for refusing the call (empty: not refused).
   void agree(const char* op, const Agreement& agreement, const std::string& refusal = "");
 
@@ -44,6 +49,10 @@ struct GroupContext {
   // body, the world transport's settleCheck(); if the body throws, its carryCheck(nullptr).
   // Returns false, doing nothing, where the check must run alone: call agree().
   bool carryAgreement(const char* op, const Agreement& agreement);
+
+ private:
+  // This rank's fingerprint of collective `sequence`, with its time in the previous one.
+  Fingerprint fingerprintOf(uint64_t sequence, const char* op, const Agreement& agreement);
 };
 
 } // namespace chainermn

@@ -3,6 +3,7 @@
 // is what torch hands a backend's creator plus what the ranks agreed on before creating it.
 #pragma once
 
+#include "backend/stragglers.h"
 #include "comm/shm.h"
 #include "comm/transport.h"
 #include "topology.h"
@@ -66,6 +67,7 @@ struct GroupSetup {
   TransportFactory makeHost;  // the host library every rank agreed on (MPI or Gloo), one level at a time
   const char* hostLibrary = "";  // its name, "mpi" or "gloo" (set with makeHost)
   size_t shmChunkBytes = shm::kDefaultChunkBytes;  // the shared-memory collectives' chunk (CHAINERMN_SHM_CHUNK_BYTES)
+  StragglerSettings stragglers;  // the stragglers' window and warning (CHAINERMN_STRAGGLER_*)
 };
 
 } // namespace chainermn

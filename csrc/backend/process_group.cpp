@@ -23,6 +23,11 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   context_->store = setup.store;
   context_->rank = rank_;
   context_->checks = size_ > 1 ? options_.checks : CheckLevel::Off;
+  std::vector<std::string> nodeOfRank;
+  for (const int node : topology_.nodeOfRank) {
+    nodeOfRank.push_back(topology_.nodeNames[node]);
+  }
+  context_->stragglers = std::make_unique<Stragglers>(rank_, std::move(nodeOfRank), setup.name, setup.stragglers);
   // From the whole group's topology, so that every rank takes the same path.
   const auto& nodes = topology_.ranksOfNode;
   context_->checkThroughLevels = nodes.size() > 1 && nodes.front().size() > 1 &&

@@ -252,6 +252,14 @@ class ProcessGroupChainerMN : public c10d::Backend {
     return context_->cpu->transports.world->checksCarried();
   }
   // Bytes of staging memory held (grows to the largest call, then stays).
+  // What the group's ops moved and how long their phases took (counters.h).
+  Counters& counters() {
+    return context_->counters;
+  }
+  // Who arrived last at its recent collectives (stragglers.h).
+  Stragglers& stragglers() {
+    return *context_->stragglers;
+  }
   size_t scratchBytes() const {
     return context_->cpu->scratch.bytesHeld() + (context_->cuda ? context_->cuda->scratch.bytesHeld() : 0);
   }

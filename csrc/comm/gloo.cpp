@@ -139,7 +139,7 @@ class GlooTransport : public Transport {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", moved::allreduce(size(), count * c10::elementSize(dtype)));
     std::vector<at::Tensor> tensors{view(buf, count, dtype)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = toGloo(op);
@@ -147,7 +147,8 @@ class GlooTransport : public Transport {
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo",
+                    moved::fromRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     std::vector<at::Tensor> tensors{bytes(buf, count, dtype)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -156,7 +157,8 @@ class GlooTransport : public Transport {
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
       override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo",
+                    moved::toRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     // Gloo reduces in place and may overwrite the input on every rank, so it works on recv; the
     // caller passes a recv that may be clobbered (scratch off the root).
     if (send != recv) {
@@ -170,14 +172,15 @@ class GlooTransport : public Transport {
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", moved::allgather(size(), count * c10::elementSize(dtype)));
     std::vector<at::Tensor> inputs{bytes(send, count, dtype)};
     std::vector<std::vector<at::Tensor>> outputs{blocks(bytes(recv, count * size(), dtype), size())};
     backend_->allgather(outputs, inputs)->wait();
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo",
+                    moved::toRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     std::vector<at::Tensor> inputs{bytes(send, count, dtype)};
     std::vector<std::vector<at::Tensor>> outputs;
     if (rank() == root) {
@@ -189,7 +192,8 @@ class GlooTransport : public Transport {
   }
 
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo",
+                    moved::fromRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     std::vector<at::Tensor> outputs{bytes(recv, count, dtype)};
     std::vector<std::vector<at::Tensor>> inputs;
     if (rank() == root) {
@@ -202,7 +206,7 @@ class GlooTransport : public Transport {
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op)
       override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", size() * count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", moved::reduceScatter(size(), count * c10::elementSize(dtype)));
     at::Tensor output = view(recv, count, dtype);
     at::Tensor input = view(send, count * size(), dtype);
     c10d::ReduceScatterOptions opts;
@@ -216,7 +220,10 @@ class GlooTransport : public Transport {
       void* recv,
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", bytesOf(sendCounts, dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "gloo",
+                    moved::allToAll(bytesOf(sendCounts, dtype), bytesOf(recvCounts, dtype),
+                                    sendCounts[rank()] * c10::elementSize(dtype),
+                                    recvCounts[rank()] * c10::elementSize(dtype)));
     const int64_t width = static_cast<int64_t>(c10::elementSize(dtype));
     std::vector<int64_t> sendSplits(sendCounts), recvSplits(recvCounts);
     int64_t sendTotal = 0, recvTotal = 0;
@@ -245,7 +252,7 @@ class GlooTransport : public Transport {
   }
 
   void barrier() override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo", 0);
+    PhaseSpan phase(levelPhase(withinNode()), "gloo", Moved{});
     backend_->barrier()->wait();
   }
 

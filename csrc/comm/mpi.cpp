@@ -92,7 +92,7 @@ class MpiTransport : public Transport {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi", moved::allreduce(size(), count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     check(
         MPI_Allreduce(MPI_IN_PLACE, buf, checkedCount(count, "all_reduce"), mpiType(dtype), mpiOp(op, dtype), comm_),
@@ -100,14 +100,16 @@ class MpiTransport : public Transport {
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi",
+                    moved::fromRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     check(MPI_Bcast(buf, checkedCount(count, "broadcast"), mpiType(dtype), root, comm_), "Bcast");
   }
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
       override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi",
+                    moved::toRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     const void* source = (rank_ == root && send == recv) ? MPI_IN_PLACE : send;
     check(
@@ -116,28 +118,30 @@ class MpiTransport : public Transport {
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi", moved::allgather(size(), count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     const int n = checkedCount(count, "all_gather");
     check(MPI_Allgather(send, n, mpiType(dtype), recv, n, mpiType(dtype), comm_), "Allgather");
   }
 
   void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi",
+                    moved::toRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     const int n = checkedCount(count, "gather");
     check(MPI_Gather(send, n, mpiType(dtype), recv, n, mpiType(dtype), root, comm_), "Gather");
   }
 
   void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi",
+                    moved::fromRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     const int n = checkedCount(count, "scatter");
     check(MPI_Scatter(send, n, mpiType(dtype), recv, n, mpiType(dtype), root, comm_), "Scatter");
   }
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", size() * count * c10::elementSize(dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi", moved::reduceScatter(size(), count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     check(
         MPI_Reduce_scatter_block(
@@ -151,7 +155,10 @@ class MpiTransport : public Transport {
       void* recv,
       const std::vector<int64_t>& recvCounts,
       c10::ScalarType dtype) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", bytesOf(sendCounts, dtype));
+    PhaseSpan phase(levelPhase(withinNode()), "mpi",
+                    moved::allToAll(bytesOf(sendCounts, dtype), bytesOf(recvCounts, dtype),
+                                    sendCounts[rank()] * c10::elementSize(dtype),
+                                    recvCounts[rank()] * c10::elementSize(dtype)));
     CallInProgress inProgress;
     // Only the worker thread calls a transport, so these count arrays can be reused.
     toDisplacements(sendCounts, sendCounts_, sendDispls_);
@@ -184,7 +191,7 @@ class MpiTransport : public Transport {
   }
 
   void barrier() override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi", 0);
+    PhaseSpan phase(levelPhase(withinNode()), "mpi", Moved{});
     CallInProgress inProgress;
     check(MPI_Barrier(comm_), "Barrier");
   }

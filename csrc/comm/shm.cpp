@@ -108,18 +108,18 @@ class ShmTransport : public Transport {
   }
 
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    PhaseSpan phase(phase::kWithinNode, "shm", count * c10::elementSize(dtype));
+    PhaseSpan phase(phase::kWithinNode, "shm", moved::allreduce(size_, count * c10::elementSize(dtype)));
     reduceChunks(buf, buf, count, dtype, op, /*root=*/-1);
   }
 
   void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
       override {
-    PhaseSpan phase(phase::kWithinNode, "shm", count * c10::elementSize(dtype));
+    PhaseSpan phase(phase::kWithinNode, "shm", moved::toRoot(size_, rank_ == root, count * c10::elementSize(dtype)));
     reduceChunks(send, recv, count, dtype, op, root);
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
-    PhaseSpan phase(phase::kWithinNode, "shm", count * c10::elementSize(dtype));
+    PhaseSpan phase(phase::kWithinNode, "shm", moved::fromRoot(size_, rank_ == root, count * c10::elementSize(dtype)));
     const size_t width = c10::elementSize(dtype);
     if (count > 0 && count * width <= kCellBytes) {
       // One barrier: the root's cell body of this round, read after it.
@@ -147,7 +147,7 @@ class ShmTransport : public Transport {
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
-    PhaseSpan phase(phase::kWithinNode, "shm", count * c10::elementSize(dtype));
+    PhaseSpan phase(phase::kWithinNode, "shm", moved::allgather(size_, count * c10::elementSize(dtype)));
     const size_t width = c10::elementSize(dtype);
     if (count > 0 && count * width <= kCellBytes) {
       char* cells = round(send, count * width);  // one barrier
@@ -170,7 +170,7 @@ class ShmTransport : public Transport {
   }
 
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
-    PhaseSpan phase(phase::kWithinNode, "shm", size_ * count * c10::elementSize(dtype));
+    PhaseSpan phase(phase::kWithinNode, "shm", moved::reduceScatter(size_, count * c10::elementSize(dtype)));
     // Each slot holds one piece of every block; rank r reduces block r's pieces into its output.
     settleCheck();
     const size_t width = c10::elementSize(dtype);
@@ -240,7 +240,7 @@ class ShmTransport : public Transport {
     return mailboxes_->recvAnySize(peer, tag, std::move(allocate));
   }
   void barrier() override {
-    PhaseSpan phase(phase::kWithinNode, "shm", 0);
+    PhaseSpan phase(phase::kWithinNode, "shm", Moved{});
     round(nullptr, 0);  // a round of the exchange area: it carries a check, if any
   }
 

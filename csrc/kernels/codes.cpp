@@ -92,7 +92,9 @@ int64_t wireRowBytes(Code code, int64_t count, const CodeSettings& settings) {
 
 void encodeCpu(Code code, const CodeSettings& settings, const float* values, float* residual, uint8_t* wire,
                int64_t rows, int64_t rowBytes, int64_t count) {
-  PhaseSpan phase(phase::kEncode, codeName(code), rows * rowBytes);
+  // In: the rows' float32 values; out: their coded rows.
+  PhaseSpan phase(phase::kEncode, codeName(code),
+                  Moved{rows * rowBytes, rows * rowBytes, rows * count * static_cast<int64_t>(sizeof(float))});
   TORCH_CHECK(values != nullptr || rows * count == 0 || (residual != nullptr && !codeInfo(code).usesBlock), "encode (",
               codeName(code),
               "): the values are needed (2-bit and 1-bit may take them from the residual)");
@@ -122,7 +124,9 @@ void encodeCpu(Code code, const CodeSettings& settings, const float* values, flo
 
 void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
                int64_t count, bool sum, bool accumulate) {
-  PhaseSpan phase(phase::kDecode, codeName(code), rows * rowBytes);
+  // In: the coded rows; out: their float32 values (one row of them when the rows are summed).
+  PhaseSpan phase(phase::kDecode, codeName(code),
+                  Moved{rows * rowBytes, (sum ? 1 : rows) * count * static_cast<int64_t>(sizeof(float)), rows * rowBytes});
   switch (code) {
     case Code::Int8:
       decodeInt8Cpu(wire, rows, rowBytes, out, count, settings.block, sum, accumulate);

@@ -155,6 +155,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("topology"))
       .def_readwrite("shm_chunk_bytes", &GroupSetup::shmChunkBytes, "the shared-memory collectives' chunk in bytes")
       .def(
+          "set_stragglers",
+          [](GroupSetup& setup, int window, double marginMs, bool warn) {
+            setup.stragglers = chainermn::StragglerSettings{window, marginMs, warn};
+          },
+          py::arg("window"),
+          py::arg("margin_ms"),
+          py::arg("warn"),
+          "the stragglers' summary: its window in collectives, the mean lateness that names a rank, whether "
+          "rank 0 logs a line when one is named")
+      .def(
           "use_gloo",
           [](GroupSetup& setup, py::function make) {
             setup.makeHost = glooFactory(std::move(make));
@@ -253,6 +263,33 @@ PYBIND11_MODULE(_C, m) {
       .def("checks_carried", &ProcessGroupChainerMN::checksCarried,
            "how many collectives' cross-rank checks rode in the op's own first exchange (a small collective "
            "over shared memory: one barrier, check included) instead of an exchange of their own")
+      .def(
+          "counters",
+          [](ProcessGroupChainerMN& pg) {
+            py::list rows;
+            for (const auto& row : pg.counters().rows()) {
+              rows.append(py::make_tuple(row.phase, row.what, row.calls, row.nanoseconds, row.out, row.in));
+            }
+            return py::make_tuple(pg.counters().ops(), rows);
+          },
+          "(ops, [(phase, transport or code, calls, nanoseconds, bytes out, bytes in)]): see "
+          "torch_chainermn.counters()")
+      .def("reset_counters", [](ProcessGroupChainerMN& pg) { pg.counters().reset(); })
+      .def(
+          "stragglers",
+          [](ProcessGroupChainerMN& pg) {
+            const auto summary = pg.stragglers().summary();
+            py::list ranks;
+            for (size_t r = 0; r < summary.ranks.size(); ++r) {
+              const auto& rank = summary.ranks[r];
+              ranks.append(py::make_tuple(summary.nodeOfRank[r], rank.last, rank.meanMs, rank.maxMs));
+            }
+            return py::make_tuple(summary.settings.window, summary.settings.marginMs, summary.settings.warn,
+                                  summary.observed, summary.inWindow, summary.named, ranks);
+          },
+          "(window, margin_ms, warn, observed, in_window, named, [(node, last, mean_ms, max_ms) per rank]): see "
+          "torch_chainermn.stragglers()")
+      .def("reset_stragglers", [](ProcessGroupChainerMN& pg) { pg.stragglers().reset(); })
       .def("broken_reason", &ProcessGroupChainerMN::brokenReason,
            "why the group is unusable (a timeout, a dead or aborting peer, abort()), or \"\" while it is not")
       .def(

@@ -1,0 +1,81 @@
+"""Stragglers named (docs/observability.md#stragglers): every rank learns every rank's time in its
+previous collective through the collectives' own cross-rank checks, and from that who arrived last
+and by how much. Real ranks: one that sleeps 10 ms before each collective is named within 20
+collectives, on every rank, and rank 0 logs one line naming it and its node; before it starts
+sleeping nobody is named. On one node (the check rides in the shared-memory barrier) and on two
+simulated nodes (the check goes through the levels: the node, then across nodes)."""
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import torch_chainermn
+from tests.support.harness import run_spawn
+
+QUIET_OPS = 20   # collectives before the sleeper starts: nobody may be named
+SLEEPY_OPS = 20  # the sleeper must be named within these
+SLEEP_S = 0.010
+
+
+def named_when_one_sleeps(sleeper):
+    rank = dist.get_rank()
+    x = torch.ones(1024)
+    dist.all_reduce(x)  # from here on every collective learns its predecessor's times
+    observed_before = torch_chainermn.stragglers()["observed"]
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        os.dup2(log.fileno(), 2)  # the backend's warning goes to this process's stderr
+        try:
+            named_while_quiet = []
+            for _ in range(QUIET_OPS):
+                dist.all_reduce(x)
+                named_while_quiet.append(torch_chainermn.stragglers()["straggler"])
+            quiet_log_end = log.seek(0, os.SEEK_END)
+            named_after = None
+            for op in range(1, SLEEPY_OPS + 1):
+                if rank == sleeper:
+                    time.sleep(SLEEP_S)
+                dist.all_reduce(x)
+                if named_after is None and torch_chainermn.stragglers()["straggler"] is not None:
+                    named_after = op
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        text = log.read()
+    summary = torch_chainermn.stragglers()
+    summary["observed"] -= observed_before
+    return {"named_while_quiet": [n for n in named_while_quiet if n is not None], "named_after": named_after,
+            "summary": summary, "quiet_log": text[:quiet_log_end], "log": text}
+
+
+def check(results, sleeper, node):
+    for rank, out in enumerate(results):
+        summary = out["summary"]
+        assert out["named_while_quiet"] == [], (rank, out["named_while_quiet"])
+        assert out["named_after"] is not None and out["named_after"] <= SLEEPY_OPS, (rank, out["named_after"])
+        assert summary["straggler"] == sleeper, (rank, summary)
+        late = summary["ranks"][sleeper]
+        assert late["node"] == node, (rank, late)
+        assert late["last"] > summary["window"] // 2, (rank, summary)
+        # Slept 10 ms before each: it arrived about that long after the others (scheduling adds, never takes).
+        assert 5.0 <= late["mean_ms"] <= late["max_ms"], (rank, late)
+        assert summary["observed"] == QUIET_OPS + SLEEPY_OPS, (rank, summary)  # each learnt at the next
+    lines = [line for line in results[0]["log"].splitlines() if "straggler" in line]
+    assert len(lines) == 1, results[0]["log"]
+    assert f"rank {sleeper} (node {node})" in lines[0], lines
+    assert "straggler" not in results[0]["quiet_log"]
+    for out in results[1:]:
+        assert "straggler" not in out["log"], out["log"]  # rank 0 alone logs
+
+
+def test_a_sleeping_rank_is_named_on_one_node():
+    results = run_spawn(named_when_one_sleeps, 2, 1, env={"CHAINERMN_HOSTNAME": "only-node"})
+    check(results, sleeper=1, node="only-node")
+
+
+def test_a_sleeping_rank_is_named_across_simulated_nodes():
+    results = run_spawn(named_when_one_sleeps, 4, 3, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=240)
+    check(results, sleeper=3, node="simulated-node-1")
