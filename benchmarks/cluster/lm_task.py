@@ -77,12 +77,18 @@ def worker_args(args, mode: str, rate: str) -> list:
 
 
 def describe(res: dict) -> str:
+    counted = ""
+    if res.get("tx_over_counted"):
+        within = 1 <= res["tx_over_counted"] <= res["header_bound"]
+        counted = (f" ({res['counted_tx_bytes'] / max(1, res['steps']) / 1e6:.3f} by the counters: interface / "
+                   f"counters {res['tx_over_counted']:.4f}, {'within' if within else 'OUTSIDE'} the headers' "
+                   f"1 to {res['header_bound']:.4f})")
     if res["reached"]:
         head = f"target at step {res['steps_to_target']} after {res['time_to_target_s']:.1f} s"
     else:
         head = f"not reached: {res['final_val_loss']:.3f} after {res['steps']} steps, {res['clock_s']:.1f} s"
     return (f"{head}; last loss {res['final_val_loss']:.3f}, step {res['step_s']:.3f} s, compute "
-            f"{res['compute_s'] or float('nan'):.3f} s, {res['bytes_per_step'] / 1e6:.3f} MB/step between nodes, "
+            f"{res['compute_s'] or float('nan'):.3f} s, {res['bytes_per_step'] / 1e6:.3f} MB/step between nodes{counted}, "
             f"startup {res['startup_s']:.0f} s, eval {res['eval_s']:.1f} s")
 
 

@@ -58,7 +58,10 @@ stops within about a step of the budget without a collective every step.
 
 Also measured: bytes sent between nodes (each node's eth0 tx_bytes, read by its local rank 0 before
 the first and after the last step; every rank runs in its node's namespace, so that is the node's
-traffic), and the compute alone: --compute-steps steps at the end with no communication at all
+traffic), the same by the backend's own counters (torch_chainermn.counters(): what the chainermn
+groups' ops sent between nodes, summed over the node's ranks; reset at the first step) with the
+interface's bytes over them, which must lie within the share of TCP/IP's headers (1 to
+1 + 2 x 66 / MSS: a header per segment sent, and at most one ACK per segment received), and the compute alone: --compute-steps steps at the end with no communication at all
 (DDP's no_sync, outside the DiLoCo/LocalSGD context), the median of the slowest rank's times.
 Rank 0 writes one JSON object to --json.
 
@@ -284,6 +287,37 @@ def setup_fsdp(args, model):
     return model, inner, contextlib.nullcontext(), lambda: None
 
 
+def chainermn_groups() -> list:
+    """The process groups of this job that use the chainermn backend (the training's, and any the mode
+    made for itself), not the Gloo side group."""
+    groups = dist.distributed_c10d._world.pg_map
+    return [g for g in groups if dist.get_backend(g) == "chainermn"]
+
+
+def reset_counted() -> None:
+    """counted_tx_bytes() from now on."""
+    for g in chainermn_groups():
+        import torch_chainermn
+        torch_chainermn.reset_counters(g)
+
+
+def counted_tx_bytes() -> int:
+    """This rank's bytes sent between nodes by the chainermn groups' ops, by the backend's counters."""
+    if not chainermn_groups():
+        return 0
+    import torch_chainermn
+    return sum(cell["bytes_sent"] for g in chainermn_groups()
+               for cell in torch_chainermn.counters(g).get("between_nodes", {}).values())
+
+
+def header_bound() -> float:
+    """The interface's bytes over the payload's at most: each segment of MSS payload bytes carries 66
+    bytes of Ethernet, IPv4 and TCP headers (with timestamps), and at most one ACK of 66 bytes goes
+    back per segment received (a node receives about what it sends)."""
+    mss = int(Path("/sys/class/net/eth0/mtu").read_text()) - 52
+    return 1 + 2 * 66 / mss
+
+
 def node_tx_bytes(local_rank: int) -> int:
     """This node's bytes sent on its link so far (local rank 0 reads it; the others say 0)."""
     return int(TX_BYTES.read_text()) if local_rank == 0 else 0
@@ -334,6 +368,7 @@ def main(argv=None) -> int:
     with context, profiler if profiler is not None else contextlib.nullcontext():
         dist.barrier(group=side)
         tx_start = node_tx_bytes(local_rank)
+        reset_counted()
         next_meeting = 1
         segment = time.perf_counter()
         while steps < args.steps:
@@ -375,6 +410,7 @@ def main(argv=None) -> int:
         flush()
     dist.barrier(group=side)
     tx = node_tx_bytes(local_rank) - tx_start
+    counted = counted_tx_bytes()
 
     # The compute alone: the same steps with no communication (no DDP sync, no DiLoCo hook).
     compute = []
@@ -390,12 +426,19 @@ def main(argv=None) -> int:
         compute.append(time.perf_counter() - t0)
 
     everyone = [None] * world
-    dist.all_gather_object(everyone, {"tx": tx, "compute": compute, "host": os.environ.get("CHAINERMN_HOSTNAME")},
+    dist.all_gather_object(everyone, {"tx": tx, "counted": counted, "compute": compute,
+                                      "host": os.environ.get("CHAINERMN_HOSTNAME")},
                            group=side)
     if rank == 0:
         compute_s = statistics.median(max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)) \
             if args.compute_steps and compute else None
         tx_total = sum(r["tx"] for r in everyone)
+        counted_total = sum(r["counted"] for r in everyone)
+        ratio = tx_total / counted_total if counted_total else None
+        if ratio is not None:
+            print(f"between nodes: interface {tx_total / 1e6:.3f} MB, counters {counted_total / 1e6:.3f} MB, "
+                  f"ratio {ratio:.4f} (headers' bound 1 to {header_bound():.4f}: "
+                  f"{'within' if 1 <= ratio <= header_bound() else 'OUTSIDE'})", flush=True)
         result = {
             "mode": args.mode, "world_size": world, "nodes": n_nodes, "params": n_params,
             "grad_mb": n_params * 4 / 1e6, "corpus": corpus.describe(), "corpus_sha": corpus.digest,
@@ -407,6 +450,7 @@ def main(argv=None) -> int:
             "time_to_target_s": reached["clock_s"] if reached else None,
             "final_val_loss": history[-1]["val_loss"], "history": history,
             "tx_bytes": tx_total, "bytes_per_step": tx_total / max(1, steps),
+            "counted_tx_bytes": counted_total, "tx_over_counted": ratio, "header_bound": header_bound(),
             "compute_s": compute_s,
             "utilisation": steps * compute_s / clock if compute_s and clock else None,
             "step_s": clock / max(1, steps), "eval_s": eval_s, "startup_s": startup_s,
