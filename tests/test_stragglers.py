@@ -3,8 +3,11 @@ previous collective through the collectives' own cross-rank checks, and from tha
 and by how much. Real ranks: one that sleeps 10 ms before each collective is named within 20
 collectives, on every rank, and rank 0 logs one line naming it and its node; before it starts
 sleeping nobody is named. On one node (the check rides in the shared-memory barrier) and on two
-simulated nodes (the check goes through the levels: the node, then across nodes)."""
+simulated nodes (the check goes through the levels: the node, then across nodes). In process: the
+merge of the ranks' times through overlapping sets of ranks (as the levels see them), and the rule
+that names a rank, on times the test chooses."""
 import os
+import random
 import tempfile
 import time
 
@@ -13,6 +16,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 from tests.support.harness import run_spawn
+from torch_chainermn._C import testing
 
 QUIET_OPS = 20   # collectives before the sleeper starts: nobody may be named
 SLEEPY_OPS = 20  # the sleeper must be named within these
@@ -79,3 +83,37 @@ def test_a_sleeping_rank_is_named_on_one_node():
 def test_a_sleeping_rank_is_named_across_simulated_nodes():
     results = run_spawn(named_when_one_sleeps, 4, 3, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=240)
     check(results, sleeper=3, node="simulated-node-1")
+
+
+def test_times_merged_through_overlapping_sets_name_the_shortest_and_the_next():
+    rng = random.Random(59)
+    for _ in range(500):
+        nodes, per_node = rng.randint(1, 4), rng.randint(1, 4)
+        size = nodes * per_node
+        micros = [rng.randint(0, 20) for _ in range(size)]  # small: ties are common
+        if rng.random() < 0.1:
+            micros[rng.randrange(size)] = None  # a rank whose last collective was not timed
+        # As the levels see them: each rank merges its node and its place across nodes, then a
+        # node's ranks merge what they saw.
+        node = [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]
+        across = [list(range(i, size, per_node)) for i in range(per_node)]
+        sets = [s for i in range(per_node) for s in (node[0], across[i])]
+        last, shortest, next_shortest, unmeasured = testing.merged_arrival(micros, sets)
+        if None in micros:
+            assert unmeasured, (micros, sets)
+            continue
+        least = min(micros)
+        expected_last = micros.index(least)  # the lowest rank among equals
+        others = [m for r, m in enumerate(micros) if r != expected_last]
+        assert (last, shortest, next_shortest, unmeasured) == (
+            expected_last, least, min(others) if others else -1, False), (micros, sets)
+
+
+def test_a_rank_is_named_when_last_in_more_than_half_of_the_window_by_the_margin():
+    late, early = (1, 10_000), (0, 100)  # (last rank, microseconds after every other rank)
+    # Window 4: named at the third time in the window (3 > 4 / 2), no longer once one leaves it.
+    assert testing.stragglers_named(2, 4, 5.0, [late, early, late, late, early, early]) == [-1, -1, -1, 1, -1, -1]
+    # Last every time, but by 1 ms on average: under the 5 ms margin.
+    assert testing.stragglers_named(2, 4, 5.0, [(1, 1000)] * 6) == [-1] * 6
+    # The mean decides: 2 ms, 2 ms and 12 ms average 5.3 ms.
+    assert testing.stragglers_named(3, 4, 5.0, [(2, 2000), (2, 2000), (2, 12_000)]) == [-1, -1, 2]

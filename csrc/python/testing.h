@@ -11,5 +11,7 @@ void bindTesting(pybind11::module_& testing);
 void bindWorkerTesting(pybind11::module_& testing);
 // testing.caller_op_outcome (testing_caller.cpp): an op run on its caller's thread, ended by the group's break.
 void bindCallerTesting(pybind11::module_& testing);
+// testing.merged_arrival, testing.stragglers_named (testing_stragglers.cpp): the stragglers' arithmetic.
+void bindStragglersTesting(pybind11::module_& testing);
 
 } // namespace chainermn
