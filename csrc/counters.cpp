@@ -31,7 +31,7 @@ bool sameName(const char* a, const char* b) {
   return a == b || std::strcmp(a, b) == 0;
 }
 
-} // namespace
+}  // namespace
 
 Counters::Cell* Counters::cell(int phase, const char* what) {
   Cell* cells = cells_[phase];
@@ -91,4 +91,4 @@ void Counters::reset() {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -50,7 +50,7 @@ inline Moved toRoot(int n, bool isRoot, int64_t bytes) {
 inline Moved allToAll(int64_t sentBytes, int64_t receivedBytes, int64_t keptBytes, int64_t keptReceivedBytes) {
   return {sentBytes, sentBytes - keptBytes, receivedBytes - keptReceivedBytes};
 }
-} // namespace moved
+}  // namespace moved
 
 class Counters {
  public:
@@ -114,4 +114,4 @@ class CountingScope {
   Counters* previous_;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -1,15 +1,16 @@
 """Counters (docs/observability.md#counters): what a group's ops move within the node and between
 nodes, and how long their phases take, counted where the phases run. Real ranks on 2 simulated nodes
 of 2: one all_reduce after a reset, against the bytes the hierarchical strategy must move."""
+
 import torch
 import torch.distributed as dist
 
 import torch_chainermn
 from tests.support.harness import run_spawn
 
-VALUES = 1 << 18          # float32: 1 MiB
+VALUES = 1 << 18  # float32: 1 MiB
 BUFFER = 4 * VALUES
-FINGERPRINT = 128         # the bytes of one rank's cross-rank check (Fingerprint, csrc/backend/agreement.h)
+FINGERPRINT = 128  # the bytes of one rank's cross-rank check (Fingerprint, csrc/backend/agreement.h)
 
 
 def one_all_reduce():
@@ -31,8 +32,11 @@ def expected(rank):
     place on the other node (a Gloo all-gather between nodes)."""
     leader = rank % 2 == 0
     within = {"calls": 2, "bytes_sent": BUFFER, "bytes_received": BUFFER}  # reduce: one way; broadcast: the other
-    between = {"calls": 1 + leader, "bytes_sent": FINGERPRINT + leader * BUFFER,
-               "bytes_received": FINGERPRINT + leader * BUFFER}
+    between = {
+        "calls": 1 + leader,
+        "bytes_sent": FINGERPRINT + leader * BUFFER,
+        "bytes_received": FINGERPRINT + leader * BUFFER,
+    }
     return within, between
 
 

@@ -6,6 +6,7 @@ sleeping nobody is named. On one node (the check rides in the shared-memory barr
 simulated nodes (the check goes through the levels: the node, then across nodes). In process: the
 merge of the ranks' times through overlapping sets of ranks (as the levels see them), and the rule
 that names a rank, on times the test chooses."""
+
 import os
 import random
 import tempfile
@@ -18,7 +19,7 @@ import torch_chainermn
 from tests.support.harness import run_spawn
 from torch_chainermn._C import testing
 
-QUIET_OPS = 20   # collectives before the sleeper starts: nobody may be named
+QUIET_OPS = 20  # collectives before the sleeper starts: nobody may be named
 SLEEPY_OPS = 20  # the sleeper must be named within these
 SLEEP_S = 0.010
 
@@ -51,8 +52,13 @@ def named_when_one_sleeps(sleeper):
         text = log.read()
     summary = torch_chainermn.stragglers()
     summary["observed"] -= observed_before
-    return {"named_while_quiet": [n for n in named_while_quiet if n is not None], "named_after": named_after,
-            "summary": summary, "quiet_log": text[:quiet_log_end], "log": text}
+    return {
+        "named_while_quiet": [n for n in named_while_quiet if n is not None],
+        "named_after": named_after,
+        "summary": summary,
+        "quiet_log": text[:quiet_log_end],
+        "log": text,
+    }
 
 
 def check(results, sleeper, node):
@@ -106,7 +112,11 @@ def test_times_merged_through_overlapping_sets_name_the_shortest_and_the_next():
         expected_last = micros.index(least)  # the lowest rank among equals
         others = [m for r, m in enumerate(micros) if r != expected_last]
         assert (last, shortest, next_shortest, unmeasured) == (
-            expected_last, least, min(others) if others else -1, False), (micros, sets)
+            expected_last,
+            least,
+            min(others) if others else -1,
+            False,
+        ), (micros, sets)
 
 
 def test_a_rank_is_named_when_last_in_more_than_half_of_the_window_by_the_margin():

@@ -1,15 +1,21 @@
 """What the backend observed of a group's ops, beside torch's profiler (docs/observability.md):
 who arrived last at recent collectives (`stragglers`), and what the ops moved and how long their
 phases took (`counters`, `reset_counters`). Each reads this rank's view of one chainermn group."""
+
 from __future__ import annotations
 
 from . import _backend
 
 # The counters' phases (csrc/phase.h), by the names this module gives them.
-_PHASES = {"chainermn:within_node": "within_node", "chainermn:between_nodes": "between_nodes",
-           "chainermn:encode": "encode", "chainermn:decode": "decode", "chainermn:wait_peers": "wait_peers",
-           "chainermn:check": "check"}
-_CODED = ("encode", "decode")      # their bytes are a code's input and output
+_PHASES = {
+    "chainermn:within_node": "within_node",
+    "chainermn:between_nodes": "between_nodes",
+    "chainermn:encode": "encode",
+    "chainermn:decode": "decode",
+    "chainermn:wait_peers": "wait_peers",
+    "chainermn:check": "check",
+}
+_CODED = ("encode", "decode")  # their bytes are a code's input and output
 _TIMED_ONLY = ("wait_peers", "check")  # no transport or code, no bytes
 
 
@@ -26,10 +32,16 @@ def stragglers(group=None) -> dict:
     """
     window, margin_ms, warn, observed, in_window, named, ranks = _backend.backend_of(group, "stragglers").stragglers()
     return {
-        "window": window, "margin_ms": margin_ms, "warn": warn, "observed": observed, "in_window": in_window,
+        "window": window,
+        "margin_ms": margin_ms,
+        "warn": warn,
+        "observed": observed,
+        "in_window": in_window,
         "straggler": named if named >= 0 else None,
-        "ranks": {rank: {"node": node, "last": last, "mean_ms": mean_ms, "max_ms": max_ms}
-                  for rank, (node, last, mean_ms, max_ms) in enumerate(ranks)},
+        "ranks": {
+            rank: {"node": node, "last": last, "mean_ms": mean_ms, "max_ms": max_ms}
+            for rank, (node, last, mean_ms, max_ms) in enumerate(ranks)
+        },
     }
 
 

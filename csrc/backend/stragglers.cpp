@@ -149,4 +149,4 @@ void Stragglers::reset() {
   warnedAt_ = 0;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -25,10 +25,10 @@ namespace chainermn {
 // rank sees its node's and its peers' across nodes, then its node's merges: agreement.h).
 struct Arrival {
   static constexpr uint32_t kNone = UINT32_MAX;  // no time: no rank, or a rank that did not measure
-  int32_t last = -1;              // the rank that took least (the lowest rank among equals)
-  uint32_t shortest = kNone;      // its time, microseconds
-  uint32_t nextShortest = kNone;  // the least time of any other rank
-  int32_t unmeasured = 0;         // a rank sent no time (its last collective was not timed): skip this one
+  int32_t last = -1;                             // the rank that took least (the lowest rank among equals)
+  uint32_t shortest = kNone;                     // its time, microseconds
+  uint32_t nextShortest = kNone;                 // the least time of any other rank
+  int32_t unmeasured = 0;  // a rank sent no time (its last collective was not timed): skip this one
 
   // One rank's time (kNone: it has none).
   static Arrival of(int rank, uint32_t micros);
@@ -37,9 +37,9 @@ struct Arrival {
 };
 
 struct StragglerSettings {
-  int window = 16;          // collectives the summary covers (CHAINERMN_STRAGGLER_WINDOW)
-  double marginMs = 5.0;    // the mean lateness that names a rank (CHAINERMN_STRAGGLER_MARGIN_MS)
-  bool warn = true;         // log one line when a rank is named (CHAINERMN_STRAGGLER_WARN)
+  int window = 16;        // collectives the summary covers (CHAINERMN_STRAGGLER_WINDOW)
+  double marginMs = 5.0;  // the mean lateness that names a rank (CHAINERMN_STRAGGLER_MARGIN_MS)
+  bool warn = true;       // log one line when a rank is named (CHAINERMN_STRAGGLER_WARN)
 };
 
 class Stragglers;
@@ -72,9 +72,9 @@ class Stragglers {
   void observe(const Arrival& arrival);
 
   struct RankSummary {
-    int last = 0;           // collectives of the window it arrived last at
-    double meanMs = 0;      // how long after every other rank it arrived, on average over those ...
-    double maxMs = 0;       // ... and at most
+    int last = 0;       // collectives of the window it arrived last at
+    double meanMs = 0;  // how long after every other rank it arrived, on average over those ...
+    double maxMs = 0;   // ... and at most
   };
   struct Summary {
     StragglerSettings settings;
@@ -103,13 +103,13 @@ class Stragglers {
   // caller's or the worker's).
   std::atomic<uint32_t> mine_{Arrival::kNone};
 
-  mutable std::mutex mutex_;  // the window: written on the op's thread, read from Python
-  std::vector<Entry> window_;       // a ring of settings_.window entries, sized once
-  std::vector<int> lastCount_;      // per rank: entries of the window it is last in
+  mutable std::mutex mutex_;           // the window: written on the op's thread, read from Python
+  std::vector<Entry> window_;          // a ring of settings_.window entries, sized once
+  std::vector<int> lastCount_;         // per rank: entries of the window it is last in
   std::vector<uint64_t> latenessSum_;  // per rank: their lateness, microseconds
   uint64_t observed_ = 0;
-  int warnedFor_ = -1;              // the rank named in the last line logged, until no rank is named
-  uint64_t warnedAt_ = 0;           // observed_ then
+  int warnedFor_ = -1;     // the rank named in the last line logged, until no rank is named
+  uint64_t warnedAt_ = 0;  // observed_ then
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -19,8 +19,8 @@ namespace {
 
 // Every rank's time (None: not measured), merged set by set as the levels do (each set's ranks
 // merged, then the sets'): (last, shortest, next shortest, unmeasured).
-std::tuple<int, int64_t, int64_t, bool> mergedArrival(
-    const std::vector<std::optional<uint32_t>>& micros, const std::vector<std::vector<int>>& sets) {
+std::tuple<int, int64_t, int64_t, bool> mergedArrival(const std::vector<std::optional<uint32_t>>& micros,
+                                                      const std::vector<std::vector<int>>& sets) {
   Arrival merged;
   for (const auto& set : sets) {
     Arrival ofSet;
@@ -34,8 +34,10 @@ std::tuple<int, int64_t, int64_t, bool> mergedArrival(
 }
 
 // The rank named after each of `arrivals` ((last rank, lateness in microseconds) per collective).
-std::vector<int> stragglersNamed(int size, int window, double marginMs, const std::vector<std::pair<int, uint32_t>>& arrivals) {
-  Stragglers stragglers(/*rank=*/1, std::vector<std::string>(size, "node"), "test", StragglerSettings{window, marginMs, false});
+std::vector<int> stragglersNamed(int size, int window, double marginMs,
+                                 const std::vector<std::pair<int, uint32_t>>& arrivals) {
+  Stragglers stragglers(/*rank=*/1, std::vector<std::string>(size, "node"), "test",
+                        StragglerSettings{window, marginMs, false});
   std::vector<int> named;
   for (const auto& [last, lateness] : arrivals) {
     Arrival arrival;
@@ -48,7 +50,7 @@ std::vector<int> stragglersNamed(int size, int window, double marginMs, const st
   return named;
 }
 
-} // namespace
+}  // namespace
 
 void bindStragglersTesting(py::module_& testing) {
   testing.def("merged_arrival", &mergedArrival, py::arg("micros"), py::arg("sets"),
@@ -57,4 +59,4 @@ void bindStragglersTesting(py::module_& testing) {
               py::arg("arrivals"), "the rank named (-1: none) after each (last rank, lateness in us)");
 }
 
-} // namespace chainermn
+}  // namespace chainermn
