@@ -56,3 +56,43 @@ def test_bytes_of_one_all_reduce_on_two_nodes_of_two():
         assert counted["check"]["calls"] == 1, (rank, counted)
         emptied = out["emptied"]
         assert emptied["ops"] == 0 and emptied["between_nodes"]["gloo"]["bytes_sent"] == 0, (rank, emptied)
+
+
+CODED_VALUES = 4096
+BLOCK = 256
+
+
+def one_compressed_mean():
+    from torch_chainermn.compression import GradientCompression
+
+    grads = torch.full((CODED_VALUES,), float(dist.get_rank() + 1))
+    compression = GradientCompression(type="int8", block=BLOCK)
+    dist.barrier()
+    torch_chainermn.reset_counters()
+    compression.start([grads], [(id(grads), 0, grads.numel())]).wait()
+    return torch_chainermn.counters()
+
+
+def test_a_codes_bytes_before_and_after_on_two_nodes_of_two():
+    """int8 between 2 nodes (docs/codes.md): a node's first rank splits the node's sum into one chunk
+    per node, encodes each (its float32 values in, a row of int8 codes and one float32 scale per
+    block out), sends the other node its row, and decodes the two rows of its own chunk into their
+    float32 sum; the node's other rank codes nothing."""
+    results = run_spawn(one_compressed_mean, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=240)
+    chunk = CODED_VALUES // 2
+    row = chunk + 4 * (chunk // BLOCK)  # one byte a value, 4 bytes a block's scale
+    for rank, counted in enumerate(results):
+        if rank % 2:
+            assert "encode" not in counted and "decode" not in counted, (rank, counted)
+            continue
+        encode, decode = counted["encode"]["int8"], counted["decode"]["int8"]
+        assert {k: encode[k] for k in ("calls", "bytes_before", "bytes_after")} == {
+            "calls": 2,
+            "bytes_before": 4 * CODED_VALUES,
+            "bytes_after": 2 * row,
+        }, (rank, counted)
+        assert {k: decode[k] for k in ("calls", "bytes_before", "bytes_after")} == {
+            "calls": 1,
+            "bytes_before": 2 * row,
+            "bytes_after": 4 * chunk,
+        }, (rank, counted)

@@ -12,6 +12,7 @@ import random
 import tempfile
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -127,3 +128,25 @@ def test_a_rank_is_named_when_last_in_more_than_half_of_the_window_by_the_margin
     assert testing.stragglers_named(2, 4, 5.0, [(1, 1000)] * 6) == [-1] * 6
     # The mean decides: 2 ms, 2 ms and 12 ms average 5.3 ms.
     assert testing.stragglers_named(3, 4, 5.0, [(2, 2000), (2, 2000), (2, 12_000)]) == [-1, -1, 2]
+
+
+def test_the_settings_are_read_and_checked(monkeypatch):
+    from torch_chainermn import settings
+
+    for name in ("CHAINERMN_STRAGGLER_WINDOW", "CHAINERMN_STRAGGLER_MARGIN_MS", "CHAINERMN_STRAGGLER_WARN"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings.stragglers() == (16, 5.0, True)
+    monkeypatch.setenv("CHAINERMN_STRAGGLER_WINDOW", "32")
+    monkeypatch.setenv("CHAINERMN_STRAGGLER_MARGIN_MS", "2.5")
+    monkeypatch.setenv("CHAINERMN_STRAGGLER_WARN", "0")
+    assert settings.stragglers() == (32, 2.5, False)
+    for name, bad in (
+        ("CHAINERMN_STRAGGLER_WINDOW", "1"),
+        ("CHAINERMN_STRAGGLER_MARGIN_MS", "-1"),
+        ("CHAINERMN_STRAGGLER_MARGIN_MS", "nan"),
+        ("CHAINERMN_STRAGGLER_WARN", "yes"),
+    ):
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            with pytest.raises(ValueError, match=f"{name} must be"):
+                settings.stragglers()
