@@ -150,3 +150,20 @@ def test_the_settings_are_read_and_checked(monkeypatch):
             m.setenv(name, bad)
             with pytest.raises(ValueError, match=f"{name} must be"):
                 settings.stragglers()
+
+
+def nothing_learnt_with_the_checks_off():
+    x = torch.ones(1024)
+    for _ in range(QUIET_OPS):
+        if dist.get_rank() == 1:
+            time.sleep(SLEEP_S)
+        dist.all_reduce(x)
+    return torch_chainermn.stragglers(), torch_chainermn.counters()["ops"]
+
+
+def test_with_the_checks_off_nothing_is_learnt():
+    """The times ride in the checks' fingerprints: with the checks off nothing is exchanged (the
+    counters, which need no exchange, still count)."""
+    for summary, ops in run_spawn(nothing_learnt_with_the_checks_off, 2, env={"TORCH_DISTRIBUTED_DEBUG": "OFF"}):
+        assert summary["observed"] == 0 and summary["straggler"] is None, summary
+        assert ops >= QUIET_OPS, ops
