@@ -23,6 +23,10 @@ from torch_chainermn._C import testing
 QUIET_OPS = 20  # collectives before the sleeper starts: nobody may be named
 SLEEPY_OPS = 20  # the sleeper must be named within these
 SLEEP_S = 0.010
+# The margin these tests name a rank by: above the default 5 ms, because this shared 2-core machine
+# (load 15: other sessions building) once made a rank that does not sleep arrive 5 ms late on average
+# in most of a window, by scheduling alone; 8 ms still names the 10 ms sleeper within 20 collectives.
+MARGIN = {"CHAINERMN_STRAGGLER_MARGIN_MS": "8"}
 
 
 def named_when_one_sleeps(sleeper):
@@ -70,9 +74,9 @@ def check(results, sleeper, node):
         assert summary["straggler"] == sleeper, (rank, summary)
         late = summary["ranks"][sleeper]
         assert late["node"] == node, (rank, late)
-        assert late["last"] > summary["window"] // 2, (rank, summary)
+        assert 4 * late["last"] >= 3 * summary["window"], (rank, summary)
         # Slept 10 ms before each: it arrived about that long after the others (scheduling adds, never takes).
-        assert 5.0 <= late["mean_ms"] <= late["max_ms"], (rank, late)
+        assert summary["margin_ms"] == 8.0 <= late["mean_ms"] <= late["max_ms"], (rank, late)
         assert summary["observed"] == QUIET_OPS + SLEEPY_OPS, (rank, summary)  # each learnt at the next
     lines = [line for line in results[0]["log"].splitlines() if "straggler" in line]
     assert len(lines) == 1, results[0]["log"]
@@ -83,12 +87,12 @@ def check(results, sleeper, node):
 
 
 def test_a_sleeping_rank_is_named_on_one_node():
-    results = run_spawn(named_when_one_sleeps, 2, 1, env={"CHAINERMN_HOSTNAME": "only-node"})
+    results = run_spawn(named_when_one_sleeps, 2, 1, env={"CHAINERMN_HOSTNAME": "only-node", **MARGIN})
     check(results, sleeper=1, node="only-node")
 
 
 def test_a_sleeping_rank_is_named_across_simulated_nodes():
-    results = run_spawn(named_when_one_sleeps, 4, 3, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=240)
+    results = run_spawn(named_when_one_sleeps, 4, 3, env={"CHAINERMN_RANKS_PER_NODE": "2", **MARGIN}, timeout=240)
     check(results, sleeper=3, node="simulated-node-1")
 
 
@@ -120,12 +124,14 @@ def test_times_merged_through_overlapping_sets_name_the_shortest_and_the_next():
         ), (micros, sets)
 
 
-def test_a_rank_is_named_when_last_in_more_than_half_of_the_window_by_the_margin():
+def test_a_rank_is_named_when_last_in_three_quarters_of_the_window_by_the_margin():
     late, early = (1, 10_000), (0, 100)  # (last rank, microseconds after every other rank)
-    # Window 4: named at the third time in the window (3 > 4 / 2), no longer once one leaves it.
+    # Window 4: named at the third time in the window (3 of 4), no longer once one leaves it.
     assert testing.stragglers_named(2, 4, 5.0, [late, early, late, late, early, early]) == [-1, -1, -1, 1, -1, -1]
     # Last every time, but by 1 ms on average: under the 5 ms margin.
     assert testing.stragglers_named(2, 4, 5.0, [(1, 1000)] * 6) == [-1] * 6
+    # Window 8: last in 5 of 8 (more than half) is not enough; in 6 of 8 it is.
+    assert testing.stragglers_named(2, 8, 5.0, [early, late, late, early, late, late, late, late])[-2:] == [-1, 1]
     # The mean decides: 2 ms, 2 ms and 12 ms average 5.3 ms.
     assert testing.stragglers_named(3, 4, 5.0, [(2, 2000), (2, 2000), (2, 12_000)]) == [-1, -1, 2]
 

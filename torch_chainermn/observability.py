@@ -24,7 +24,7 @@ def stragglers(group=None) -> dict:
 
     Returns {"window": collectives the summary covers, "margin_ms": the mean lateness that names a
     rank, "warn": whether rank 0 logs a line when one is named, "observed": collectives seen so far,
-    "in_window": of them in the window, "straggler": the rank last in more than half of the window by
+    "in_window": of them in the window, "straggler": the rank last in three quarters of the window by
     at least the margin on average (None if none), "ranks": {rank: {"node", "last": collectives of the
     window it arrived last at, "mean_ms", "max_ms": how long after every other rank it arrived}}}.
     Empty ("observed" 0) while the group's cross-rank checks are off (TORCH_DISTRIBUTED_DEBUG=OFF):

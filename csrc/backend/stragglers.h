@@ -68,7 +68,7 @@ class Stragglers {
   // it was not timed: it failed, or ran over NCCL alone).
   uint32_t takeMine();
   // Every rank's times for one collective, merged: the window moves on, and a rank is named (and
-  // logged, once) when it has been last in more than half of the window by the margin on average.
+  // logged, once) when it has been last in three quarters of the window by the margin on average.
   void observe(const Arrival& arrival);
 
   struct RankSummary {
