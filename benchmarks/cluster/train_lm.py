@@ -62,7 +62,9 @@ traffic), the same by the backend's own counters (torch_chainermn.counters(): wh
 groups' ops sent between nodes, summed over the node's ranks; reset at the first step) with the
 interface's bytes over them, which must lie within the share of TCP/IP's headers (1 to
 1 + 2 x 66 / MSS: a header per segment sent, and at most one ACK per segment received), and the compute alone: --compute-steps steps at the end with no communication at all
-(DDP's no_sync, outside the DiLoCo/LocalSGD context), the median of the slowest rank's times.
+(DDP's no_sync, outside the DiLoCo/LocalSGD context), the median of the slowest rank's times; the
+time before the first step (from the process's start, the first evaluation left out; the slowest
+rank's) and its parts; the waits at the meetings for exchanges still in flight (flush_s).
 Rank 0 writes one JSON object to --json.
 
 --profile-dir DIR: every rank profiles --profile-steps steps from step --profile-start with
@@ -318,13 +320,25 @@ def header_bound() -> float:
     return 1 + 2 * 66 / mss
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat's start time), so that the time
+    before the first step includes the interpreter's start and `import torch`."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def node_tx_bytes(local_rank: int) -> int:
     """This node's bytes sent on its link so far (local rank 0 reads it; the others say 0)."""
     return int(TX_BYTES.read_text()) if local_rank == 0 else 0
 
 
 def main(argv=None) -> int:
-    t_start = time.time()
+    t_main = time.time()                     # the interpreter is up and torch imported
+    t_start = t_main - process_age_s()       # the process's start
     args = parse_args(argv)
     torch.set_num_threads(1)
     timeout = timedelta(seconds=args.timeout)
@@ -333,6 +347,7 @@ def main(argv=None) -> int:
     else:
         import torch_chainermn  # noqa: F401  (registers the backend)
         dist.init_process_group("chainermn", timeout=timeout)
+    t_init = time.time()                     # the process group is up
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     side = dist.new_group(backend="gloo")      # the clock and the evaluations meet here
@@ -340,7 +355,9 @@ def main(argv=None) -> int:
     corpus = lm.load_corpus(args.corpus_mb)
     model = lm.build(args)
     n_params = sum(p.numel() for p in model.parameters())
+    t_setup = time.time()
     train_model, inner, context, flush = setup(args, model)
+    setup_s = time.time() - t_setup
     data = lm.batches(corpus.train, args.batch, args.context, seed=1000 + rank)
     # This node's ranks split the validation windows; every node evaluates its own replica.
     mine = lm.validation_windows(corpus.val, args.val_windows, args.context)[local_rank::local_size]
@@ -358,11 +375,14 @@ def main(argv=None) -> int:
         dist.all_reduce(t, group=side)
         return float(t[0] / t[1])          # every node evaluated all windows: the mean over replicas
 
+    t_eval0 = time.time()
     history = [{"step": 0, "clock_s": 0.0, "val_loss": validation_loss()}]
+    eval0_s = time.time() - t_eval0          # the benchmark's own evaluation: not part of the start
     eval_s = 0.0
     reached = None
     steps = 0
     clock = 0.0
+    flush_s = 0.0   # this rank's waits for exchanges still in flight at the meetings (on the clock)
     startup_s = time.time() - t_start
     profiler = step_profiler(args, rank)
     with context, profiler if profiler is not None else contextlib.nullcontext():
@@ -370,6 +390,8 @@ def main(argv=None) -> int:
         tx_start = node_tx_bytes(local_rank)
         reset_counted()
         next_meeting = 1
+        # Time before the first step: from the process's start to here, the first evaluation left out.
+        first_step_s = time.time() - t_start - eval0_s
         segment = time.perf_counter()
         while steps < args.steps:
             for group in inner.param_groups:
@@ -386,12 +408,14 @@ def main(argv=None) -> int:
                 continue
             # An exchange still in flight is waited for on the clock: the link must not get the
             # evaluation's paused time for free (an asynchronous mode's exchange would run on in it).
+            t_flush = time.perf_counter()
             flush()
+            flush_s += time.perf_counter() - t_flush
             clock = meet(clock + time.perf_counter() - segment)
             t_eval = time.perf_counter()
             out_of_time = args.time_budget > 0 and clock >= args.time_budget
             if steps % args.eval_every == 0 or out_of_time or steps == args.steps:
-                history.append({"step": steps, "clock_s": clock, "val_loss": validation_loss()})
+                history.append({"step": steps, "clock_s": clock, "val_loss": validation_loss(), "flush_s": flush_s})
                 if reached is None and history[-1]["val_loss"] <= args.target_loss:
                     reached = history[-1]
                 if rank == 0:
@@ -427,7 +451,9 @@ def main(argv=None) -> int:
 
     everyone = [None] * world
     dist.all_gather_object(everyone, {"tx": tx, "counted": counted, "compute": compute,
-                                      "host": os.environ.get("CHAINERMN_HOSTNAME")},
+                                      "host": os.environ.get("CHAINERMN_HOSTNAME"),
+                                      "first_step": first_step_s, "init": t_init - t_start, "setup": setup_s,
+                                      "imports": t_main - t_start},
                            group=side)
     if rank == 0:
         compute_s = statistics.median(max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)) \
@@ -454,6 +480,17 @@ def main(argv=None) -> int:
             "compute_s": compute_s,
             "utilisation": steps * compute_s / clock if compute_s and clock else None,
             "step_s": clock / max(1, steps), "eval_s": eval_s, "startup_s": startup_s,
+            # The slowest rank's time from its process's start to its first step (the first
+            # evaluation left out), and its parts: up to init_process_group's return, the mode's set-up
+            # (DDP / DiLoCo / LocalSGD constructors: where a start-up broadcast would cross the link);
+            # imports: the interpreter's start and `import torch`, before main() (the machine's load).
+            "first_step_s": max(r["first_step"] for r in everyone),
+            "init_s": max(r["init"] for r in everyone), "setup_s": max(r["setup"] for r in everyone),
+            "imports_s": max(r["imports"] for r in everyone),
+            # Rank 0's waits at the meetings for an exchange still in flight (eager DiLoCo's exchange
+            # is always in flight: each evaluation makes it wait for one exchange that compute
+            # would otherwise hide), in all and up to the target's evaluation.
+            "flush_s": flush_s, "flush_to_target_s": reached["flush_s"] if reached else None,
         }
         line = json.dumps(result)
         print("RESULT " + line, flush=True)
