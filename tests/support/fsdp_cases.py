@@ -213,7 +213,8 @@ def bad_input() -> list:
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), threshold=0.0),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(
+                             sharded(), compression={"type": "2bit"}, threshold=0.0),
                          mismatched_state,
                          lambda: torch_chainermn.fsdp.compress_between_nodes(
                              sharded(), compression={"type": "int8", "compress_result": True}),
@@ -267,8 +268,7 @@ def cases(directory: str) -> dict:
             "old spelling": old_spelling_warns(),
             "configs": matches_fsdp2(),
             "training": {code: coded_training(code) for code in ("int8", "2bit")},
-            "exchange": {code: coded_exchange_matches_reference(code) for code in ("int8", "2bit", "1bit", "4bit",
-                                                                                    "topk")},
+            "exchange": {code: coded_exchange_matches_reference(code) for code in torch_chainermn.codes.CODES},
             "checkpoint": checkpoint_resumes_exactly(directory),
             "errors": bad_input()}
 
@@ -276,7 +276,7 @@ def cases(directory: str) -> dict:
 def cuda_cases() -> dict:
     """On the GPU (every rank shares it): the coded exchange against the plain rules."""
     torch.cuda.set_device(0)
-    return {code: coded_exchange_matches_reference(code, "cuda") for code in ("int8", "2bit", "1bit")}
+    return {code: coded_exchange_matches_reference(code, "cuda") for code in torch_chainermn.codes.CODES}
 
 
 def lm_validation_losses(steps: int = 40) -> dict:

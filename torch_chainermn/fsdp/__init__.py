@@ -33,7 +33,9 @@ __all__ = ["GRADIENTS", "TwoHopAllGather", "TwoHopReduceScatter", "WEIGHTS", "co
            "load_state_dict", "state_dict", "two_hop"]
 
 GRADIENTS = ("float32", *codes.CODES)  # gradients=, compression's old spelling: "float32" is None
-WEIGHTS = ("float32", "int8")
+# The weights travel without error feedback (the sharded float32 stays exact): codes that keep each
+# value's scale (the registry's carries_sums), ZeRO++'s qwZ int8 among them.
+WEIGHTS = ("float32", *codes.SUMS_CODES)
 _UNSET = object()  # an argument not given (None means something for compression=)
 
 
