@@ -29,26 +29,31 @@ def block_rule(r: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, 
     return codes, torch.stack(scales) if scales else torch.zeros(0)
 
 
+BLOCK_CODES = {"int8": (127, 8), "4bit": (7, 4), "int2": (1, 2)}  # levels a side, bits a value
+
+
+def block_code_row(code: str, r: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the wire row, the values it carries) of a block code (kernels/int8.h, int4.h, int2.h): the
+    codes in two's complement, 8 // bits a byte (value i at bits bits * (i % per_byte) of byte
+    i // per_byte), zero bytes to a multiple of 4, then one float32 scale a block."""
+    levels, bits = BLOCK_CODES[code]
+    per_byte = 8 // bits
+    codes, scales = block_rule(r, block, levels)
+    row = torch.zeros(wire_row_bytes(code, r.numel(), block), dtype=torch.uint8)
+    fields = torch.zeros(-(-r.numel() // per_byte) * per_byte, dtype=torch.int32)
+    fields[:r.numel()] = codes & ((1 << bits) - 1)
+    packed = (fields.view(-1, per_byte) << (torch.arange(per_byte, dtype=torch.int32) * bits)).sum(dim=1)
+    row[:packed.numel()] = packed.to(torch.uint8)
+    offset = -(-packed.numel() // 4) * 4
+    row[offset:] = scales.view(torch.uint8)
+    carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
+    return row, carried
+
+
 def sent_by_rule(code: str, r: torch.Tensor, block: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the wire row, the values it carries) of one row r (residual + values), by the plain rules."""
-    if code == "4bit":
-        codes, scales = block_rule(r, block, 7)
-        row = torch.zeros(wire_row_bytes("4bit", r.numel(), block), dtype=torch.uint8)
-        nibbles = (codes & 0xF).to(torch.uint8)  # two's complement in 4 bits
-        for i in range(r.numel()):  # value i: the low nibble of byte i // 2 when even, the high when odd
-            row[i // 2] |= int(nibbles[i]) << (4 * (i % 2))
-        offset = -(-((r.numel() + 1) // 2) // 4) * 4
-        row[offset:] = scales.view(torch.uint8)
-        carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
-        return row, carried
-    if code == "int8":
-        codes, scales = block_rule(r, block, 127)
-        row = torch.zeros(wire_row_bytes("int8", r.numel(), block), dtype=torch.uint8)
-        row[:r.numel()] = codes.to(torch.int8).view(torch.uint8)
-        offset = -(-r.numel() // 4) * 4
-        row[offset:] = scales.view(torch.uint8)
-        carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
-        return row, carried
+    if code in BLOCK_CODES:
+        return block_code_row(code, r, block)
     words, _, carried = compression_reference.quantize(code, r, None, r.numel(), threshold)
     return words.view(torch.uint8), carried
 
@@ -58,7 +63,7 @@ def rule_of(code: str):
     carries). A code registered without one fails here (test_every_registered_code_has_its_tests)."""
     if code == "topk":
         return lambda r, block, threshold, keep: topk_rule(r, block, keep)
-    if code in ("int8", "4bit", "2bit", "1bit"):
+    if code in (*BLOCK_CODES, "2bit", "1bit"):
         return lambda r, block, threshold, keep: sent_by_rule(code, r, block, threshold)
     raise KeyError(f"tests/test_codes.py has no rule for the {code!r} code: write one (rule_of)")
 

@@ -61,6 +61,7 @@ MEAN_CASES = [
     (["a", "b", "c"], "int8", True, torch.float32),
     (["a", "b"], "4bit", False, torch.float32),
     (["a", "a", "b", "b"], "4bit", True, torch.float32),
+    (["a", "b", "b"], "int2", False, torch.float32),
     # top-k (keep 8 of each block of 64), the error feedback of DiLoCo's sparse outer gradients.
     (["a", "a", "b", "b"], "topk", False, torch.float32),
     (["a", "b", "c"], "topk", True, torch.float32),

@@ -21,7 +21,7 @@ def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
-LEVELS = {"int8": 127.0, "4bit": 7.0}  # the block codes: codes from -levels to levels
+LEVELS = {"int8": 127.0, "4bit": 7.0, "int2": 1.0}  # the block codes: codes from -levels to levels
 # A compressed mean's chunks are whole blocks for the codes that read one (the registry says which).
 BLOCK_KINDS = tuple(code for code in registry.CODES if "block" in registry.describe(code)["reads"])
 
