@@ -397,10 +397,26 @@ def spelling_cases():
             torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"type": "4bit"})
         outcome["old spelling warns"] = [(w.category.__name__, str(w.message)) for w in caught]
     outcome["same mean"] = (new.mean.dtype, old.mean.dtype, comm.compression.type, optimizer.compression.type)
+    # A CompressionSpec is a compression= value everywhere, and .compression the same kind of value.
+    spec = torch_chainermn.CompressionSpec("4bit", block=64, compress_result="int8")
+    model = torch.nn.Linear(2, 2)
+    holders = {"double buffering": hooks.DoubleBufferingState(compression=spec),
+               "communicator": torch_chainermn.create_communicator("flat", compression=spec),
+               "optimizer": torch_chainermn.create_multi_node_optimizer(
+                   torch.optim.SGD(model.parameters(), lr=1.0), compression=spec),
+               "DiLoCo": torch_chainermn.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2,
+                                                compression=spec),
+               "state": hooks.GradientCompressionState(compression=spec)}
+    outcome["specs"] = {name: (type(getattr(holder, "compression", holder)).__name__,
+                               getattr(holder, "compression", holder).spec == spec)
+                        for name, holder in holders.items()}
     outcome["errors"] = value_errors((
         lambda: hooks.DoubleBufferingState(compression=torch.float16, compress=torch.float16),
-        lambda: torch_chainermn.create_communicator(compression=torch.float16)))
+        lambda: torch_chainermn.create_communicator(compression=torch.float16),
+        lambda: hooks.GradientCompressionState(compression=spec, block=32)))
     comm.finalize()
+    holders["communicator"].finalize()
     return outcome
 
 
@@ -413,6 +429,10 @@ def test_one_spelling_of_compression_the_old_ones_deprecated():
                                      ("compress", "gradient_compression", "gradient_compression")):
         assert message == f"{op}: {old}= is deprecated, use compression= (it takes the same values)", warned
     assert outcome["same mean"] == (torch.float16, torch.float16, "int8", "4bit"), outcome
-    both, dtype = outcome["errors"]
+    for name, (kind, same) in outcome["specs"].items():
+        assert kind in ("GradientCompression", "GradientCompressionState") and same, (name, kind)
+    both, dtype, spec_and_setting = outcome["errors"]
+    assert "compression= takes a torch_chainermn.CompressionSpec, which holds every setting" in spec_and_setting
+    assert "['block']" in spec_and_setting, spec_and_setting
     assert "DoubleBufferingState: give compression= only (compress= is its old spelling), not both" in both, both
     assert "create_communicator: compression must be None or a hooks.GradientCompressionState" in dtype, dtype

@@ -65,6 +65,8 @@ class GradientCompression:
     """Compression settings for a group, and the residuals they keep (see the module docstring).
 
     process_group: a chainermn group (default: the default group).
+    compression: every setting below as one value, a torch_chainermn.CompressionSpec (the settings'
+        keywords then stay at their defaults).
     type: "int8" or "4bit" (one scale, the block's largest magnitude over 127 or 7, per `block` values:
         gradients keep their scale, which Adam needs), "topk" (per block the `keep` largest values, int8
         against one scale, with their indices: DiLoCo's outer gradients), "2bit" (MXNet's: +threshold, -threshold or 0 per
@@ -84,7 +86,18 @@ class GradientCompression:
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *,
-                 block: int = 256, keep: int = 8, op: str = "GradientCompression"):
+                 block: int = 256, keep: int = 8, op: str = "GradientCompression",
+                 compression: codes.CompressionSpec | None = None):
+        if compression is not None:  # the code and its settings as one value
+            given = {"type": type, "threshold": threshold, "compress_result": compress_result,
+                     "result_dtype": result_dtype, "block": block, "keep": keep}
+            changed = sorted(name for name, value in given.items() if value != GradientCompression.DEFAULTS[name])
+            if not isinstance(compression, codes.CompressionSpec) or changed:
+                raise ValueError(f"{op}: compression= takes a torch_chainermn.CompressionSpec, which holds every "
+                                 f"setting (got {compression!r}" + (f" and {changed}" if changed else "") + ")")
+            settings = compression.settings()
+            type, threshold, block, keep = settings["code"], settings["threshold"], settings["block"], settings["keep"]
+            compress_result, result_dtype = settings["compress_result"], settings["result_dtype"]
         # The code and every setting, checked once by the backend (one rule: kernels/codes.h), and
         # passed whole to every mean.
         self.spec = self.check(op, type=type, threshold=threshold, compress_result=compress_result,

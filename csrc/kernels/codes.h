@@ -1,19 +1,14 @@
 // The registry of the codes that carry float32 values over a slow link. Each code registers its own
-// descriptor (kernels/code.h says what one holds) from its own files:
-//
-//   kernels/int8.cpp   "int8"  block-quantised int8, one float32 scale per `block` values
-//   kernels/int4.cpp   "4bit"  block-quantised 4-bit, two values a byte, one scale per `block`
-//   kernels/quantize.cpp "2bit", "1bit"  MXNet's 2-bit code with `threshold`; sign x mean |r| of a row
-//   kernels/topk.cpp   "topk"  the `keep` largest |r| of each `block` values, their indices and int8 codes
-//   (and their CUDA kernels from cuda/<code>_kernels.cu)
+// descriptor (kernels/code.h says what one holds) from its own files: kernels/<code>.cpp (the CPU
+// kernels and the descriptor) and, in the CUDA build, cuda/<code>_kernels.cu (the CUDA kernels). No
+// list of the codes stands anywhere else: registeredCodes() is it (Python: _C.codes.registered()).
 //
 // Everything here works from the descriptors: the torch operators (python/codes_ops.cpp,
 // cuda/codes_ops.cpp: FSDP2) and the backend's compressed mean (strategies/compressed.h, through a
 // Scratch's Mover: the DDP hooks, double buffering, the optimizer, the communicator, DiLoCo) both
-// encode and decode through it, and Python reads it (_C.codes).
+// encode and decode through it, and Python reads it (python/compression.cpp).
 //
-// To add a code: kernels/<code>.{h,cpp} (its kernels and its CodeRegistration), cuda/<code>_kernels.{h,cu}
-// (its CUDA kernels and its CudaCodeRegistration), its tests, docs/codes.md (docs/codes.md, "Adding a code").
+// To add a code: docs/codes.md, "Adding a code" (its own files and its tests, nothing else).
 #pragma once
 
 #include "kernels/code.h"
