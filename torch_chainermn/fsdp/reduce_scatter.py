@@ -13,7 +13,7 @@ Only the third step crosses the network, with 1/M of the buffer per rank. FSDP's
 through: AVG and SUM are AVG and SUM on both hops (the mean of node means is the mean), a
 PREMUL_SUM's factor is applied on the first hop only. One node: the group's own reduce-scatter.
 
-With a code between nodes (gradients="int8", "4bit", "2bit", "1bit" or "topk"; torch_chainermn.codes) the third
+With a code between nodes (gradients= any code of torch_chainermn.codes.CODES, e.g. "int8") the third
 step is ZeRO++'s qgZ with error feedback: each rank encodes its N node sums plus its residual (one
 pass; the residual keeps what the codes did not carry, for the next step), the N ranks exchange
 the codes all-to-all, and each decodes and sums the N pieces of its own shard (one pass).
