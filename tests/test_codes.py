@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.support import compression_reference
-from torch_chainermn.codes import check_settings, decode, encode, wire_row_bytes
+from torch_chainermn import codes
+from torch_chainermn.codes import CODES, CompressionSpec, check_settings, decode, encode, wire_row_bytes
 
 
 def values(rows: int, count: int, seed: int, scale: float = 0.4) -> torch.Tensor:
@@ -28,54 +29,99 @@ def block_rule(r: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, 
     return codes, torch.stack(scales) if scales else torch.zeros(0)
 
 
+BLOCK_CODES = {"int8": (127, 8), "4bit": (7, 4), "int2": (1, 2)}  # levels a side, bits a value
+
+
+def block_code_row(code: str, r: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the wire row, the values it carries) of a block code (kernels/int8.h, int4.h, int2.h): the
+    codes in two's complement, 8 // bits a byte (value i at bits bits * (i % per_byte) of byte
+    i // per_byte), zero bytes to a multiple of 4, then one float32 scale a block."""
+    levels, bits = BLOCK_CODES[code]
+    per_byte = 8 // bits
+    codes, scales = block_rule(r, block, levels)
+    row = torch.zeros(wire_row_bytes(code, r.numel(), block), dtype=torch.uint8)
+    fields = torch.zeros(-(-r.numel() // per_byte) * per_byte, dtype=torch.int32)
+    fields[:r.numel()] = codes & ((1 << bits) - 1)
+    packed = (fields.view(-1, per_byte) << (torch.arange(per_byte, dtype=torch.int32) * bits)).sum(dim=1)
+    row[:packed.numel()] = packed.to(torch.uint8)
+    offset = -(-packed.numel() // 4) * 4
+    row[offset:] = scales.view(torch.uint8)
+    carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
+    return row, carried
+
+
 def sent_by_rule(code: str, r: torch.Tensor, block: int, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the wire row, the values it carries) of one row r (residual + values), by the plain rules."""
-    if code == "4bit":
-        codes, scales = block_rule(r, block, 7)
-        row = torch.zeros(wire_row_bytes("4bit", r.numel(), block), dtype=torch.uint8)
-        nibbles = (codes & 0xF).to(torch.uint8)  # two's complement in 4 bits
-        for i in range(r.numel()):  # value i: the low nibble of byte i // 2 when even, the high when odd
-            row[i // 2] |= int(nibbles[i]) << (4 * (i % 2))
-        offset = -(-((r.numel() + 1) // 2) // 4) * 4
-        row[offset:] = scales.view(torch.uint8)
-        carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
-        return row, carried
-    if code == "int8":
-        codes, scales = block_rule(r, block, 127)
-        row = torch.zeros(wire_row_bytes("int8", r.numel(), block), dtype=torch.uint8)
-        row[:r.numel()] = codes.to(torch.int8).view(torch.uint8)
-        offset = -(-r.numel() // 4) * 4
-        row[offset:] = scales.view(torch.uint8)
-        carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
-        return row, carried
+    if code in BLOCK_CODES:
+        return block_code_row(code, r, block)
     words, _, carried = compression_reference.quantize(code, r, None, r.numel(), threshold)
     return words.view(torch.uint8), carried
 
 
-# 2bit and 1bit always carry a residual; int8 and 4bit with one (gradients) and without (weights).
-@pytest.mark.parametrize("code, feedback", [("int8", True), ("int8", False), ("4bit", True), ("4bit", False),
-                                            ("2bit", True), ("1bit", True)])
+def rule_of(code: str):
+    """The plain rule of a registered code: (r, block, threshold, keep) -> (its wire row, the values it
+    carries). A code registered without one fails here (test_every_registered_code_has_its_tests)."""
+    if code == "topk":
+        return lambda r, block, threshold, keep: topk_rule(r, block, keep)
+    if code in (*BLOCK_CODES, "2bit", "1bit"):
+        return lambda r, block, threshold, keep: sent_by_rule(code, r, block, threshold)
+    raise KeyError(f"tests/test_codes.py has no rule for the {code!r} code: write one (rule_of)")
+
+
+def test_every_registered_code_has_its_tests():
+    """Every code of the backend's registry has its plain rule here and its reference in
+    tests/support/compression_reference.py (the mean's), and no rule stands for a code that is not
+    registered: the tests below run over the registry, so a code's tests come with it."""
+    for code in CODES:
+        rule_of(code)
+    assert set(compression_reference.WRITTEN) == set(CODES)
+
+
+def test_python_reads_the_registry():
+    """torch_chainermn.codes names no code: its lists come from the backend's registry."""
+    registered = [code["name"] for code in torch_chainermn_C().codes.registered()]
+    assert CODES == tuple(registered) and len(CODES) >= 5
+    assert set(codes.SUMS_CODES) == {c for c in CODES if codes.describe(c)["carries_sums"]}
+    for code in CODES:
+        described = codes.describe(code)
+        assert set(described["reads"]) <= {"threshold", "block", "keep"}
+        assert described["summary"], code
+
+
+def torch_chainermn_C():
+    from torch_chainermn import _C
+    return _C
+
+
+# A code that needs a residual always carries one; the others with one (gradients) and without (weights).
+FEEDBACK = [(code, feedback) for code in CODES for feedback in (True, False)
+            if feedback or not codes.describe(code)["needs_residual"]]
+
+
+@pytest.mark.parametrize("code, feedback", FEEDBACK)
 @pytest.mark.parametrize("rows, count, block", [(1, 1, 4), (3, 1000, 256), (2, 37, 5), (2, 4099, 64), (1, 0, 8)])
 def test_codes_equal_the_rules_bit_for_bit(code, feedback, rows, count, block):
     threshold = 0.3
-    block += block % 2 if code == "4bit" else 0  # 4-bit blocks are even (a block starts on a byte)
+    multiple = codes.describe(code)["block_multiple"]
+    block += -block % multiple  # 4-bit blocks are even (a block starts on a byte)
+    spec = CompressionSpec(code, block=block, threshold=threshold, keep=min(3, block))
     x, residual = values(rows, count, 1), values(rows, count, 2, scale=0.1)
-    wire = torch.full((rows, wire_row_bytes(code, count, block)), 0xAB, dtype=torch.uint8)
+    wire = torch.full((rows, wire_row_bytes(spec, count)), 0xAB, dtype=torch.uint8)
     kept = residual.clone() if feedback else None
-    encode(x, wire, kept, code=code, block=block, threshold=threshold)
+    encode(x, wire, kept, spec)
     carried = []
     for row in range(rows):
         r = residual[row] + x[row] if feedback else x[row]
-        expected_row, row_carried = sent_by_rule(code, r, block, threshold)
+        expected_row, row_carried = rule_of(code)(r, block, threshold, spec.keep)
         assert torch.equal(wire[row], expected_row), f"row {row}"
         if feedback:
             assert torch.equal(kept[row], r - row_carried), f"row {row}: the residual"
         carried.append(row_carried)
     out = torch.full((rows, count), 7.0)
-    decode(wire, out, code=code, block=block, threshold=threshold)
+    decode(wire, out, spec)
     assert torch.equal(out, torch.stack(carried))
     total = torch.full((count,), 7.0)
-    decode(wire, total, code=code, block=block, threshold=threshold, sum=True)
+    decode(wire, total, spec, sum=True)
     expected_total = carried[0].clone()
     for row_carried in carried[1:]:
         expected_total += row_carried
@@ -94,11 +140,10 @@ def test_int8_row_layout_and_an_all_zero_block():
 def test_errors_name_the_op_and_the_argument():
     x, wire = values(2, 10, 1), torch.empty(2, wire_row_bytes("int8", 10, 4), dtype=torch.uint8)
     cases = {
-        "code must be one of 'int8', '2bit', '1bit', '4bit', 'topk', got 'int4'": lambda: encode(
-            x, wire, code="int4", block=4),
+        f"code must be one of {', '.join(map(repr, CODES))}, got 'int4'": lambda: encode(x, wire, code="int4", block=4),
         "block must be >= 1, got 0": lambda: encode(x, wire, code="int8", block=0),
         # (a wire of any size: the settings are checked first, and wire_row_bytes refuses an odd 4-bit block too)
-        "block must be even for the 4bit code, got 3": lambda: encode(
+        "block must be a multiple of 2 for the 4bit code, got 3": lambda: encode(
             x, torch.empty(2, 24, dtype=torch.uint8), code="4bit", block=3),
         "torch_chainermn.encode: wire must be [2, 32]": lambda: encode(x, wire, code="int8", block=2),
         "values must be float32, got Double": lambda: encode(x.double(), wire, code="int8", block=4),
@@ -220,18 +265,18 @@ def test_topk_errors_name_the_op_and_the_argument():
     x = values(2, 10, 1)
     wire = torch.empty(2, wire_row_bytes("topk", 10, 4, keep=2), dtype=torch.uint8)
     cases = {
-        "torch_chainermn.encode: keep must be >= 1 and <= block (4), got 0": lambda: encode(
+        "torch_chainermn.encode: keep must be >= 1 and <= block (4) for the topk code, got 0": lambda: encode(
             x, wire, code="topk", block=4, keep=0),
-        "torch_chainermn.encode: keep must be >= 1 and <= block (4), got 5": lambda: encode(
+        "torch_chainermn.encode: keep must be >= 1 and <= block (4) for the topk code, got 5": lambda: encode(
             x, wire, code="topk", block=4, keep=5),
-        "torch_chainermn.encode: block must be at most 65536 for the topk code (16-bit indices), got 65537": lambda: (
+        "torch_chainermn.encode: block must be at most 65536 for the topk code, got 65537": lambda: (
             encode(x, wire, code="topk", block=65537, keep=2)),
         "torch_chainermn.encode: wire must be [2, 48]": lambda: encode(x, wire, code="topk", block=4, keep=3),
-        "torch_chainermn.decode: keep must be >= 1 and <= block (4), got 9": lambda: decode(
+        "torch_chainermn.decode: keep must be >= 1 and <= block (4) for the topk code, got 9": lambda: decode(
             wire, torch.empty(2, 10), code="topk", block=4, keep=9),
         "torch_chainermn.decode: wire rows of 36 bytes do not hold 10 values (48 bytes)": lambda: decode(
             wire, torch.empty(2, 10), code="topk", block=4, keep=3),
-        "torch_chainermn.wire_row_bytes: keep must be >= 1 and <= block (4), got 5": lambda: wire_row_bytes(
+        "torch_chainermn.wire_row_bytes: keep must be >= 1 and <= block (4) for the topk code, got 5": lambda: wire_row_bytes(
             "topk", 10, 4, keep=5),
     }
     for message, call in cases.items():
@@ -239,10 +284,10 @@ def test_topk_errors_name_the_op_and_the_argument():
             call()
         assert message in str(raised.value)
     python_cases = {
-        "DiLoCo: keep must be an int >= 1, got 0": dict(keep=0),
-        "DiLoCo: keep must be an int >= 1, got True": dict(keep=True),
-        "DiLoCo: keep must be <= block (64) for the topk code, got 65": dict(keep=65),
-        "DiLoCo: block must be at most 65536 for the topk code (16-bit indices), got 70000": dict(block=70000),
+        "DiLoCo: keep must be >= 1 and <= block (64) for the topk code, got 0": dict(keep=0),
+        "DiLoCo: keep must be an int, got True": dict(keep=True),
+        "DiLoCo: keep must be >= 1 and <= block (64) for the topk code, got 65": dict(keep=65),
+        "DiLoCo: block must be at most 65536 for the topk code, got 70000": dict(block=70000),
     }
     for message, settings in python_cases.items():
         with pytest.raises(ValueError) as raised:

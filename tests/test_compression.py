@@ -7,6 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_chainermn
 from torch_chainermn import _C, hooks
+from torch_chainermn.codes import CODES, CompressionSpec
 from torch_chainermn.compression import GradientCompression, layout_of
 from tests.support import compression_reference as reference
 from tests.support.collective_cases import value_errors
@@ -60,6 +61,7 @@ MEAN_CASES = [
     (["a", "b", "c"], "int8", True, torch.float32),
     (["a", "b"], "4bit", False, torch.float32),
     (["a", "a", "b", "b"], "4bit", True, torch.float32),
+    (["a", "b", "b"], "int2", False, torch.float32),
     # top-k (keep 8 of each block of 64), the error feedback of DiLoCo's sparse outer gradients.
     (["a", "a", "b", "b"], "topk", False, torch.float32),
     (["a", "b", "c"], "topk", True, torch.float32),
@@ -70,13 +72,17 @@ MEAN_CASES = [
 ]
 
 
+def test_every_registered_code_has_a_mean_case():
+    """The backend's mean is checked against the reference for every code of the registry."""
+    assert {kind for _, kind, _, _ in MEAN_CASES} == set(CODES)
+
+
 @pytest.mark.parametrize("names, kind, compress_result, result_dtype", MEAN_CASES)
 def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, result_dtype):
     count, steps, block = 1001, 3, 64
     inputs = [values(count, 10 + rank) for rank in range(len(names))]
-    results, firsts, seconds = _C.testing.compressed_mean_steps(
-        names, inputs, steps, kind, 0.3, bool(compress_result), result_dtype, block=block, shared_memory=True,
-        result_code=compress_result if isinstance(compress_result, str) else "")
+    spec = CompressionSpec(kind, threshold=0.3, compress_result=compress_result, result_dtype=result_dtype, block=block)
+    results, firsts, seconds = _C.testing.compressed_mean_steps(names, inputs, steps, spec, shared_memory=True)
     nodes = [[r for r, n in enumerate(names) if n == name] for name in dict.fromkeys(names)]
     means, first, second = reference.compressed_mean_steps(
         [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype, block=block)
@@ -102,7 +108,8 @@ def test_topk_mean_takes_keep(keep):
     """The mean's `keep` reaches the code (1, 3 and all of a block of 64): against the reference."""
     names, count, steps, block = ["a", "b", "b"], 1001, 3, 64
     inputs = [values(count, 20 + rank) for rank in range(len(names))]
-    results, firsts, _ = _C.testing.compressed_mean_steps(names, inputs, steps, "topk", block=block, keep=keep)
+    results, firsts, _ = _C.testing.compressed_mean_steps(
+        names, inputs, steps, CompressionSpec("topk", block=block, keep=keep))
     means, first, _ = reference.compressed_mean_steps([inputs] * steps, [[0], [1, 2]], steps, "topk", block=block,
                                                       keep=keep)
     for step in range(steps):
@@ -116,7 +123,7 @@ def test_mean_without_compression_sends_the_residual_nowhere():
     the gradients, off by at most what the residuals hold."""
     names, count, steps = ["a", "b"], 64, 20
     inputs = [values(count, 30 + rank, scale=0.1) for rank in range(2)]
-    results, firsts, _ = _C.testing.compressed_mean_steps(names, inputs, steps, "2bit", 0.5)
+    results, firsts, _ = _C.testing.compressed_mean_steps(names, inputs, steps, CompressionSpec("2bit", threshold=0.5))
     delivered = sum(result[0] for result in results) * 2
     owed = firsts[0] + firsts[1]
     assert torch.allclose(delivered + owed, (inputs[0] + inputs[1]) * steps, atol=1e-4)
@@ -250,7 +257,7 @@ def check(outcomes):
         assert outcome["round trip"] and outcome["restored step"]
         assert outcome["communicator"] and outcome["optimizer has it"]
         threshold, kind, setting, dtype = outcome["errors"]
-        assert "GradientCompressionState: threshold must be a finite number > 0" in threshold
+        assert "GradientCompressionState: threshold must be a positive finite number" in threshold
         assert "type must be one of" in kind
         assert "create_communicator: gradient_compression has unknown settings ['thresh']" in setting
         assert "gradient_compression: gradients must be floating point" in dtype
@@ -366,10 +373,10 @@ def test_block_codes_through_the_hook(kind, block, ranks_per_node, size, compres
             assert f"compress_result={compress_result}" in said and f"compress_result={kind}" in said, said
             assert outcome["after sums"] == [float(size)] * 3
         block_error, type_error, group_error, sums_error = outcome["errors"]
-        assert ("GradientCompressionState: compress_result must be True, False, 'int8' or '4bit', got '2bit'"
-                in sums_error)
-        assert "GradientCompressionState: block must be an int >= 1, got 0" in block_error
-        assert ("GradientCompressionState: type must be one of ('int8', '2bit', '1bit', '4bit', 'topk'), got 'int4'"
+        assert ("GradientCompressionState: compress_result must be True or a code that carries sums ('4bit', 'int8'), "
+                "got '2bit'" in sums_error)
+        assert "GradientCompressionState: block must be >= 1, got 0" in block_error
+        assert (f"GradientCompressionState: type must be one of {', '.join(map(repr, CODES))}, got 'int4'"
                 in type_error)
         assert "GradientCompressionState" in group_error and "chainermn" in group_error
 
@@ -390,10 +397,26 @@ def spelling_cases():
             torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"type": "4bit"})
         outcome["old spelling warns"] = [(w.category.__name__, str(w.message)) for w in caught]
     outcome["same mean"] = (new.mean.dtype, old.mean.dtype, comm.compression.type, optimizer.compression.type)
+    # A CompressionSpec is a compression= value everywhere, and .compression the same kind of value.
+    spec = torch_chainermn.CompressionSpec("4bit", block=64, compress_result="int8")
+    model = torch.nn.Linear(2, 2)
+    holders = {"double buffering": hooks.DoubleBufferingState(compression=spec),
+               "communicator": torch_chainermn.create_communicator("flat", compression=spec),
+               "optimizer": torch_chainermn.create_multi_node_optimizer(
+                   torch.optim.SGD(model.parameters(), lr=1.0), compression=spec),
+               "DiLoCo": torch_chainermn.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2,
+                                                compression=spec),
+               "state": hooks.GradientCompressionState(compression=spec)}
+    outcome["specs"] = {name: (type(getattr(holder, "compression", holder)).__name__,
+                               getattr(holder, "compression", holder).spec == spec)
+                        for name, holder in holders.items()}
     outcome["errors"] = value_errors((
         lambda: hooks.DoubleBufferingState(compression=torch.float16, compress=torch.float16),
-        lambda: torch_chainermn.create_communicator(compression=torch.float16)))
+        lambda: torch_chainermn.create_communicator(compression=torch.float16),
+        lambda: hooks.GradientCompressionState(compression=spec, block=32)))
     comm.finalize()
+    holders["communicator"].finalize()
     return outcome
 
 
@@ -406,6 +429,10 @@ def test_one_spelling_of_compression_the_old_ones_deprecated():
                                      ("compress", "gradient_compression", "gradient_compression")):
         assert message == f"{op}: {old}= is deprecated, use compression= (it takes the same values)", warned
     assert outcome["same mean"] == (torch.float16, torch.float16, "int8", "4bit"), outcome
-    both, dtype = outcome["errors"]
+    for name, (kind, same) in outcome["specs"].items():
+        assert kind in ("GradientCompression", "GradientCompressionState") and same, (name, kind)
+    both, dtype, spec_and_setting = outcome["errors"]
+    assert "compression= takes a torch_chainermn.CompressionSpec, which holds every setting" in spec_and_setting
+    assert "['block']" in spec_and_setting, spec_and_setting
     assert "DoubleBufferingState: give compression= only (compress= is its old spelling), not both" in both, both
     assert "create_communicator: compression must be None or a hooks.GradientCompressionState" in dtype, dtype

@@ -139,14 +139,50 @@ def test_torch_headers_stay_where_torch_is_met():
     assert outside == set(TORCH_ADAPTERS)
 
 
-def test_the_code_names_are_declared_in_one_place():
-    """A code's name (its string) stands in kernels/codes.cpp's registry only: every other file names a
-    code through the registry (codeNamed, codeName), so a new code cannot be spelled in two places."""
-    name = re.compile(r'"(int8|4bit|2bit|1bit|topk)"')
-    named = sorted(str(p.relative_to(CSRC)) for p in sources()
-                   if name.search("\n".join(line for line in p.read_text().splitlines()
-                                            if not line.lstrip().startswith("//"))))
-    assert named == ["kernels/codes.cpp"]
+def registered_code_names() -> list[str]:
+    from torch_chainermn import _C
+    return [code["name"] for code in _C.codes.registered()]
+
+
+def test_each_code_is_named_in_its_own_files_only():
+    """A code's name (its string) stands only in the files that register it: its CPU kernel file
+    (kernels/<code>.cpp, a CodeRegistration) and its CUDA kernel file (cuda/<code>_kernels.cu, a
+    CudaCodeRegistration). Every other file reaches a code through the registry (codeNamed), so no
+    table or switch over codes can grow anywhere else, and adding a code touches its own files."""
+    names = registered_code_names()
+    quoted = re.compile('"(' + "|".join(map(re.escape, names)) + ')"')
+    registers = re.compile(r"\b(Cuda)?CodeRegistration\b")
+    where = {}
+    for path in sources():
+        code_lines = "\n".join(re.sub(r"(^|\s)//.*$", "", line) for line in path.read_text().splitlines())
+        for name in quoted.findall(code_lines):
+            where.setdefault(name, set()).add(str(path.relative_to(CSRC)))
+        if quoted.search(code_lines):
+            assert registers.search(code_lines), f"{path.relative_to(CSRC)} names a code but registers none"
+    assert set(where) == set(names)  # every code is registered by name somewhere
+    for name, files in where.items():
+        kernels = {f for f in files if f.startswith("kernels/")}
+        cuda = {f for f in files if f.startswith("cuda/")}
+        assert len(kernels) == 1 and len(cuda) <= 1 and files == kernels | cuda, (name, sorted(files))
+    switch = re.compile(r"switch\s*\([^)]*\bcode\b", re.IGNORECASE)
+    assert [str(p.relative_to(CSRC)) for p in sources() if switch.search(p.read_text())] == []
+
+
+def test_python_holds_no_list_of_code_names():
+    """torch_chainermn derives every list of codes from the backend's registry (torch_chainermn.codes):
+    no tuple, list, set or dict literal of the package holds two code names."""
+    import ast
+    names = set(registered_code_names())
+    package = CSRC.parent / "torch_chainermn"
+    lists = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) and items:
+                named = [item.value for item in items if isinstance(item, ast.Constant) and item.value in names]
+                if len(named) >= 2:
+                    lists.append(f"{path.relative_to(package)}:{node.lineno} {named}")
+    assert lists == []
 
 
 def test_only_the_mean_resolver_tests_for_a_compression_type():
@@ -154,6 +190,8 @@ def test_only_the_mean_resolver_tests_for_a_compression_type():
     module of the package asks whether something is a GradientCompression (isinstance, issubclass or
     a type() comparison), so a new kind of mean is taught to one place."""
     package = CSRC.parent / "torch_chainermn"
-    test = re.compile(r"(isinstance|issubclass)\([^)]*Compression|type\([^)]*\)\s*(is|==)\s*\w*Compression")
+    # (a CompressionSpec is a value, not a kind of mean: torch_chainermn.codes checks for one)
+    test = re.compile(r"(isinstance|issubclass)\([^)]*Compression(State)?\b(?!Spec)|"
+                      r"type\([^)]*\)\s*(is|==)\s*\w*Compression\b")
     asking = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if test.search(p.read_text()))
     assert asking == ["_means.py"]

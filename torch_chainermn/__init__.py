@@ -24,6 +24,7 @@ from .options import Options
 # `from torch_chainermn import DiLoCo` and `torch_chainermn.DiLoCo` work as if imported here, and a
 # process that never trains with DiLoCo never loads torch.distributed.checkpoint (0.5 s of CPU a rank).
 _FROM_MODULE = {
+    "codes": ("CompressionSpec",),
     "communicator": ("Communicator", "create_communicator"),
     "datasets": ("create_empty_dataset", "scatter_dataset"),
     "extensions": ("AllreducePersistent", "create_multi_node_checkpoint", "create_multi_node_checkpointer",

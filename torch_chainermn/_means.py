@@ -6,6 +6,7 @@ the overlap all take the same):
     None                  a plain mean in the caller's default wire dtype (see WireMean)
     torch.float16, ...    a plain mean in that wire dtype (options.WIRE_DTYPES, the one list)
     {"type": "int8", ...} compression.GradientCompression's settings, for the caller's group
+    CompressionSpec("int8", block=256)   the same, as one value (torch_chainermn.codes)
     GradientCompression   used as it is (hooks.GradientCompressionState is one), with its own group
 
 Every consumer gets an object with the same methods: start(tensors, params, last) -> Work,
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import backend_of, group_of
+from .codes import CompressionSpec
 from .compression import GradientCompression
 from .gradients import mean_coalesced
 from .options import WIRE_DTYPES, wire_dtype
@@ -101,6 +103,8 @@ def resolve(value, group, op: str, *, argument: str = "compression", plain=WireM
     if isinstance(value, dict):
         _known_settings(value, op, argument)
         return GradientCompression(group, **value, op=op), group
+    if isinstance(value, CompressionSpec):
+        return GradientCompression(group, compression=value, op=op), group
     if value is None:
         return plain(group, own_dtype=own_dtype), group
     if not dtypes:
@@ -129,6 +133,9 @@ def compression_settings(value, op: str, *, argument: str = "compression", defau
         return None
     if isinstance(value, GradientCompression):
         return value.settings()
+    if isinstance(value, CompressionSpec):
+        settings = value.settings()
+        return {"type": settings.pop("code"), **settings}
     if isinstance(value, dict):
         _known_settings(value, op, argument)
         settings = {**GradientCompression.DEFAULTS, **(defaults or {}), **value}

@@ -32,9 +32,7 @@ from ._layouts import by_parameter, layout_of  # noqa: F401  (layout_of: this mo
 
 __all__ = ["GradientCompression", "TYPES"]
 
-TYPES = codes.CODES
-RESULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-RESULT_CODES = ("int8", "4bit")  # what compress_result may name besides True (the type's own code)
+TYPES = codes.CODES  # the backend's registry (torch_chainermn.codes)
 
 
 class _Residual:
@@ -67,6 +65,8 @@ class GradientCompression:
     """Compression settings for a group, and the residuals they keep (see the module docstring).
 
     process_group: a chainermn group (default: the default group).
+    compression: every setting below as one value, a torch_chainermn.CompressionSpec (the settings'
+        keywords then stay at their defaults).
     type: "int8" or "4bit" (one scale, the block's largest magnitude over 127 or 7, per `block` values:
         gradients keep their scale, which Adam needs), "topk" (per block the `keep` largest values, int8
         against one scale, with their indices: DiLoCo's outer gradients), "2bit" (MXNet's: +threshold, -threshold or 0 per
@@ -86,9 +86,22 @@ class GradientCompression:
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *,
-                 block: int = 256, keep: int = 8, op: str = "GradientCompression"):
-        self.check(op, type=type, threshold=threshold, compress_result=compress_result, result_dtype=result_dtype,
-                   block=block, keep=keep)
+                 block: int = 256, keep: int = 8, op: str = "GradientCompression",
+                 compression: codes.CompressionSpec | None = None):
+        if compression is not None:  # the code and its settings as one value
+            given = {"type": type, "threshold": threshold, "compress_result": compress_result,
+                     "result_dtype": result_dtype, "block": block, "keep": keep}
+            changed = sorted(name for name, value in given.items() if value != GradientCompression.DEFAULTS[name])
+            if not isinstance(compression, codes.CompressionSpec) or changed:
+                raise ValueError(f"{op}: compression= takes a torch_chainermn.CompressionSpec, which holds every "
+                                 f"setting (got {compression!r}" + (f" and {changed}" if changed else "") + ")")
+            settings = compression.settings()
+            type, threshold, block, keep = settings["code"], settings["threshold"], settings["block"], settings["keep"]
+            compress_result, result_dtype = settings["compress_result"], settings["result_dtype"]
+        # The code and every setting, checked once by the backend (one rule: kernels/codes.h), and
+        # passed whole to every mean.
+        self.spec = self.check(op, type=type, threshold=threshold, compress_result=compress_result,
+                               result_dtype=result_dtype, block=block, keep=keep)
         self.process_group = group_of(process_group, op)
         self._backend = backend_of(self.process_group, op)
         self.type = type
@@ -96,8 +109,6 @@ class GradientCompression:
         self.block = block
         self.keep = keep
         self.compress_result = compress_result
-        # The backend's spelling: whether the sums are compressed, and their code ("": the type's own).
-        self._result_code = compress_result if isinstance(compress_result, str) else ""
         self.result_dtype = result_dtype
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
         self._carried: dict[int, torch.Tensor] | None = None  # id(param) -> residual, while relaid out
@@ -107,17 +118,17 @@ class GradientCompression:
 
     @staticmethod
     def check(op: str, *, type: str, threshold: float, compress_result, result_dtype: torch.dtype, block: int,
-              keep: int) -> None:
-        """A ValueError naming `op` unless these are valid settings (every one: SETTINGS); the rule the
-        constructor applies, for a caller that takes the settings without a group (FSDP2's)."""
-        codes.check_settings(op, type, threshold, block, keep=keep)
-        if not isinstance(compress_result, bool) and compress_result not in RESULT_CODES:
-            raise ValueError(f"{op}: compress_result must be True, False, 'int8' or '4bit', got {compress_result!r}")
-        if isinstance(compress_result, str):  # the sums' code reads the block too
-            codes.check_settings(op, compress_result, threshold, block, argument="compress_result", keep=keep)
-        if result_dtype not in RESULT_DTYPES:
-            raise ValueError(f"{op}: result_dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+              keep: int) -> codes.CompressionSpec:
+        """The CompressionSpec of these settings (every one: SETTINGS), or a ValueError naming `op`;
+        the rule the constructor applies, for a caller that takes the settings without a group (FSDP2's)."""
+        if not isinstance(type, str):
+            raise ValueError(f"{op}: type must be one of {codes.CODES}, got {type!r}")
+        if not isinstance(result_dtype, torch.dtype):
+            raise ValueError(f"{op}: result_dtype must be torch.float32, torch.float16 or torch.bfloat16, "
                              f"got {result_dtype!r}")
+        return codes.CompressionSpec(type, threshold=threshold, block=block, keep=keep,
+                                     compress_result=compress_result, result_dtype=result_dtype, op=op,
+                                     argument="type")
 
     def __repr__(self):
         return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
@@ -158,9 +169,7 @@ class GradientCompression:
             self._residuals[key] = residual
         if last:
             self._carried = None
-        residual.work = self._backend.compressed_mean(
-            list(tensors), residual.first, residual.second, self.type, self.threshold, self.block,
-            bool(self.compress_result), self.result_dtype, self.keep, self._result_code)
+        residual.work = self._backend.compressed_mean(list(tensors), residual.first, residual.second, self.spec)
         return residual.work
 
     def end_step(self) -> None:
@@ -186,9 +195,7 @@ class GradientCompression:
             if param_id not in self._index:
                 self._index[param_id] = len(self._index)
                 self._numel[param_id] = numel
-        first_n, second_n, second_offset, second_count = self._backend.compression_residuals(
-            count, self.type, self.threshold, self.block, bool(self.compress_result), self.result_dtype, self.keep,
-            self._result_code)
+        first_n, second_n, second_offset, second_count = self._backend.compression_residuals(count, self.spec)
         first = torch.zeros(first_n, dtype=torch.float32, device=device)
         second = torch.zeros(second_n, dtype=torch.float32, device=device)
         if relayout and self._carried is None:

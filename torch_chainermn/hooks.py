@@ -177,11 +177,12 @@ class GradientCompressionState(GradientCompression):
     """State of `gradient_compression_hook`: compression between nodes with error feedback.
 
     The settings and residuals of compression.GradientCompression (process_group=None, type="2bit",
-    threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256, keep=8): within a node the
-    gradients are summed at full precision, between nodes the code's bits a value travel ("int8",
-    "4bit": with one scale per `block` values, the codes that train with Adam; MXNet's "2bit",
-    "1bit": for SGD; "topk": the `keep` largest of each block, DiLoCo's outer gradients), and what
-    was not sent is kept per parameter and sent later. compress_result:
+    threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256, keep=8; or all of them
+    as one value, compression=torch_chainermn.CompressionSpec(...)): within a node the gradients are
+    summed at full precision, between nodes the code's bits a value travel (any code of
+    torch_chainermn.codes.CODES, docs/codes.md: "int8", "4bit" with one scale per `block` values, the
+    codes that train with Adam; MXNet's "2bit", "1bit": for SGD; "topk": the `keep` largest of each
+    block, DiLoCo's outer gradients), and what was not sent is kept per parameter and sent later. compress_result:
     True compresses the sums on their way back in the same code, "int8" or "4bit" in that code
     (type="4bit", compress_result="int8": 4 bits there, 8 back). Save
     `state.state_dict()` (collective) with a checkpoint and `load_state_dict` it on restart, so
@@ -190,9 +191,9 @@ class GradientCompressionState(GradientCompression):
 
     def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
                  compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256,
-                 keep: int = 8):
+                 keep: int = 8, compression=None):
         super().__init__(process_group, type, threshold, compress_result, result_dtype, block=block, keep=keep,
-                         op="GradientCompressionState")
+                         op="GradientCompressionState", compression=compression)
 
 
 def gradient_compression_hook(state: GradientCompressionState,

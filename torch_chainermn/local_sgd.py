@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ._backend import backend_of, group_of
 from ._layouts import layout_of
-from ._means import compressed, load_state, resolve, saved_state
+from ._means import KeepsMean, compressed, load_state, resolve, saved_state
 from .gradients import mean_coalesced
 from ._start import STARTS, checksums
 from .messages.objects import agree
@@ -294,7 +294,7 @@ class _Fragment:
                 setattr(self, name, None)
 
 
-class DiLoCo(_EveryHSteps):
+class DiLoCo(KeepsMean, _EveryHSteps):
     """DiLoCo and Streaming DiLoCo over a chainermn group (see the module docstring).
 
     model: the replica (a module or its DDP wrapper, e.g. DDP over `node_group()`).
@@ -391,8 +391,7 @@ class DiLoCo(_EveryHSteps):
         self.outer_optimizer = outer_optimizer
         self.fragment_delay = fragment_delay
         self.alpha = float(fragment_update_alpha)
-        self.mean = mean
-        self.compression = compression
+        self.mean = mean  # .compression (KeepsMean): its GradientCompression or None, as on every class
         self.warmup_steps = warmup_steps
         self.eager = eager
         # This replica's share of the group's mean: a DDP replica (one per node) spans its group's ranks.

@@ -1,7 +1,6 @@
 #include "backend/agreement.h"
 
 #include "backend/validate.h"
-#include "kernels/codes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -37,15 +36,14 @@ std::string rankList(const std::vector<int>& ranks) {
   return text;
 }
 
-// "ranks 0,2 have 10 elements; rank 1 has 20 elements": the ranks grouped by the value they hold,
-// groups in order of their first rank.
-std::string byValue(const std::vector<Fingerprint>& all, const std::function<std::string(const Fingerprint&)>& describe) {
+// "ranks 0,2 have 10 elements; rank 1 has 20 elements": the ranks grouped by what each holds
+// (shown[rank]), groups in order of their first rank.
+std::string grouped(const std::vector<std::string>& shown) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    const std::string value = describe(all[r]);
-    auto found = std::find_if(groups.begin(), groups.end(), [&](const auto& group) { return group.first == value; });
+  for (int r = 0; r < static_cast<int>(shown.size()); ++r) {
+    auto found = std::find_if(groups.begin(), groups.end(), [&](const auto& group) { return group.first == shown[r]; });
     if (found == groups.end()) {
-      groups.push_back({value, {r}});
+      groups.push_back({shown[r], {r}});
     } else {
       found->second.push_back(r);
     }
@@ -56,6 +54,14 @@ std::string byValue(const std::vector<Fingerprint>& all, const std::function<std
     text += (i ? "; " : "") + rankList(groups[i].second) + (one ? " has " : " have ") + groups[i].first;
   }
   return text;
+}
+
+std::string byValue(const std::vector<Fingerprint>& all, const std::function<std::string(const Fingerprint&)>& describe) {
+  std::vector<std::string> shown;
+  for (const auto& print : all) {
+    shown.push_back(describe(print));
+  }
+  return grouped(shown);
 }
 
 template <typename Field>
@@ -73,49 +79,29 @@ const char* reduceOpName(int32_t op) {
   return op >= 0 && op < static_cast<int32_t>(std::size(names)) ? names[op] : "none";
 }
 
-const char* settingName(uint8_t name) {
-  switch (static_cast<SettingName>(name)) {
-    case SettingName::Code:
-      return "code";
-    case SettingName::Threshold:
-      return "threshold";
-    case SettingName::Block:
-      return "block";
-    case SettingName::CompressResult:
-      return "compress_result";
-    case SettingName::ResultDtype:
-      return "result_dtype";
-    case SettingName::Keep:
-      return "keep";
-    case SettingName::None:
-      break;
-  }
-  return "setting";
-}
-
-std::string settingOf(const Fingerprint& print, int k) {
-  const int32_t value = print.settings[k];
-  std::string shown;
-  switch (static_cast<SettingName>(print.settingNames[k])) {
-    case SettingName::Code:
-      shown = codeName(static_cast<Code>(value));
-      break;
-    case SettingName::Threshold: {
-      float threshold;
-      std::memcpy(&threshold, &value, sizeof(threshold));
-      shown = std::to_string(threshold);
-      break;
+// The first setting whose value differs between the ranks (or that some rank lacks), as
+// "the block differs: ranks 0,2 have block=64; ranks 1,3 have block=192"; empty if none does.
+std::string differingSetting(const std::vector<NamedSettings>& all) {
+  std::vector<std::string> names;  // every rank's settings' names, in the order they first appear
+  for (const auto& settings : all) {
+    for (const auto& field : settings.fields) {
+      if (std::find(names.begin(), names.end(), field.first) == names.end()) {
+        names.push_back(field.first);
+      }
     }
-    case SettingName::CompressResult:  // 0, or 1 + the sums' code
-      shown = value ? codeName(static_cast<Code>(value - 1)) : "False";
-      break;
-    case SettingName::ResultDtype:
-      shown = dtypeName(static_cast<at::ScalarType>(value));
-      break;
-    default:
-      shown = std::to_string(value);
   }
-  return std::string(settingName(print.settingNames[k])) + "=" + shown;
+  for (const auto& name : names) {
+    std::vector<std::string> shown;  // per rank: name=value, or "no name"
+    for (const auto& settings : all) {
+      auto found = std::find_if(settings.fields.begin(), settings.fields.end(),
+                                [&](const auto& field) { return field.first == name; });
+      shown.push_back(found == settings.fields.end() ? "no " + name : name + "=" + found->second);
+    }
+    if (std::any_of(shown.begin(), shown.end(), [&](const std::string& one) { return one != shown.front(); })) {
+      return "the " + name + " differs: " + grouped(shown);
+    }
+  }
+  return "";
 }
 
 std::string dtypeOf(const Fingerprint& print) {
@@ -135,16 +121,6 @@ Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op) {
   return agreement;
 }
 
-Agreement withSetting(Agreement agreement, SettingName name, int32_t value) {
-  for (auto& setting : agreement.settings) {
-    if (setting.name == SettingName::None) {
-      setting = Setting{name, value};
-      return agreement;
-    }
-  }
-  TORCH_CHECK(false, "chainermn: more than ", kSettings, " settings in one agreement");
-}
-
 Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement) {
   Fingerprint print;
   print.sequence = sequence;
@@ -156,10 +132,7 @@ Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& 
   print.count = agreement.count;
   print.tensors = agreement.tensors;
   print.layout = agreement.layout;
-  for (int k = 0; k < kSettings; ++k) {
-    print.settings[k] = agreement.settings[k].value;
-    print.settingNames[k] = static_cast<uint8_t>(agreement.settings[k].name);
-  }
+  print.settings = agreement.settings ? agreement.settings->digest : 0;
   return print;
 }
 
@@ -231,7 +204,8 @@ Arrival arrivalOf(const std::vector<Fingerprint>& prints) {
 
 std::string disagreement(
     const std::vector<Fingerprint>& all,
-    const std::function<std::string(int rank)>& reasonOf) {
+    const std::function<std::string(int rank)>& reasonOf,
+    const std::function<NamedSettings(int rank)>& settingsOf) {
   const Fingerprint& first = all.front();
   // Every op takes this path: agreeing fingerprints are equal byte for byte (plain data, zero-filled),
   // and then nothing is built (no string, no allocation).
@@ -277,12 +251,13 @@ std::string disagreement(
     return head + ": the " + first.rootName + " differs: " +
         byValue(all, [](const Fingerprint& p) { return std::string(p.rootName) + "=" + std::to_string(p.root); });
   }
-  for (int k = 0; k < kSettings; ++k) {
-    if (differs(all, [k](const Fingerprint& p) { return p.settings[k]; }) ||
-        differs(all, [k](const Fingerprint& p) { return p.settingNames[k]; })) {
-      return head + ": the " + settingName(first.settingNames[k]) + " differs: " +
-          byValue(all, [k](const Fingerprint& p) { return settingOf(p, k); });
+  if (differs(all, [](const Fingerprint& p) { return p.settings; })) {
+    std::vector<NamedSettings> settings;
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+      settings.push_back(settingsOf(r));
     }
+    const std::string which = differingSetting(settings);
+    return head + ": " + (which.empty() ? "the settings differ (their digests do)" : which);
   }
   if (differs(all, [](const Fingerprint& p) { return p.reduce; })) {
     return head + ": the reduce ops differ: " +
@@ -291,13 +266,14 @@ std::string disagreement(
   return "";
 }
 
-CarriedFingerprint::CarriedFingerprint(
-    int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf, Stragglers& stragglers)
-    : all_(size), reasonOf_(std::move(reasonOf)), stragglers_(stragglers) {}
+CarriedFingerprint::CarriedFingerprint(int size, PeerRecords records, Stragglers& stragglers)
+    : all_(size), records_(std::move(records)), stragglers_(stragglers) {}
 
 void CarriedFingerprint::verify(const void* all) {
   std::memcpy(all_.data(), all, all_.size() * sizeof(Fingerprint));
-  const std::string problem = disagreement(all_, [this](int r) { return reasonOf_(mine_.sequence, r); });
+  const std::string problem = disagreement(
+      all_, [this](int r) { return records_.reasonOf(mine_.sequence, r); },
+      [this](int r) { return records_.settingsOf(mine_.sequence, r, settings_.get()); });
   TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
   stragglers_.observe(arrivalOf(all_));
 }
@@ -340,6 +316,10 @@ void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agre
 
 std::string refusalKey(uint64_t sequence, int rank) {
   return "chainermn/refused/" + std::to_string(sequence) + "/" + std::to_string(rank);
+}
+
+std::string settingsKey(uint64_t sequence, int rank) {
+  return "chainermn/settings/" + std::to_string(sequence) + "/" + std::to_string(rank);
 }
 
 } // namespace chainermn

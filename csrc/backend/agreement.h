@@ -15,6 +15,7 @@
 
 #include "backend/stragglers.h"
 #include "comm/transport.h"
+#include "kernels/code.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -23,19 +24,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace chainermn {
-
-// A setting of an op that every rank must pass the same beyond the fields of Agreement (a compressed
-// mean's code, its threshold, ...): named in a disagreement, its value shown as what it is.
-enum class SettingName : uint8_t { None = 0, Code, Threshold, Block, CompressResult, ResultDtype, Keep };
-constexpr int kSettings = 5;  // the most one op fills: top-k's mean (code, block, keep, compress_result, result_dtype)
-struct Setting {
-  SettingName name = SettingName::None;
-  int32_t value = 0;  // a Threshold is a float's bits; a Code a kernels/codes.h Code; a ResultDtype a ScalarType
-};
 
 // What a collective's caller must pass the same on every rank. Fields left at their defaults are
 // not compared.
@@ -51,7 +44,10 @@ struct Agreement {
   // all-to-all: elements this rank sends to and expects from each rank, checked pairwise
   // (checkSplits) since they legitimately differ from rank to rank.
   std::vector<int64_t> sendCounts, recvCounts;
-  std::array<Setting, kSettings> settings{};  // withSetting() fills them in order
+  // An op's settings beyond these (a compressed mean's code and what it reads: kernels/code.h's
+  // NamedSettings), any number of them: the ranks compare their digest, and only when the digests
+  // differ exchange the settings themselves (through the store) to name the one that differs.
+  std::shared_ptr<const NamedSettings> settings;
 };
 
 // The bytes every rank sends: plain data, the same layout on every rank.
@@ -66,9 +62,9 @@ struct Fingerprint {
   uint64_t layout = 0;
   char rootName[8] = {};
   int32_t refused = 0;  // this rank refused the call; its reason is in the store (refusalKey)
-  int32_t settings[kSettings] = {};      // Agreement::settings' values ...
-  uint8_t settingNames[kSettings] = {};  // ... and names (SettingName)
-  uint8_t settingsPad[3] = {};
+  int32_t pad = 0;
+  uint64_t settings = 0;  // Agreement::settings' digest (0: none)
+  uint8_t reserved[16] = {};
   // Not compared (they differ from rank to rank): carried for the stragglers' summary
   // (backend/stragglers.h), at no message of their own.
   uint32_t tookMicros = Arrival::kNone;  // how long this rank's previous collective took
@@ -83,8 +79,6 @@ static_assert(sizeof(Fingerprint) <= kExchangeBytes, "a carried check fits a sha
 // The root and the reduce op, for the collectives that have them.
 Agreement withRoot(Agreement agreement, const char* name, int64_t root);
 Agreement withReduce(Agreement agreement, const c10d::ReduceOp& op);
-// The next of an op's settings (at most kSettings).
-Agreement withSetting(Agreement agreement, SettingName name, int32_t value);
 
 Fingerprint makeFingerprint(uint64_t sequence, const char* op, const Agreement& agreement);
 
@@ -128,17 +122,25 @@ class FingerprintExchange {
 // Every rank's times in these fingerprints, merged.
 Arrival arrivalOf(const std::vector<Fingerprint>& prints);
 
+// What a rank left in the store for its peers when the ranks disagree (group_context.cpp implements
+// it over the group's store): the reason of a rank that refused collective `sequence`, and a rank's
+// settings (`mine`: this rank's, published first, so that every rank can read every other's).
+struct PeerRecords {
+  std::function<std::string(uint64_t sequence, int rank)> reasonOf;
+  std::function<NamedSettings(uint64_t sequence, int rank, const NamedSettings* mine)> settingsOf;
+};
+
 // A collective's fingerprint carried in its first exchange (Transport::carryCheck, group_context.h):
 // verify() throws, on every rank, the ValueError that an exchange of its own would have.
 class CarriedFingerprint : public CarriedCheck {
  public:
-  // `reasonOf(sequence, rank)`: the reason of a rank that refused collective `sequence`. Once the
-  // ranks agree, their times go to `stragglers`.
-  CarriedFingerprint(
-      int size, std::function<std::string(uint64_t sequence, int rank)> reasonOf, Stragglers& stragglers);
+  // `records`: what refusing or disagreeing ranks left in the store. Once the ranks agree, their
+  // times go to `stragglers`.
+  CarriedFingerprint(int size, PeerRecords records, Stragglers& stragglers);
 
-  void set(const Fingerprint& mine) {
+  void set(const Fingerprint& mine, std::shared_ptr<const NamedSettings> settings) {
     mine_ = mine;
+    settings_ = std::move(settings);
   }
   const void* mine() const override {
     return &mine_;
@@ -150,16 +152,19 @@ class CarriedFingerprint : public CarriedCheck {
 
  private:
   Fingerprint mine_;
+  std::shared_ptr<const NamedSettings> settings_;
   std::vector<Fingerprint> all_;  // sized once
-  std::function<std::string(uint64_t, int)> reasonOf_;
+  PeerRecords records_;
   Stragglers& stragglers_;
 };
 
 // Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).
-// `reasonOf(rank)` fetches the reason of a rank that refused the call.
+// `reasonOf(rank)` fetches the reason of a rank that refused the call, `settingsOf(rank)` a rank's
+// settings (called for every rank, in rank order, when their digests differ).
 std::string disagreement(
     const std::vector<Fingerprint>& all,
-    const std::function<std::string(int rank)>& reasonOf);
+    const std::function<std::string(int rank)>& reasonOf,
+    const std::function<NamedSettings(int rank)>& settingsOf);
 
 // All-to-all: every rank's count for each peer is what that peer expects from it. One small
 // all-to-all and one exchange; throws the same ValueError on every rank otherwise (a transport given
@@ -168,5 +173,7 @@ void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agre
 
 // Where a refusing rank leaves its reason, for its peers to quote.
 std::string refusalKey(uint64_t sequence, int rank);
+// Where a rank leaves its settings when the ranks' digests differ.
+std::string settingsKey(uint64_t sequence, int rank);
 
 } // namespace chainermn

@@ -5,9 +5,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <cmath>
-#include <cstring>
-
 namespace chainermn {
 
 namespace {
@@ -25,29 +22,6 @@ void checkResidual(const char* op, const char* argument, const at::Tensor& resid
   TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.device() == device, op,
                     ": ", argument, " must be a contiguous float32 tensor on ", device, ", got ",
                     dtypeName(residual.scalar_type()), " on ", residual.device());
-}
-
-// Every setting of the spec, each a field of its own that every rank must pass the same: the codes
-// mean nothing to a rank that decodes them with another code, threshold, block or keep. A setting neither
-// phase's code reads is left out (1-bit's threshold may differ: nothing reads it). compress_result is
-// 0, or 1 + the sums' code.
-Agreement withSpec(Agreement agreement, const CompressionSpec& spec) {
-  const CodeInfo& code = codeInfo(spec.code);
-  agreement = withSetting(std::move(agreement), SettingName::Code, static_cast<int32_t>(spec.code));
-  if (code.usesThreshold) {  // the sums' codes (int8, 4-bit) read no threshold
-    int32_t thresholdBits = 0;
-    std::memcpy(&thresholdBits, &spec.settings.threshold, sizeof(thresholdBits));
-    agreement = withSetting(std::move(agreement), SettingName::Threshold, thresholdBits);
-  }
-  if (usesBlock(spec)) {
-    agreement = withSetting(std::move(agreement), SettingName::Block, static_cast<int32_t>(spec.settings.block));
-  }
-  if (code.usesKeep) {  // a row's length and layout: ranks that keep more per block read past each other's
-    agreement = withSetting(std::move(agreement), SettingName::Keep, static_cast<int32_t>(spec.settings.keep));
-  }
-  agreement = withSetting(std::move(agreement), SettingName::CompressResult,
-                          spec.compressResult ? 1 + static_cast<int32_t>(spec.resultCode) : 0);
-  return withSetting(std::move(agreement), SettingName::ResultDtype, static_cast<int32_t>(spec.resultWire));
 }
 
 } // namespace
@@ -68,16 +42,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
                         dtypeName(tensor.scalar_type()));
       count += tensor.numel();
     }
-    checkCodeSettings(spec.code, spec.settings, op);
-    if (spec.compressResult && spec.resultCode != spec.code) {
-      TORCH_CHECK_VALUE(spec.resultCode == Code::Int8 || spec.resultCode == Code::FourBit, op,
-                        ": the sums' code (compress_result) must be the code itself, 'int8' or '4bit', got '",
-                        codeName(spec.resultCode), "'");
-      checkCodeSettings(spec.resultCode, spec.settings, op);
-    }
-    TORCH_CHECK_VALUE(spec.resultWire == at::kFloat || spec.resultWire == at::kHalf || spec.resultWire == at::kBFloat16,
-                      op, ": result_dtype must be torch.float32, torch.float16 or torch.bfloat16, got ",
-                      dtypeName(spec.resultWire));
+    TORCH_CHECK_VALUE(spec.code != nullptr && spec.named != nullptr, op,
+                      ": the spec must come from compressionSpec (it checks the settings once)");
     const ResidualShape shape = compressionResiduals(spec, count);
     const at::Device device = tensors.front().device();
     checkResidual(op, "residual", residual, shape.first, device);
@@ -85,7 +51,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
 
     Agreement agreement = agreeOn(tensors);
     agreement.dtype = at::kFloat;  // the tensors may mix floating dtypes: the sums are float32
-    agreement = withSpec(std::move(agreement), spec);
+    agreement.settings = spec.named;  // the code and every setting it reads, compared across ranks
     std::vector<at::Tensor> kept;  // updated by the op: kept alive (and, on CUDA, from reuse) until it is done
     for (const auto* held : {&residual, &secondResidual}) {
       if (held->defined() && held->numel() > 0) {

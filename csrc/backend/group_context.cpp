@@ -9,6 +9,28 @@
 namespace chainermn {
 
 namespace {
+
+std::string fetched(c10d::Store& store, const std::string& key) {
+  const auto bytes = store.get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+// What the ranks leave in the store for each other when they disagree: the reasons of ranks that
+// refused a call, and (only when the settings' digests differ) each rank's settings, this rank's
+// published before it reads any other's, so that every rank finds every other's.
+PeerRecords peerRecords(c10d::Store& store, int myRank) {
+  return PeerRecords{
+      [&store](uint64_t sequence, int rank) { return fetched(store, refusalKey(sequence, rank)); },
+      [&store, myRank](uint64_t sequence, int rank, const NamedSettings* mine) {
+        if (rank == myRank) {
+          const std::string text = mine ? mine->text() : "";
+          store.set(settingsKey(sequence, rank), std::vector<uint8_t>(text.begin(), text.end()));
+          return mine ? *mine : NamedSettings{};
+        }
+        return NamedSettings::parse(fetched(store, settingsKey(sequence, rank)));
+      }};
+}
+
 void checkSplitsIfAny(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {
   if (!agreement.sendCounts.empty() && world.size() > 1) {
     checkSplits(world, op, sequence, agreement);
@@ -22,18 +44,13 @@ bool GroupContext::carryAgreement(const char* op, const Agreement& agreement) {
     return false;
   }
   if (!carried) {
-    carried = std::make_unique<CarriedFingerprint>(
-        world.size(),
-        [this](uint64_t sequence, int r) {
-          const auto reason = store->get(refusalKey(sequence, r));
-          return std::string(reason.begin(), reason.end());
-        },
-        *stragglers);
+    carried = std::make_unique<CarriedFingerprint>(world.size(), peerRecords(*store, rank), *stragglers);
   }
   if (!world.carryCheck(carried.get())) {
     return false;
   }
-  carried->set(fingerprintOf(++collectivesRun, op, agreement));  // numbered as agree() numbers it
+  // numbered as agree() numbers it
+  carried->set(fingerprintOf(++collectivesRun, op, agreement), agreement.settings);
   return true;
 }
 
@@ -62,10 +79,10 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
       return;
     }
     const auto& all = fingerprints.all(world, mine);
-    const std::string problem = disagreement(all, [&](int r) {
-      const auto reason = store->get(refusalKey(sequence, r));
-      return std::string(reason.begin(), reason.end());
-    });
+    const PeerRecords records = peerRecords(*store, rank);
+    const std::string problem = disagreement(
+        all, [&](int r) { return records.reasonOf(sequence, r); },
+        [&](int r) { return records.settingsOf(sequence, r, agreement.settings.get()); });
     TORCH_CHECK_VALUE(problem.empty(), "chainermn: ", problem);
     stragglers->observe(arrivalOf(all));
   }

@@ -1,4 +1,5 @@
-// kernels/codes.h's encodeCpu and decodeCpu on a CUDA device: every code's kernels behind one call,
+// kernels/codes.h's encodeCpu and decodeCpu on a CUDA device: each code's CUDA kernels (registered by its own
+// cuda/<code>_kernels.cu) behind one call,
 // used by the torch operators (cuda/codes_ops.cpp) and by a CUDA Scratch's Mover (cuda/device_mover.cpp).
 // Launches on `stream` (a cudaStream_t) only: no allocation, no host synchronisation.
 #pragma once

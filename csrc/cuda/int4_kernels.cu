@@ -5,6 +5,7 @@
 // on a byte: its length is even). decode: one thread per output value, the rows added in row order
 // from row 0's value (or from what out holds, with `accumulate`), as the CPU does.
 #include "cuda/int4_kernels.h"
+#include "kernels/code.h"
 
 #include "cuda/block_scale.cuh"
 #include "kernels/int4.h"
@@ -106,5 +107,17 @@ void decodeInt4(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
                                                                                  block, sum, accumulate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+namespace {
+
+// The "4bit" code's CUDA kernels, added to its descriptor (kernels/int4.cpp) in the CUDA build.
+const CudaCodeRegistration registered{
+    "4bit",
+    [](const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes,
+       int64_t count, void* stream) { encodeInt4(values, residual, wire, rows, rowBytes, count, s.block, stream); },
+    [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, bool sum,
+       bool accumulate, void* stream) { decodeInt4(wire, rows, rowBytes, out, count, s.block, sum, accumulate, stream); }};
+
+} // namespace
 
 } // namespace chainermn::cuda

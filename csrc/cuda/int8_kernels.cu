@@ -9,6 +9,7 @@
 // in row order, starting from row 0's value as the CPU does (so -0 stays -0), or with `accumulate`
 // from what out holds.
 #include "cuda/int8_kernels.h"
+#include "kernels/code.h"
 
 #include "cuda/block_scale.cuh"
 #include "kernels/int8.h"
@@ -138,5 +139,17 @@ void decodeInt8(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+namespace {
+
+// The "int8" code's CUDA kernels, added to its descriptor (kernels/int8.cpp) in the CUDA build.
+const CudaCodeRegistration registered{
+    "int8",
+    [](const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes,
+       int64_t count, void* stream) { encodeInt8(values, residual, wire, rows, rowBytes, count, s.block, stream); },
+    [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, bool sum,
+       bool accumulate, void* stream) { decodeInt8(wire, rows, rowBytes, out, count, s.block, sum, accumulate, stream); }};
+
+} // namespace
 
 } // namespace chainermn::cuda

@@ -14,6 +14,7 @@
 // into word 0, and the sign launch reads it there and overwrites those sign words. The sum is thus
 // deterministic for a given count and chunk, but not in the CPU's index order.
 #include "cuda/quantize_kernels.h"
+#include "kernels/code.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
@@ -196,7 +197,7 @@ __global__ void dequantize1bitKernel(const uint32_t* block, float* out, int64_t 
 } // namespace
 
 void quantize(
-    Code kind,
+    QuantizeKind kind,
     const float* add,
     float* residual,
     uint32_t* block,
@@ -216,7 +217,7 @@ void quantize(
     return;
   }
   const int blocks = blocksFor(count);
-  if (kind == Code::TwoBit) {
+  if (kind == QuantizeKind::TwoBit) {
     const int64_t written = std::min(words, (count + 31) / 32 * 2);
     quantize2bitKernel<<<blocks, kThreads, 0, stream>>>(add, residual, block, count, words, written, threshold);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -237,14 +238,14 @@ void quantize(
 }
 
 void dequantize(
-    Code kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* rawStream) {
+    QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* rawStream) {
   TORCH_CHECK(count >= 0, "chainermn: dequantize of ", count, " values");
   if (count == 0) {
     return;
   }
   auto stream = static_cast<cudaStream_t>(rawStream);
   const int blocks = blocksFor(count);
-  if (kind == Code::TwoBit) {
+  if (kind == QuantizeKind::TwoBit) {
     if (accumulate) {
       dequantize2bitKernel<true><<<blocks, kThreads, 0, stream>>>(block, out, count, threshold);
     } else {
@@ -259,5 +260,34 @@ void dequantize(
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+namespace {
+
+// "2bit" and "1bit"'s CUDA kernels, added to their descriptors (kernels/quantize.cpp) in the CUDA
+// build. A row is one block of codes.
+template <QuantizeKind Kind>
+void encodeRows(const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows,
+                int64_t rowBytes, int64_t count, void* stream) {
+  for (int64_t r = 0; r < rows; ++r) {
+    quantize(Kind, values ? values + r * count : nullptr, residual + r * count,
+             reinterpret_cast<uint32_t*>(wire + r * rowBytes), count, count, s.threshold, stream);
+  }
+}
+
+template <QuantizeKind Kind>
+void decodeRows(const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count,
+                bool sum, bool accumulate, void* stream) {
+  for (int64_t r = 0; r < rows; ++r) {
+    dequantize(Kind, reinterpret_cast<const uint32_t*>(wire + r * rowBytes), sum ? out : out + r * count, count,
+               s.threshold, sum && (r > 0 || accumulate), stream);
+  }
+}
+
+const CudaCodeRegistration registeredTwoBit{"2bit", encodeRows<QuantizeKind::TwoBit>,
+                                            decodeRows<QuantizeKind::TwoBit>};
+const CudaCodeRegistration registeredOneBit{"1bit", encodeRows<QuantizeKind::OneBit>,
+                                            decodeRows<QuantizeKind::OneBit>};
+
+} // namespace
 
 } // namespace chainermn::cuda

@@ -20,7 +20,7 @@ namespace cuda {
 // blockWords(kind, chunk) words get the codes and the residual keeps what was not sent. All pointers
 // on the current device; count <= chunk.
 void quantize(
-    Code kind,
+    QuantizeKind kind,
     const float* add,
     float* residual,
     uint32_t* block,
@@ -31,7 +31,7 @@ void quantize(
 
 // dequantizeCpu on the device: out[i] (+)= the value block codes for i < count.
 void dequantize(
-    Code kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* stream);
+    QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* stream);
 
 } // namespace cuda
 } // namespace chainermn

@@ -11,6 +11,7 @@
 // shared memory. decode: one warp per block of an output row (or, with `sum`, of the output, the rows
 // added in row order): zeros, then each slot's code x scale at its index.
 #include "cuda/topk_kernels.h"
+#include "kernels/code.h"
 
 #include "cuda/block_scale.cuh"
 #include "kernels/int8.h"
@@ -178,5 +179,17 @@ void decodeTopk(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
       wire, rows, rowBytes, out, count, block, keep, launch.blocksPerRow, launch.totalBlocks, sum, accumulate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+
+namespace {
+
+// The "topk" code's CUDA kernels, added to its descriptor (kernels/topk.cpp) in the CUDA build.
+const CudaCodeRegistration registered{
+    "topk",
+    [](const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes,
+       int64_t count, void* stream) { encodeTopk(values, residual, wire, rows, rowBytes, count, s.block, s.keep, stream); },
+    [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, bool sum,
+       bool accumulate, void* stream) { decodeTopk(wire, rows, rowBytes, out, count, s.block, s.keep, sum, accumulate, stream); }};
+
+} // namespace
 
 } // namespace chainermn::cuda

@@ -27,8 +27,8 @@ std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tens
   TORCH_CHECK_VALUE(wire.size(0) == rows && wire.size(1) == rowBytes, op, ": wire must be [", rows, ", ", rowBytes,
                     "] for values ", values.sizes(), ", got ", wire.sizes());
   TORCH_CHECK_VALUE(wire.device() == values.device(), op, ": wire is on ", wire.device(), ", values on ", values.device());
-  TORCH_CHECK_VALUE(!codeInfo(code).needsResidual || (residual && residual->defined()), op, ": the ",
-                    codeName(code), " code needs a residual (error feedback)");
+  TORCH_CHECK_VALUE(!code->needsResidual || (residual && residual->defined()), op, ": the ",
+                    code->name, " code needs a residual (error feedback)");
   if (residual && residual->defined()) {
     checkRows(*residual, op, "residual", at::kFloat, "float32");
     TORCH_CHECK_VALUE(residual->sizes() == values.sizes(), op, ": residual must have the values' shape ",

@@ -1,4 +1,5 @@
 #include "kernels/int8.h"
+#include "kernels/code.h"
 
 #include "kernels/block_scale.h"
 
@@ -124,5 +125,28 @@ void decodeInt8Cpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, floa
     }
   }
 }
+
+namespace {
+
+// The "int8" code, described once (kernels/code.h): the registry's entry for it.
+CodeDescriptor described() {
+  CodeDescriptor code;
+  code.name = "int8";
+  code.summary = "round_half_even(x * 127 / m), m the largest |x| of its block; one float32 scale a block";
+  code.readsBlock = true;
+  code.carriesSums = true;
+  code.rowBytes = [](int64_t count, const CodeSettings& s) { return int8RowBytes(count, s.block); };
+  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row,
+                  int64_t count) { encodeInt8Cpu(values, residual, row, count, s.block); };
+  code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
+                   int64_t count, bool sum, bool accumulate) {
+    decodeInt8Cpu(wire, rows, rowBytes, out, count, s.block, sum, accumulate);
+  };
+  return code;
+}
+
+const CodeRegistration registered{described()};
+
+} // namespace
 
 } // namespace chainermn

@@ -1,5 +1,7 @@
 #include "kernels/quantize.h"
 
+#include "kernels/code.h"
+
 #include <cmath>
 #include <cstring>
 
@@ -208,21 +210,72 @@ void dequantize1bit(const uint32_t* block, float* out, int64_t count) {
 } // namespace
 
 void quantizeCpu(
-    Code kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
+    QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
   const int64_t words = blockWords(kind, chunk);
-  if (kind == Code::TwoBit) {
+  if (kind == QuantizeKind::TwoBit) {
     quantize2bit(add, residual, block, count, words, threshold);
   } else {
     quantize1bit(add, residual, block, count, words);
   }
 }
 
-void dequantizeCpu(Code kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
-  if (kind == Code::TwoBit) {
+void dequantizeCpu(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
+  if (kind == QuantizeKind::TwoBit) {
     accumulate ? dequantize2bit<true>(block, out, count, threshold) : dequantize2bit<false>(block, out, count, threshold);
   } else {
     accumulate ? dequantize1bit<true>(block, out, count) : dequantize1bit<false>(block, out, count);
   }
 }
+
+namespace {
+
+// "2bit" and "1bit", each described once (kernels/code.h): the registry's entries for them. A row is
+// one block of blockWords words.
+template <QuantizeKind Kind>
+void encodeRow(const CodeSettings& s, const float* values, float* residual, uint8_t* row, int64_t count) {
+  quantizeCpu(Kind, values, residual, reinterpret_cast<uint32_t*>(row), count, count, s.threshold);
+}
+
+template <QuantizeKind Kind>
+void decodeRows(const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count,
+                bool sum, bool accumulate) {
+  for (int64_t r = 0; r < rows; ++r) {
+    dequantizeCpu(Kind, reinterpret_cast<const uint32_t*>(wire + r * rowBytes), sum ? out : out + r * count, count,
+                  s.threshold, sum && (r > 0 || accumulate));
+  }
+}
+
+template <QuantizeKind Kind>
+int64_t rowBytes(int64_t count, const CodeSettings&) {
+  return 4 * blockWords(Kind, count);
+}
+
+CodeDescriptor twoBit() {
+  CodeDescriptor code;
+  code.name = "2bit";
+  code.summary = "MXNet's: +threshold where r >= threshold, -threshold where r <= -threshold, else 0; 16 values a word";
+  code.readsThreshold = true;
+  code.needsResidual = true;  // what is not sent waits in the residual
+  code.rowBytes = rowBytes<QuantizeKind::TwoBit>;
+  code.encodeRow = encodeRow<QuantizeKind::TwoBit>;
+  code.decodeRows = decodeRows<QuantizeKind::TwoBit>;
+  return code;
+}
+
+CodeDescriptor oneBit() {
+  CodeDescriptor code;
+  code.name = "1bit";
+  code.summary = "the sign, times the row's mean |r|; 32 values a word after a float32 scale";
+  code.needsResidual = true;
+  code.rowBytes = rowBytes<QuantizeKind::OneBit>;
+  code.encodeRow = encodeRow<QuantizeKind::OneBit>;
+  code.decodeRows = decodeRows<QuantizeKind::OneBit>;
+  return code;
+}
+
+const CodeRegistration registeredTwoBit{twoBit()};
+const CodeRegistration registeredOneBit{oneBit()};
+
+} // namespace
 
 } // namespace chainermn

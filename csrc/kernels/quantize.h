@@ -13,32 +13,32 @@
 // Words past `count`'s last value, up to the block's end, are zero (they decode to 0 / -scale and
 // are never read back: every block's count is known to both sides).
 //
-// These are the kernels of two of the codes of kernels/codes.h: `kind` is Code::TwoBit or Code::OneBit.
+// These are the kernels of two codes, "2bit" and "1bit" (registered in kernels/quantize.cpp).
 #pragma once
-
-#include "kernels/code.h"
 
 #include <cstdint>
 
 namespace chainermn {
 
-constexpr int64_t valuesPerWord(Code kind) {
-  return kind == Code::TwoBit ? 16 : 32;
+enum class QuantizeKind : int32_t { TwoBit, OneBit };
+
+constexpr int64_t valuesPerWord(QuantizeKind kind) {
+  return kind == QuantizeKind::TwoBit ? 16 : 32;
 }
-constexpr int64_t headerWords(Code kind) {
-  return kind == Code::TwoBit ? 0 : 1;
+constexpr int64_t headerWords(QuantizeKind kind) {
+  return kind == QuantizeKind::TwoBit ? 0 : 1;
 }
 // The words of a block that carries up to `chunk` values.
-constexpr int64_t blockWords(Code kind, int64_t chunk) {
+constexpr int64_t blockWords(QuantizeKind kind, int64_t chunk) {
   return headerWords(kind) + (chunk + valuesPerWord(kind) - 1) / valuesPerWord(kind);
 }
 
 // residual[i] += add[i] for i < count (add may be null: the residual already holds the values), then
 // the block (blockWords(kind, chunk) words) gets their codes and the residual keeps what was not sent.
 void quantizeCpu(
-    Code kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold);
+    QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold);
 
 // out[i] (+)= the value block codes for i < count: accumulated when `accumulate`, else assigned.
-void dequantizeCpu(Code kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate);
+void dequantizeCpu(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate);
 
 } // namespace chainermn

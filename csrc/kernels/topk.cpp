@@ -1,4 +1,5 @@
 #include "kernels/topk.h"
+#include "kernels/code.h"
 
 #include "kernels/block_scale.h"
 #include "kernels/int8.h"
@@ -146,5 +147,29 @@ void decodeTopkCpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, floa
     }
   }
 }
+
+namespace {
+
+// The "topk" code, described once (kernels/code.h): the registry's entry for it.
+CodeDescriptor described() {
+  CodeDescriptor code;
+  code.name = "topk";
+  code.summary = "the keep largest |x| of each block, each a 16-bit index and an int8 code; one float32 scale a block";
+  code.readsBlock = true;
+  code.readsKeep = true;
+  code.maxBlock = kTopkMaxBlock;  // in-block indices travel as 16 bits
+  code.rowBytes = [](int64_t count, const CodeSettings& s) { return topkRowBytes(count, s.block, s.keep); };
+  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row,
+                  int64_t count) { encodeTopkCpu(values, residual, row, count, s.block, s.keep); };
+  code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
+                   int64_t count, bool sum, bool accumulate) {
+    decodeTopkCpu(wire, rows, rowBytes, out, count, s.block, s.keep, sum, accumulate);
+  };
+  return code;
+}
+
+const CodeRegistration registered{described()};
+
+} // namespace
 
 } // namespace chainermn

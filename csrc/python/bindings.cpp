@@ -222,39 +222,23 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "compressed_mean",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::Tensor> residual,
-             std::optional<at::Tensor> secondResidual, const std::string& code, double threshold, int64_t block,
-             bool compressResult, at::ScalarType resultDtype, int64_t keep, const std::string& resultCode) {
-            return pg.compressedMean(
-                tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
-                chainermn::compressionSpec(code, threshold, block, keep, compressResult, resultDtype, resultCode));
+             std::optional<at::Tensor> secondResidual, const chainermn::CompressionSpec& spec) {
+            return pg.compressedMean(tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
+                                     spec);
           },
           py::arg("tensors"),
           py::arg("residual"),
           py::arg("second_residual"),
-          py::arg("code"),
-          py::arg("threshold"),
-          py::arg("block"),
-          py::arg("compress_result"),
-          py::arg("result_dtype"),
-          py::arg("keep") = chainermn::CodeSettings{}.keep,  // last, with defaults: callers written before them stand
-          py::arg("result_code") = "",  // the sums' code with compress_result ("": the code itself)
+          py::arg("spec"),  // a torch_chainermn.CompressionSpec (python/compression.cpp)
           py::call_guard<py::gil_scoped_release>())
       .def(
           "compression_residuals",
-          [](const ProcessGroupChainerMN& pg, int64_t count, const std::string& code, double threshold, int64_t block,
-             bool compressResult, at::ScalarType resultDtype, int64_t keep, const std::string& resultCode) {
-            const chainermn::ResidualShape shape = pg.compressionResiduals(
-                chainermn::compressionSpec(code, threshold, block, keep, compressResult, resultDtype, resultCode), count);
+          [](const ProcessGroupChainerMN& pg, int64_t count, const chainermn::CompressionSpec& spec) {
+            const chainermn::ResidualShape shape = pg.compressionResiduals(spec, count);
             return py::make_tuple(shape.first, shape.second, shape.secondOffset, shape.secondCount);
           },
           py::arg("count"),
-          py::arg("code"),
-          py::arg("threshold"),
-          py::arg("block"),
-          py::arg("compress_result"),
-          py::arg("result_dtype"),
-          py::arg("keep") = chainermn::CodeSettings{}.keep,
-          py::arg("result_code") = "",
+          py::arg("spec"),
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes)
       .def("ops_run_on_caller", &ProcessGroupChainerMN::opsRunOnCaller,

@@ -133,20 +133,9 @@ py::tuple compressedMeanSteps(
     const std::vector<std::string>& nodeNames,
     const std::vector<at::Tensor>& inputs,
     int steps,
-    const std::string& kind,
-    double threshold,
-    bool compressResult,
-    at::ScalarType resultWire,
-    int64_t block,
-    bool sharedMemory,
-    int64_t keep,
-    const std::string& resultCode) {
+    const CompressionSpec& spec,
+    bool sharedMemory) {
   TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
-  const CompressionSpec spec = compressionSpec(kind, threshold, block, keep, compressResult, resultWire, resultCode);
-  checkCodeSettings(spec.code, spec.settings, "compressed_mean_steps");
-  if (spec.compressResult && spec.resultCode != spec.code) {  // the sums in a code of their own
-    checkCodeSettings(spec.resultCode, spec.settings, "compressed_mean_steps");
-  }
   const size_t size = inputs.size();
   std::vector<std::vector<at::Tensor>> results(steps, std::vector<at::Tensor>(size));
   std::vector<at::Tensor> first(size), second(size);
@@ -312,23 +301,22 @@ void bindTesting(py::module_& testing) {
       "compressed_mean_steps", &compressedMeanSteps,
       "Gradient compression's mean of inputs[r] on rank r (threads), `steps` times; returns "
       "([step][rank] results, first residuals, second residuals)",
-      py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("kind"), py::arg("threshold") = 0.5,
-      py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("block") = 256,
-      py::arg("shared_memory") = false, py::arg("keep") = CodeSettings{}.keep, py::arg("result_code") = "");
+      py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("spec"), py::arg("shared_memory") = false);
   testing.def(
       "quantize",
       [](const std::string& kind, std::optional<at::Tensor> add, at::Tensor& residual, int64_t chunk, double threshold) {
         const Code which = codeNamed(kind, "quantize");
-        TORCH_CHECK_VALUE(which == Code::TwoBit || which == Code::OneBit, "quantize: the 2bit or 1bit code");
+        TORCH_CHECK_VALUE(which->needsResidual, "quantize: a code that needs a residual (2bit, 1bit)");
         TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual: contiguous float32");
         TORCH_CHECK_VALUE(chunk >= residual.numel(), "chunk must hold the residual's values");
         TORCH_CHECK_VALUE(!add || (add->scalar_type() == at::kFloat && add->numel() == residual.numel() &&
                                    add->device() == residual.device()),
                           "add: float32 with the residual's values and device");
-        at::Tensor block = at::empty({blockWords(which, chunk)}, residual.options().dtype(at::kInt));
+        const CodeSettings settings{static_cast<float>(threshold)};
+        at::Tensor block = at::empty({wireRowBytes(which, chunk, settings) / 4}, residual.options().dtype(at::kInt));
         const at::Tensor values = add ? add->contiguous() : at::Tensor();  // kept alive through the call
         moverFor(residual.device())
-            ->encode(which, CodeSettings{static_cast<float>(threshold)}, add ? values.data_ptr<float>() : nullptr,
+            ->encode(which, settings, add ? values.data_ptr<float>() : nullptr,
                      residual.data_ptr<float>(), block.data_ptr<int32_t>(), 1, block.numel() * 4, residual.numel());
         return block;
       },
@@ -341,12 +329,13 @@ void bindTesting(py::module_& testing) {
         TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() >= count,
                           "out: contiguous float32 of at least count values");
         const Code which = codeNamed(kind, "dequantize");
-        TORCH_CHECK_VALUE(which == Code::TwoBit || which == Code::OneBit, "dequantize: the 2bit or 1bit code");
+        TORCH_CHECK_VALUE(which->needsResidual, "dequantize: a code that needs a residual (2bit, 1bit)");
+        const CodeSettings settings{static_cast<float>(threshold)};
         TORCH_CHECK_VALUE(block.scalar_type() == at::kInt && block.is_contiguous() &&
-                              block.numel() >= blockWords(which, count) && block.device() == out.device(),
+                              block.numel() * 4 >= wireRowBytes(which, count, settings) && block.device() == out.device(),
                           "block: contiguous int32 words enough for count values, on out's device");
         moverFor(out.device())
-            ->decode(which, CodeSettings{static_cast<float>(threshold)}, block.data_ptr<int32_t>(), 1, block.numel() * 4,
+            ->decode(which, settings, block.data_ptr<int32_t>(), 1, block.numel() * 4,
                      out.data_ptr<float>(), count, /*sum=*/true, accumulate);
       },
       "out (+)= the values a block of codes carries (kernels/quantize.h)",

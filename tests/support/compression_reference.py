@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from torch_chainermn import codes as registry
+
 
 def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
     """Codes (small ints, one per value) packed `per_word` a 32-bit word, value i at bits
@@ -19,8 +21,9 @@ def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
 
 
-LEVELS = {"int8": 127.0, "4bit": 7.0}  # the block codes: codes from -levels to levels
-BLOCK_KINDS = ("int8", "4bit", "topk")  # a compressed mean's chunks are whole blocks
+LEVELS = {"int8": 127.0, "4bit": 7.0, "int2": 1.0}  # the block codes: codes from -levels to levels
+# A compressed mean's chunks are whole blocks for the codes that read one (the registry says which).
+BLOCK_KINDS = tuple(code for code in registry.CODES if "block" in registry.describe(code)["reads"])
 
 
 def block_code(kind: str, r: torch.Tensor, block: int):
@@ -66,6 +69,8 @@ def topk_code(r: torch.Tensor, block: int, keep: int):
 def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: float, block: int = 256, keep: int = 8):
     """(block as int32 words, new residual, the values the block carries); for the block codes (int8,
     4bit, topk) the words are not written (None): their rows are checked in tests/test_codes.py."""
+    if kind not in WRITTEN:
+        raise KeyError(f"compression_reference.quantize: no reference for the {kind!r} code (add one here)")
     r = residual + add if add is not None else residual.clone()
     count = r.numel()
     if kind in LEVELS:
@@ -91,6 +96,11 @@ def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: floa
     signs = words_of(positive.to(torch.int64), 32)
     block[1:1 + signs.numel()] = signs
     return block, r - sent, sent
+
+
+# The codes this module writes plainly (quantize): tests/test_codes.py checks that every registered
+# code is among them, so a code cannot be added without its reference.
+WRITTEN = (*LEVELS, "topk", "2bit", "1bit")
 
 
 def chunk_of(count: int, nodes: int, kind: str = "2bit", block: int = 256) -> int:

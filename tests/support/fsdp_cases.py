@@ -126,7 +126,9 @@ def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
     def gradients(step, r):
         return torch.randn(world * shard, generator=torch.Generator().manual_seed(100 * step + r))
 
-    reduce_scatter, all_gather = TwoHopReduceScatter(code, block, threshold, keep), TwoHopAllGather("int8", block)
+    # The weights in the same code where it can carry them (fsdp.WEIGHTS), else int8.
+    weights_code = code if code in torch_chainermn.fsdp.WEIGHTS else "int8"
+    reduce_scatter, all_gather = TwoHopReduceScatter(code, block, threshold, keep), TwoHopAllGather(weights_code, block)
     residual = {(n, l): torch.zeros(nodes, shard) for n in range(nodes) for l in range(per_node)}
     worst = {"reduce-scatter": 0.0, "all-gather": 0.0}
     for step in range(3):
@@ -148,7 +150,7 @@ def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
                    for r in range(world)]
         gathered = torch.empty(world * shard, device=device)
         all_gather(gathered, weights[rank].to(device), dist.group.WORLD)
-        expected = torch.cat([quantized(w[None], block)[0] for w in weights])
+        expected = torch.cat([carried(weights_code, w[None], block, threshold, keep)[0] for w in weights])
         worst["all-gather"] = max(worst["all-gather"], (gathered.cpu() - expected).abs().max().item())
     worst["residual"] = (reduce_scatter.residual.cpu() - residual[(node, intra)]).abs().max().item()
     return worst
@@ -213,7 +215,8 @@ def bad_input() -> list:
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
                          lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), threshold=0.0),
+                         lambda: torch_chainermn.fsdp.compress_between_nodes(
+                             sharded(), compression={"type": "2bit"}, threshold=0.0),
                          mismatched_state,
                          lambda: torch_chainermn.fsdp.compress_between_nodes(
                              sharded(), compression={"type": "int8", "compress_result": True}),
@@ -267,8 +270,7 @@ def cases(directory: str) -> dict:
             "old spelling": old_spelling_warns(),
             "configs": matches_fsdp2(),
             "training": {code: coded_training(code) for code in ("int8", "2bit")},
-            "exchange": {code: coded_exchange_matches_reference(code) for code in ("int8", "2bit", "1bit", "4bit",
-                                                                                    "topk")},
+            "exchange": {code: coded_exchange_matches_reference(code) for code in torch_chainermn.codes.CODES},
             "checkpoint": checkpoint_resumes_exactly(directory),
             "errors": bad_input()}
 
@@ -276,7 +278,7 @@ def cases(directory: str) -> dict:
 def cuda_cases() -> dict:
     """On the GPU (every rank shares it): the coded exchange against the plain rules."""
     torch.cuda.set_device(0)
-    return {code: coded_exchange_matches_reference(code, "cuda") for code in ("int8", "2bit", "1bit")}
+    return {code: coded_exchange_matches_reference(code, "cuda") for code in torch_chainermn.codes.CODES}
 
 
 def lm_validation_losses(steps: int = 40) -> dict:

@@ -33,7 +33,9 @@ __all__ = ["GRADIENTS", "TwoHopAllGather", "TwoHopReduceScatter", "WEIGHTS", "co
            "load_state_dict", "state_dict", "two_hop"]
 
 GRADIENTS = ("float32", *codes.CODES)  # gradients=, compression's old spelling: "float32" is None
-WEIGHTS = ("float32", "int8")
+# The weights travel without error feedback (the sharded float32 stays exact): codes that keep each
+# value's scale (the registry's carries_sums), ZeRO++'s qwZ int8 among them.
+WEIGHTS = ("float32", *codes.SUMS_CODES)
 _UNSET = object()  # an argument not given (None means something for compression=)
 
 
@@ -50,7 +52,8 @@ def compress_between_nodes(model, gradients=_UNSET, weights: str = "int8", block
         used (not its group or residuals). compress_result and result_dtype do not apply: each rank
         decodes its own shard, no sums travel back.
     gradients: compression's old spelling, a code name or "float32" (deprecated).
-    weights: "float32" or "int8" (blocks of `block` values, no error feedback).
+    weights: "float32" or a code that keeps each block's scale (WEIGHTS: "int8", ZeRO++'s qwZ, or
+        "4bit"; blocks of `block` values, no error feedback).
     block: the int8 weights' values per scale (default: the gradients' block, else 256), and the
         gradients' where a dict or gradients= does not say; threshold: 2-bit's, likewise.
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from ..codes import decode, encode, wire_row_bytes
+from ..codes import CompressionSpec, decode, encode, wire_row_bytes
 from .levels import levels_of
 from .reduce_scatter import _reused
 
@@ -37,6 +37,8 @@ class TwoHopAllGather(AllGather):
     def __init__(self, weights: str = "float32", block: int = 256):
         self.weights = weights
         self.block = block
+        self.spec = None if weights == "float32" else CompressionSpec(weights, block=block, op="TwoHopAllGather",
+                                                                       argument="weights")
         self._across = None     # the shards of this intra rank's N peers, one per node
         self._by_rank = None    # every rank's, by intra rank then node
         self._sent = self._received = self._as_float32 = None  # int8: the codes, and float32 copies
@@ -47,7 +49,7 @@ class TwoHopAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         levels = levels_of(group, "TwoHopAllGather")
-        quantised = self.weights == "int8" and input_tensor.is_floating_point()  # FSDP gathers mixed dtypes as bytes
+        quantised = self.spec is not None and input_tensor.is_floating_point()  # FSDP gathers mixed dtypes as bytes
         if not levels.two_hops or (levels.intra is None and not quantised):
             # One node, or one rank a node at full precision: the group's own all-gather.
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=levels.inter or group,
@@ -71,7 +73,7 @@ class TwoHopAllGather(AllGather):
     def _int8_between_nodes(self, input_tensor: torch.Tensor, levels) -> None:
         """self._across = the N peers' shards, block-quantised on the way, decoded."""
         nodes, shard, device = levels.nodes, input_tensor.numel(), input_tensor.device
-        row = wire_row_bytes("int8", shard, self.block)
+        row = wire_row_bytes(self.spec, shard)
         if self._sent is None or self._sent.shape != (1, row) or self._sent.device != device:
             self._sent = torch.empty(1, row, dtype=torch.uint8, device=device)
             self._received = torch.empty(nodes, row, dtype=torch.uint8, device=device)
@@ -80,9 +82,9 @@ class TwoHopAllGather(AllGather):
             self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
         mine = input_tensor.reshape(1, shard) if float32 else self._as_float32[:shard].view(1, shard).copy_(
             input_tensor.view(1, shard))
-        encode(mine, self._sent, None, code="int8", block=self.block)
+        encode(mine, self._sent, None, self.spec)
         dist.all_gather_into_tensor(self._received, self._sent, group=levels.inter)
         decoded = self._across if float32 else self._as_float32
-        decode(self._received, decoded.view(nodes, shard), code="int8", block=self.block)
+        decode(self._received, decoded.view(nodes, shard), self.spec)
         if not float32:
             self._across.copy_(self._as_float32)

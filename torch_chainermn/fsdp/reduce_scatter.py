@@ -13,7 +13,7 @@ Only the third step crosses the network, with 1/M of the buffer per rank. FSDP's
 through: AVG and SUM are AVG and SUM on both hops (the mean of node means is the mean), a
 PREMUL_SUM's factor is applied on the first hop only. One node: the group's own reduce-scatter.
 
-With a code between nodes (gradients="int8", "4bit", "2bit", "1bit" or "topk"; torch_chainermn.codes) the third
+With a code between nodes (gradients= any code of torch_chainermn.codes.CODES, e.g. "int8") the third
 step is ZeRO++'s qgZ with error feedback: each rank encodes its N node sums plus its residual (one
 pass; the residual keeps what the codes did not carry, for the next step), the N ranks exchange
 the codes all-to-all, and each decodes and sums the N pieces of its own shard (one pass).
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from ..codes import decode, encode, wire_row_bytes
+from ..codes import CompressionSpec, decode, encode, wire_row_bytes
 from .levels import levels_of
 
 __all__ = ["TwoHopReduceScatter"]
@@ -40,6 +40,9 @@ class TwoHopReduceScatter(ReduceScatter):
         self.block = block
         self.threshold = threshold
         self.keep = keep
+        # The code and its settings as one value, checked once (None: float32).
+        self.spec = None if gradients == "float32" else CompressionSpec(
+            gradients, block=block, threshold=threshold, keep=keep, op="TwoHopReduceScatter", argument="gradients")
         self._reordered = None   # the input, by intra rank then node, reused from call to call
         self._node_sums = None   # the node's sums of this rank's N shards
         # A code between nodes: what this rank owes ([N, shard] float32), kept across steps ...
@@ -92,16 +95,14 @@ class TwoHopReduceScatter(ReduceScatter):
         if values.dtype != torch.float32:
             self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
             values = self._as_float32.view(nodes, shard).copy_(values)
-        encode(values, self._sent, self.residual, code=self.gradients, block=self.block, threshold=self.threshold,
-               keep=self.keep)
+        encode(values, self._sent, self.residual, self.spec)
         dist.all_to_all_single(self._received, self._sent, group=levels.inter)
         if output_tensor.dtype == torch.float32:
             total = output_tensor.view(-1)
         else:
             self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
             total = self._as_float32[:shard]
-        decode(self._received, total, code=self.gradients, block=self.block, threshold=self.threshold, sum=True,
-               keep=self.keep)
+        decode(self._received, total, self.spec, sum=True)
         if op == dist.ReduceOp.AVG:
             total.div_(nodes)
         if total.data_ptr() != output_tensor.data_ptr():
@@ -117,7 +118,7 @@ class TwoHopReduceScatter(ReduceScatter):
         elif self.residual.shape != (nodes, shard):
             raise ValueError(f"TwoHopReduceScatter: the residual held (a checkpoint's?) has shape "
                              f"{tuple(self.residual.shape)}, this module's gradient shards need ({nodes}, {shard})")
-        row = wire_row_bytes(self.gradients, shard, self.block, self.keep)
+        row = wire_row_bytes(self.spec, shard)
         if self._sent is None or self._sent.shape != (nodes, row) or self._sent.device != device:
             self._sent = torch.empty(nodes, row, dtype=torch.uint8, device=device)
             self._received = torch.empty_like(self._sent)
