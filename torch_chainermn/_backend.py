@@ -58,6 +58,7 @@ def create_backend(dist_options, pg_options=None):
     setup.shm_chunk_bytes = settings.shm_chunk_bytes()
     window, margin_ms, warn = settings.stragglers()
     setup.set_stragglers(window, margin_ms, warn)
+    setup.global_ranks = global_ranks
     if transport == "mpi":
         setup.use_mpi(global_ranks)
     else:

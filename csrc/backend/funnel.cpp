@@ -50,6 +50,15 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
   }
   // Every op's one span on the profiler's timeline, with its tensors' shapes (null when not profiled).
   std::shared_ptr<OpSpan> span = OpSpan::ifProfiled(spec.name, spec.inputs, spec.outputs);
+  // Its entry in the flight recorder (none while the recorder is off).
+  FlightRecorder::Id trace = FlightRecorder::kNotRecorded;
+  if (traced_ != nullptr) {
+    const bool collective = spec.agree.collective;
+    trace = FlightRecorder::get().record(
+        *traced_, getGroupUid(), getGroupDesc(),
+        PostedOp{spec.type, spec.name, collective, collective ? sequence : sequence_.load(),
+                 collective ? p2pSequence_.load() : sequence, rank_, spec.peer, timeout, spec.inputs, spec.outputs});
+  }
   auto work = c10::make_intrusive<WorkChainerMN>(
       spec.type,
       WorkChainerMN::Label{spec.name, device.is_cuda() ? plan_.cuda.name : plan_.hostLibrary, rank_, size_, timeout,
@@ -59,6 +68,7 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
       Clock::now() + timeout,
       std::move(devices));
   work->setSpan(std::move(span));
+  work->setTrace(trace);
   return work;
 }
 
@@ -202,6 +212,7 @@ void ProcessGroupChainerMN::launch(
     DeviceContext& cuda = *context_->cuda;
     keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
     OpSpan::Running running(work->span().get());
+    FlightRecorder::get().started(work->trace());
     (void)body(cuda);  // NCCL's sends and receives are over once queued, as its collectives are
     RequestPtr end = markDeviceEnd(cuda);
     work->completeQueued();  // inside the scope: the future's event is on the group's stream

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace chainermn {
 
@@ -68,6 +69,7 @@ struct GroupSetup {
   const char* hostLibrary = "";  // its name, "mpi" or "gloo" (set with makeHost)
   size_t shmChunkBytes = shm::kDefaultChunkBytes;  // the shared-memory collectives' chunk (CHAINERMN_SHM_CHUNK_BYTES)
   StragglerSettings stragglers;  // the stragglers' window and warning (CHAINERMN_STRAGGLER_*)
+  std::vector<int64_t> globalRanks;  // the group's members by global rank (torch's); empty: 0 .. size-1
 };
 
 } // namespace chainermn

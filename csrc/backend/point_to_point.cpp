@@ -59,7 +59,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
     batch_->tags.push_back(tag);
     return batch_->work;
   }
-  return post({type, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, isSend, peer, tag, order = &context_->messages](DeviceContext& on) {
+  OpSpec spec{type, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint};
+  spec.peer = peer;
+  return post(std::move(spec), [tensor, isSend, peer, tag, order = &context_->messages](DeviceContext& on) {
     Transport& world = *on.transports.world;
     return isSend ? sendChecked(world, *order, tensor, peer, tag) : recvChecked(world, *order, tensor, peer, tag);
   }, std::move(work));
@@ -145,6 +147,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvMessage(int srcRank, i
     checkRank(op, "src", srcRank, size_);
     checkTag(op, tag);
     OpSpec spec{c10d::OpType::RECV, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
+    spec.peer = srcRank;
     auto work = makeWork(spec, at::Device(at::kCPU));
     return post(spec, [srcRank, tag, work, order = &context_->messages](DeviceContext& on) -> RequestPtr {
       auto received = std::make_shared<at::Tensor>();
@@ -203,6 +206,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(
       return postTransfer(op, c10d::OpType::SEND, packed(pieces, bytes), dstRank, tag);
     }
     OpSpec spec{c10d::OpType::SEND, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
+    spec.peer = dstRank;
     auto work = makeWork(spec, at::Device(at::kCPU));
     // The pieces are read (or copied) before sendGathered returns: the body holds none of them.
     Worker::Body send = [world, &pieces, dstRank, tag] { return Pending(world->sendGathered(pieces, dstRank, tag)); };

@@ -57,6 +57,16 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
     health = std::make_shared<GroupHealth>(setup.store, topology_, [this] { return sequence_.load(); });
   }
   worker_ = std::make_unique<Worker>(setup.name, std::move(health), watched_);
+  FlightRecorder& recorder = FlightRecorder::get();  // reads torch's settings: a bad value fails here
+  if (recorder.enabled()) {
+    std::vector<int64_t> members = setup.globalRanks;
+    if (members.empty()) {
+      for (int r = 0; r < size_; ++r) {
+        members.push_back(r);
+      }
+    }
+    traced_ = recorder.addGroup(std::move(members), rank_, setup.name);
+  }
 }
 
 // Without shutdown() first (destroy_process_group calls it), as ProcessGroupNCCL's destructor: what is

@@ -13,6 +13,7 @@
 #include "backend/options.h"
 #include "backend/transport_plan.h"
 #include "backend/watched_transports.h"
+#include "runtime/flight_recorder.h"
 #include "runtime/worker.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
@@ -42,6 +43,7 @@ struct OpSpec {
   // The body writes nothing its caller sees before its first call on the world transport: the
   // cross-rank check may ride in that call's first exchange (GroupContext::carryAgreement).
   bool checkFolds = false;
+  int peer = -1;  // a send's destination, a receive's source: the flight recorder names it
 };
 
 class ProcessGroupChainerMN : public c10d::Backend {
@@ -343,6 +345,7 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};     // collectives posted (torch's sequence number)
   std::atomic<uint64_t> p2pSequence_{0};  // sends and receives posted
+  TracedGroup* traced_ = nullptr;  // the group in the flight recorder; null while it is off
   uint64_t monitoredBarriers_ = 0;         // numbers each monitored barrier's keys
   // Between startCoalescing() and endCoalescing(): the transfers gathered, and the Work they share.
   struct Batch {

@@ -154,6 +154,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("name"),
           py::arg("topology"))
       .def_readwrite("shm_chunk_bytes", &GroupSetup::shmChunkBytes, "the shared-memory collectives' chunk in bytes")
+      .def_readwrite("global_ranks", &GroupSetup::globalRanks, "the group's members by global rank (flight recorder)")
       .def(
           "set_stragglers",
           [](GroupSetup& setup, int window, double marginMs, bool warn) {

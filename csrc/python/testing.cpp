@@ -441,6 +441,7 @@ void bindTesting(py::module_& testing) {
   bindWorkerTesting(testing);
   bindCallerTesting(testing);
   bindStragglersTesting(testing);
+  bindFlightRecorderTesting(testing);
   testing.def(
       "run", &run, "per_rank(Rank) on one thread per rank; returns its results, or raises the first error",
       py::arg("node_names"), py::arg("per_rank"), py::arg("shared_memory") = false, py::arg("timeout") = 30.0);

@@ -2,6 +2,8 @@
 // by the worker's watchdog as its own device ops are, and the cross-rank checks that run beside it.
 #include "runtime/worker_state.h"
 
+#include "runtime/flight_recorder.h"
+
 namespace chainermn {
 
 bool Worker::State::watch(OnDevice entry) {
@@ -23,6 +25,7 @@ void Worker::State::checked(const c10::intrusive_ptr<WorkChainerMN>& deviceWork)
 }
 
 void Worker::State::checkFailed(const c10::intrusive_ptr<WorkChainerMN>& deviceWork, const std::exception& error) {
+  FlightRecorder::get().writeOnFailure(deviceWork->description() + " failed its cross-rank check");
   deviceWork->fail(failure(*deviceWork, error));
   std::unique_lock<std::mutex> lock(mutex);
   if (brokenReason.empty()) {

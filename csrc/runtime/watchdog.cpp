@@ -2,6 +2,8 @@
 // other about them (Monitor), so a failure on one rank reaches every rank within a couple of seconds.
 #include "runtime/worker_state.h"
 
+#include "runtime/flight_recorder.h"
+
 #include <algorithm>
 
 namespace chainermn {
@@ -39,7 +41,10 @@ std::string Worker::State::timeoutMessage(const WorkChainerMN& work) {
 
 std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::exception& e) {
   if (dynamic_cast<const c10::ValueError*>(&e) != nullptr || !monitor) {
-    return failure(work, e);
+    // The ranks' check found a mismatch (or a rank refused the op): every rank fails this op alone.
+    std::exception_ptr error = failure(work, e);
+    FlightRecorder::get().writeOnFailure(work.description() + " failed its cross-rank check");
+    return error;
   }
   // The transport failed: a peer may be gone. Name it if this host can tell, tell every rank, and
   // issue nothing more on transports that may be half-way through a call. A transport that gave up
@@ -56,12 +61,17 @@ std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::e
     }
   }
   monitor->abort(message);
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (brokenReason.empty()) {
       // The whole message: what asks errored() (torchft) learns which peer failed, not only which op.
       brokenReason = "the group is unusable after " + message;
+      first = true;
     }
+  }
+  if (first) {
+    FlightRecorder::get().writeOnFailure(work.description() + " failed");  // before the op's caller learns it
   }
   if (comms) {
     comms->abort();  // device work queued before this op, or a caller's op, waits on the peers too
@@ -142,6 +152,12 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
   lock.lock();
   nextCheck = std::min(nextCheck, Clock::now() + kAskPeersEvery);
   if (reason.empty() || !brokenReason.empty()) {
+    return false;
+  }
+  lock.unlock();
+  FlightRecorder::get().writeOnFailure(waiter->description() + " ended by a peer");  // before the ops fail
+  lock.lock();
+  if (!brokenReason.empty()) {
     return false;
   }
   breakGroup(lock, "the group was aborted: " + reason);
@@ -227,6 +243,9 @@ void Worker::State::failAndBreak(
   lock.unlock();
   if (monitor) {
     monitor->abort(message);
+  }
+  if (first) {
+    FlightRecorder::get().writeOnFailure(work.description() + " " + what);  // before its caller learns it
   }
   work.fail(backendError(message));
   lock.lock();

@@ -1,6 +1,7 @@
 #include "runtime/work.h"
 
 #include "runtime/backoff.h"
+#include "runtime/flight_recorder.h"
 #include "runtime/op_span.h"
 #include "spin.h"
 
@@ -71,6 +72,7 @@ void WorkChainerMN::markDone(std::exception_ptr error, bool queuedOnly) {
   if (span_) {
     span_->end();  // before the waiter wakes: on the caller's thread, the span closes inside its op
   }
+  FlightRecorder::get().ended(trace_, error == nullptr);
   done_.store(true, std::memory_order_release);
   cv_.notify_all();
 }

@@ -79,6 +79,14 @@ class WorkChainerMN : public c10d::Work {
   const std::shared_ptr<OpSpan>& span() const {
     return span_;
   }
+  // The op's entry in the flight recorder (runtime/flight_recorder.h), ended when the Work completes or
+  // fails. Set before the Work is posted.
+  void setTrace(uint64_t id) {
+    trace_ = id;
+  }
+  uint64_t trace() const {
+    return trace_;
+  }
 
   // "all_reduce (seq 7, rank 0 of 4, gloo, timeout 30000 ms)", for messages.
   std::string description() const;
@@ -116,6 +124,7 @@ class WorkChainerMN : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::function<void()> hostSync_;
   std::shared_ptr<OpSpan> span_;
+  uint64_t trace_ = ~uint64_t(0);  // FlightRecorder::kNotRecorded
 };
 
 // A thread that completes Works: a group's worker. The then() callbacks it runs may wait() for a

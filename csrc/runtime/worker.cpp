@@ -1,6 +1,7 @@
 #include "runtime/worker.h"
 
 #include "runtime/backoff.h"
+#include "runtime/flight_recorder.h"
 #include "runtime/gil_release.h"
 #include "runtime/worker_state.h"
 #include "linger.h"
@@ -77,6 +78,7 @@ void Worker::State::run(QueuedOp& op) {
   bool queuedOnDevice = false;
   std::shared_ptr<void> scope;  // released once the Work completed when queued
   std::exception_ptr error;
+  FlightRecorder::get().started(op.work->trace());
   try {
     Pending pending = op.body();
     request = std::move(pending.request);

@@ -1,0 +1,131 @@
+// The flight recorder: the last N ops of every chainermn group in this process, each with its state
+// (scheduled, started, completed), dumped in the format of torch's own FlightRecorder so that torch's
+// analyzer reads it (python -m torch_chainermn.fr_trace, docs/observability.md).
+//
+// torch's recorder is not reachable from an extension (libtorch's instance and its methods are hidden
+// symbols, and its template needs nlohmann/json, which torch's wheel does not ship): this is the
+// backend's own, with torch's settings (TORCH_FR_BUFFER_SIZE, legacy TORCH_NCCL_TRACE_BUFFER_SIZE,
+// default 2000, 0 = off) and torch's keys (flight_recorder_dump.cpp).
+//
+// One ring per process, as torch's: its record ids order the ops of all groups, which is what the
+// analyzer aligns the ranks' dumps by. Each slot's storage is reused (its vectors keep their capacity),
+// so recording allocates nothing once every slot has been written; a mutex held for a few stores
+// guards it. Off (buffer 0), the backend's cost is one branch per op.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace chainermn {
+
+// A group as a dump names it (pg_config, pg_status). Registered once per group, kept for the process's
+// life (a dump names groups already destroyed, as torch's does).
+struct TracedGroup {
+  size_t id = 0;  // pg_id: the order in which this process's chainermn groups were created
+  // torch's name and description of the group (ProcessGroup.group_name, group_desc), known only once
+  // torch has set them on the backend, after its creation: read at the group's first recorded op.
+  std::string name;
+  std::string desc;
+  bool named = false;
+  std::vector<int64_t> globalRanks;  // the group's members, by global rank
+  // pg_status: the last collective (its sequence number) posted, started, completed; -1 for none.
+  int64_t lastEnqueued = -1;
+  int64_t lastStarted = -1;
+  int64_t lastCompleted = -1;
+  uint64_t ops = 0;  // op_id: every op posted on the group
+};
+
+// What the funnel knows of an op when it posts it.
+struct PostedOp {
+  c10d::OpType type;
+  const char* name;  // the backend's name of it ("all_gather_into_tensor"), for ops of no OpType
+  bool collective;
+  uint64_t collectiveSeq;  // the group's collectives posted so far, this one included if collective
+  uint64_t p2pSeq;         // likewise for sends and receives
+  int rank;                // in the group
+  int peer;                // a send's destination, a receive's source (group ranks); -1 otherwise
+  std::chrono::milliseconds timeout;
+  const std::vector<at::Tensor>& inputs;
+  const std::vector<at::Tensor>& outputs;
+};
+
+class FlightRecorder {
+ public:
+  using Id = uint64_t;
+  static constexpr Id kNotRecorded = ~Id(0);
+
+  // The process's recorder, sized from torch's settings the first time it is asked for.
+  static FlightRecorder& get();
+  // A recorder of its own (tests): `capacity` ops, 0 = off.
+  explicit FlightRecorder(size_t capacity);
+
+  bool enabled() const {
+    return !slots_.empty();
+  }
+
+  // A new group, its members by global rank, this process's place among them being `groupRank`.
+  // `fallbackName` names it in dumps if torch never names it (a backend made outside a ProcessGroup).
+  TracedGroup* addGroup(std::vector<int64_t> globalRanks, int groupRank, std::string fallbackName);
+
+  // The op enters the ring as "scheduled"; its id, for the calls below. `groupName`/`groupDesc`: torch's,
+  // read the first time only.
+  Id record(TracedGroup& group, const std::string& groupName, const std::string& groupDesc, const PostedOp& op);
+  // A thread began running it ("started"); later calls for the same op change nothing.
+  void started(Id id);
+  // It completed, or failed (it stays "started" or "scheduled", retired, as torch shows an op that
+  // timed out). Ids whose slot was reused since are ignored.
+  void ended(Id id, bool completed);
+
+  // torch's dump (FlightRecorder::dump): the pickled dict of version, pg_config, pg_status and entries.
+  std::string dump(bool includeCollectives, bool includeStackTraces, bool onlyActive);
+  // Writes dump() through torch's DebugInfoWriter (TORCH_FR_DUMP_TEMP_FILE + rank), as
+  // ProcessGroupNCCL does on a timeout; false when the recorder is off. Never throws.
+  bool write(const std::string& why);
+  // write(), on a failure (a timeout, a dead peer, a mismatch), unless TORCH_NCCL_DUMP_ON_TIMEOUT=0.
+  void writeOnFailure(const std::string& why);
+
+  // One ring slot: an op as recorded, its storage reused by the op recorded over it.
+  struct Slot {
+    Id id = kNotRecorded;
+    TracedGroup* group = nullptr;
+    uint64_t collectiveSeq = 0;
+    uint64_t p2pSeq = 0;
+    uint64_t opId = 0;
+    bool collective = false;
+    bool isP2P = false;
+    bool retired = false;
+    char profilingName[64] = {};  // "chainermn:all_reduce", "chainermn:send 0->1"
+    int64_t createdNs = 0;  // wall clock, as torch's
+    int64_t startedNs = 0;  // 0: not yet
+    int64_t completedNs = 0;
+    int64_t timeoutMs = 0;
+    std::thread::id thread;
+    char threadName[16] = {};
+    // Every tensor's dims, flattened; how many dims each input and output has; their dtypes.
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> inputDims;
+    std::vector<int64_t> outputDims;
+    std::vector<c10::ScalarType> inputDtypes;
+    std::vector<c10::ScalarType> outputDtypes;
+  };
+
+ private:
+  Slot* slotOf(Id id);  // null once its slot was reused; mutex_ held
+
+  std::mutex mutex_;
+  std::vector<Slot> slots_;
+  Id next_ = 0;
+  std::vector<std::unique_ptr<TracedGroup>> groups_;
+  int64_t globalRank_ = 0;  // this process's, from its first group: the dump file's suffix
+
+};
+
+} // namespace chainermn
