@@ -10,14 +10,16 @@ do not grow across loops).
 The driver (--rounds N) interleaves launches of several contenders, round after round, so that a drift
 of this shared machine reaches them all alike, and prints each contender's launches (min / median /
 max of their medians). A contender is LABEL=PYTHON[,VAR=VALUE...]: the interpreter of a venv (its
-torch_chainermn: a build before a change, or after) and the environment of its launches, e.g.
+torch_chainermn: a build before a change, or after) and the environment of its launches (`backend=gloo`
+among them runs torch's gloo instead of chainermn, for the same table), e.g.
 
     .venv/bin/python benchmarks/observability_cost.py --rounds 5 \\
         before=/work/main/.venv/bin/python after=.venv/bin/python
     .venv/bin/python benchmarks/observability_cost.py --rounds 5 --profile \\
         before=/work/main/.venv/bin/python after=.venv/bin/python
     .venv/bin/python benchmarks/observability_cost.py --rounds 5 \\
-        recorder-off=.venv/bin/python,TORCH_FR_BUFFER_SIZE=0 recorder-on=.venv/bin/python
+        recorder-off=.venv/bin/python,TORCH_FR_BUFFER_SIZE=0 recorder-on=.venv/bin/python \
+        gloo=.venv/bin/python,backend=gloo
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def parse_args(argv=None):
     parser.add_argument("--loops", type=int, default=7, help="timed loops per launch; their median is reported")
     parser.add_argument("--profile", action="store_true", help="each loop inside torch.profiler.profile")
     parser.add_argument("--rounds", type=int, default=0, help="driver: rounds of one launch per contender")
+    parser.add_argument("--backend", default="chainermn", help="the default group's backend (one launch)")
     return parser.parse_args(argv)
 
 
@@ -49,7 +52,7 @@ def one_launch(args):
 
     import torch_chainermn  # noqa: F401  (registers the backend)
 
-    dist.init_process_group("chainermn")
+    dist.init_process_group(args.backend)
     x = torch.ones(args.bytes // 4)
     for _ in range(200):
         dist.all_reduce(x)
@@ -81,6 +84,7 @@ def drive(args):
         label, _, rest = spec.partition("=")
         python, *settings = rest.split(",")
         contenders.append((label, python, dict(s.split("=", 1) for s in settings)))
+    backends = {label: settings.pop("backend", "chainermn") for label, _, settings in contenders}
     flags = ["--bytes", str(args.bytes), "--iters", str(args.iters), "--loops", str(args.loops)]
     flags += ["--profile"] if args.profile else []
     results = {label: [] for label, _, _ in contenders}
@@ -88,7 +92,7 @@ def drive(args):
         order = contenders[round_ % len(contenders):] + contenders[:round_ % len(contenders)]
         for label, python, settings in order:
             command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                       str(Path(__file__).resolve()), *flags]
+                       str(Path(__file__).resolve()), *flags, "--backend", backends[label]]
             # Outside the repository: `import torch_chainermn` finds the venv's own build.
             done = subprocess.run(command, env={**os.environ, **settings}, cwd="/tmp", capture_output=True,
                                   text=True, timeout=600)
