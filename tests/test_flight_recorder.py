@@ -1,6 +1,7 @@
 """The flight recorder (docs/observability.md#flight-recorder): the ring in process (its wrap-around, the
 states, the dump's keys, a buffer of 0), and on real ranks the dump each rank writes when one rank skips
 a collective, read by torch's analyzer through `python -m torch_chainermn.fr_trace`."""
+
 import os
 import pickle
 import re
@@ -26,10 +27,10 @@ def test_the_ring_keeps_the_last_ops_with_their_states_in_torchs_format():
     x = torch.zeros(2, 8)
     ids = [ring.record("all_reduce", seq, 0, -1, [x], [x]) for seq in range(1, 5)]
     ring.started(ids[1])
-    ring.ended(ids[1], True)   # completed
+    ring.ended(ids[1], True)  # completed
     ring.started(ids[2])
     ring.ended(ids[3], False)  # failed before it started: retired, still scheduled
-    ring.ended(ids[0], True)   # overwritten by the fourth op: changes nothing
+    ring.ended(ids[0], True)  # overwritten by the fourth op: changes nothing
     chunk = torch.zeros(8, dtype=torch.float16)
     send = ring.record("send", 4, 1, 2, [chunk], [chunk])
     gathered = [torch.zeros(8, dtype=torch.float16) for _ in range(3)]
@@ -38,8 +39,9 @@ def test_the_ring_keeps_the_last_ops_with_their_states_in_torchs_format():
     trace = pickle.loads(ring.dump())
     assert trace["version"] == "2.10"
     assert trace["pg_config"] == {"7": {"name": "7", "desc": "default_pg", "ranks": "[4, 5, 6]"}}
-    assert trace["pg_status"] == {"0": {"last_enqueued_collective": 5, "last_started_collective": 3,
-                                        "last_completed_collective": 2}}
+    assert trace["pg_status"] == {
+        "0": {"last_enqueued_collective": 5, "last_started_collective": 3, "last_completed_collective": 2}
+    }
     entries = trace["entries"]
     # Capacity 3: the last three ops, oldest first, their record ids in order.
     assert [e["record_id"] for e in entries] == [ids[3], send, gather] == [3, 4, 5]
@@ -108,8 +110,9 @@ def test_each_rank_dumps_and_the_analyzer_names_the_rank_that_skipped(world_size
         env = {"TORCH_FR_DUMP_TEMP_FILE": os.path.join(folder, "trace_")}
         if ranks_per_node:
             env["CHAINERMN_RANKS_PER_NODE"] = str(ranks_per_node)
-        outcomes = run_spawn(one_rank_skips, world_size, skipper, 0, env=env, op_timeout=4, timeout=120,
-                             group_may_break=True)
+        outcomes = run_spawn(
+            one_rank_skips, world_size, skipper, 0, env=env, op_timeout=4, timeout=120, group_may_break=True
+        )
         for rank, (raised, written) in enumerate(outcomes):
             assert raised, (rank, "the op did not fail")
             first, second = [e for e in written["entries"] if e["process_group"][1] == "default_pg"][-2:]
@@ -120,15 +123,21 @@ def test_each_rank_dumps_and_the_analyzer_names_the_rank_that_skipped(world_size
             assert written["pg_config"][second["process_group"][0]]["ranks"] == str(list(range(world_size)))
         assert sorted(os.listdir(folder)) == [f"trace_{rank}" for rank in range(world_size)]
 
-        analyzed = subprocess.run([sys.executable, "-m", "torch_chainermn.fr_trace", folder], cwd=REPO,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                                  timeout=120)
+        analyzed = subprocess.run(
+            [sys.executable, "-m", "torch_chainermn.fr_trace", folder],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         report = analyzed.stdout + analyzed.stderr
         assert analyzed.returncode == 0, report
         # The last all_reduce: the ranks that joined it, and the one that did not, named.
         seq = outcomes[0][1]["entries"][-1]["collective_seq_id"]
-        block = re.search(rf"Not all ranks joining collective, sequence number: {seq}\n(.*?)collective state",
-                          report, re.S)
+        block = re.search(
+            rf"Not all ranks joining collective, sequence number: {seq}\n(.*?)collective state", report, re.S
+        )
         assert block, report
         assert "collective: chainermn:all_reduce" in block.group(1), report
         assert f"missing ranks: {{{skipper}}}" in block.group(1), report

@@ -16,6 +16,7 @@ tools read it (docs/observability.md):
     trace = pickle.loads(torch_chainermn.flight_recorder.dump())   # as torch's _dump_fr_trace
     trace["entries"][-1]["profiling_name"], trace["entries"][-1]["state"]   # 'chainermn:all_reduce', 'completed'
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def dump_json(include_collectives: bool = True, only_active: bool = False) -> st
     """The same as JSON, in the form of torch's `_dump_fr_trace_json`: no `frames`, the discovery times 0
     when not reached, `pg_status`'s numbers as strings, no `entries` key when there is none."""
     trace = pickle.loads(dump(include_collectives, False, only_active))
-    trace["pg_status"] = {pg: {key: str(value) for key, value in status.items()}
-                          for pg, status in trace["pg_status"].items()}
+    trace["pg_status"] = {
+        pg: {key: str(value) for key, value in status.items()} for pg, status in trace["pg_status"].items()
+    }
     entries = trace.pop("entries", [])
     for entry in entries:
         for key in ("time_discovered_started_ns", "time_discovered_completed_ns"):

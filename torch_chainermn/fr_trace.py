@@ -8,6 +8,7 @@ its own libraries' prefixes (nccl, gloo, ...), listed inside its `Op` class in t
 (torch/distributed/flight_recorder/components/types.py): an entry of chainermn's is read as the same op
 of gloo's, then keeps its own name for the report.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,7 @@ def admit_chainermn(op_class) -> None:
         name = event["profiling_name"]
         if not name.startswith(PREFIX):
             return init(self, event, *args, **kwargs)
-        init(self, {**event, "profiling_name": _READ_AS + name[len(PREFIX):]}, *args, **kwargs)
+        init(self, {**event, "profiling_name": _READ_AS + name[len(PREFIX) :]}, *args, **kwargs)
         self.profiling_name = name
 
     __init__.admits_chainermn = True
@@ -43,8 +44,10 @@ def main(args: Sequence[str] | None = None) -> None:
     except ImportError as error:
         raise SystemExit(f"torch_chainermn.fr_trace: this torch has no flight-recorder analyzer ({error})")
     if not hasattr(types, "Op"):
-        raise SystemExit("torch_chainermn.fr_trace: this torch's analyzer has no Op class to admit chainermn's "
-                         "entries into (torch 2.12 to 2.14 have one)")
+        raise SystemExit(
+            "torch_chainermn.fr_trace: this torch's analyzer has no Op class to admit chainermn's "
+            "entries into (torch 2.12 to 2.14 have one)"
+        )
     admit_chainermn(types.Op)
     fr_trace.main(args)
 

@@ -5,6 +5,7 @@
 
 #include "backend/validate.h"
 #include "runtime/op_span.h"
+#include "runtime/flight_recorder.h"
 
 #include <c10/util/Exception.h>
 

@@ -61,10 +61,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
   }
   OpSpec spec{type, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint};
   spec.peer = peer;
-  return post(std::move(spec), [tensor, isSend, peer, tag, order = &context_->messages](DeviceContext& on) {
-    Transport& world = *on.transports.world;
-    return isSend ? sendChecked(world, *order, tensor, peer, tag) : recvChecked(world, *order, tensor, peer, tag);
-  }, std::move(work));
+  return post(
+      std::move(spec),
+      [tensor, isSend, peer, tag, order = &context_->messages](DeviceContext& on) {
+        Transport& world = *on.transports.world;
+        return isSend ? sendChecked(world, *order, tensor, peer, tag) : recvChecked(world, *order, tensor, peer, tag);
+      },
+      std::move(work));
 }
 
 void ProcessGroupChainerMN::startCoalescing() {

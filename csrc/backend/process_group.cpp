@@ -2,6 +2,7 @@
 // split and shrink into new groups, the timeout, shutdown and abort.
 #include "backend/process_group.h"
 
+#include "runtime/flight_recorder.h"
 #include "runtime/health.h"
 #include "backend/host_transports.h"
 

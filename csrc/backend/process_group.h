@@ -13,7 +13,6 @@
 #include "backend/options.h"
 #include "backend/transport_plan.h"
 #include "backend/watched_transports.h"
-#include "runtime/flight_recorder.h"
 #include "runtime/worker.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
@@ -28,6 +27,8 @@
 #include <optional>
 
 namespace chainermn {
+
+struct TracedGroup;  // runtime/flight_recorder.h
 
 // An op as the funnel sees it: what it is, what it returns, and what it reads.
 struct OpSpec {

@@ -21,14 +21,10 @@ void bindFlightRecorder(py::module_& module) {
         }
         return py::bytes(trace);
       },
-      py::arg("include_collectives") = true,
-      py::arg("include_stack_traces") = true,
-      py::arg("only_active") = false,
+      py::arg("include_collectives") = true, py::arg("include_stack_traces") = true, py::arg("only_active") = false,
       "torch's pickled dump of the recorder: version, pg_config, pg_status, entries");
   module.def(
-      "write",
-      [](const std::string& why) { return FlightRecorder::get().write(why); },
-      py::arg("why"),
+      "write", [](const std::string& why) { return FlightRecorder::get().write(why); }, py::arg("why"),
       py::call_guard<py::gil_scoped_release>(),
       "writes the dump through torch's DebugInfoWriter; False when the recorder is off");
   module.def(
@@ -37,5 +33,5 @@ void bindFlightRecorder(py::module_& module) {
 
 const bool registered = registerSubmodule("flight_recorder", "the backend's flight recorder", bindFlightRecorder);
 
-} // namespace
-} // namespace chainermn
+}  // namespace
+}  // namespace chainermn

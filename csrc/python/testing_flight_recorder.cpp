@@ -16,10 +16,12 @@ namespace chainermn {
 namespace {
 
 c10d::OpType opType(const std::string& name) {
-  static const std::map<std::string, c10d::OpType> types{
-      {"all_reduce", c10d::OpType::ALLREDUCE}, {"all_gather", c10d::OpType::ALLGATHER},
-      {"reduce_scatter", c10d::OpType::REDUCE_SCATTER}, {"barrier", c10d::OpType::BARRIER},
-      {"send", c10d::OpType::SEND}, {"recv", c10d::OpType::RECV}};
+  static const std::map<std::string, c10d::OpType> types{{"all_reduce", c10d::OpType::ALLREDUCE},
+                                                         {"all_gather", c10d::OpType::ALLGATHER},
+                                                         {"reduce_scatter", c10d::OpType::REDUCE_SCATTER},
+                                                         {"barrier", c10d::OpType::BARRIER},
+                                                         {"send", c10d::OpType::SEND},
+                                                         {"recv", c10d::OpType::RECV}};
   const auto found = types.find(name);
   TORCH_CHECK_VALUE(found != types.end(), "FlightRecorderRing: no op '", name, "'");
   return found->second;
@@ -57,7 +59,7 @@ class Ring {
   const int rank_;
 };
 
-} // namespace
+}  // namespace
 
 void bindFlightRecorderTesting(py::module_& testing) {
   py::class_<Ring>(testing, "FlightRecorderRing")
@@ -70,4 +72,4 @@ void bindFlightRecorderTesting(py::module_& testing) {
       .def("dump", &Ring::dump, py::arg("only_active") = false);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

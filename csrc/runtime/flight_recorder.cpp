@@ -104,7 +104,7 @@ void appendStacked(std::vector<int64_t>& sizes, std::vector<int64_t>& dims, std:
   dtypes.push_back(tensors.front().scalar_type());
 }
 
-} // namespace
+}  // namespace
 
 FlightRecorder& FlightRecorder::get() {
   // Never destroyed: groups record into it until the process ends.
@@ -130,8 +130,8 @@ TracedGroup* FlightRecorder::addGroup(std::vector<int64_t> globalRanks, int grou
   return groups_.back().get();
 }
 
-FlightRecorder::Id FlightRecorder::record(
-    TracedGroup& group, const std::string& groupName, const std::string& groupDesc, const PostedOp& op) {
+FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string& groupName,
+                                          const std::string& groupDesc, const PostedOp& op) {
   if (!enabled()) {
     return kNotRecorded;
   }
@@ -233,4 +233,4 @@ void FlightRecorder::ended(Id id, bool completed) {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -103,8 +103,8 @@ class FlightRecorder {
     bool isP2P = false;
     bool retired = false;
     char profilingName[64] = {};  // "chainermn:all_reduce", "chainermn:send 0->1"
-    int64_t createdNs = 0;  // wall clock, as torch's
-    int64_t startedNs = 0;  // 0: not yet
+    int64_t createdNs = 0;        // wall clock, as torch's
+    int64_t startedNs = 0;        // 0: not yet
     int64_t completedNs = 0;
     int64_t timeoutMs = 0;
     std::thread::id thread;
@@ -125,7 +125,6 @@ class FlightRecorder {
   Id next_ = 0;
   std::vector<std::unique_ptr<TracedGroup>> groups_;
   int64_t globalRank_ = 0;  // this process's, from its first group: the dump file's suffix
-
 };
 
-} // namespace chainermn
+}  // namespace chainermn

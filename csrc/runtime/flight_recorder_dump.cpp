@@ -9,7 +9,7 @@
 #include "runtime/flight_recorder.h"
 
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>  // DebugInfoWriter; TraceUtils' new_dict, pickle_str
-#include <torch/csrc/distributed/c10d/Utils.hpp>  // getCvarBool
+#include <torch/csrc/distributed/c10d/Utils.hpp>           // getCvarBool
 
 #include <c10/util/Logging.h>
 
@@ -50,8 +50,8 @@ std::vector<std::string> dtypeNames(const std::vector<c10::ScalarType>& dtypes) 
   return names;
 }
 
-c10::Dict<c10::IValue, c10::IValue> entryOf(
-    const FlightRecorder::Slot& slot, const GroupView& group, bool includeStackTraces) {
+c10::Dict<c10::IValue, c10::IValue> entryOf(const FlightRecorder::Slot& slot, const GroupView& group,
+                                            bool includeStackTraces) {
   auto entry = c10d::new_dict();
   if (includeStackTraces) {
     entry.insert("frames", c10d::new_list());  // no stack is captured (docs/observability.md)
@@ -93,7 +93,7 @@ std::string ranksText(const std::vector<int64_t>& ranks) {
   return text + "]";
 }
 
-} // namespace
+}  // namespace
 
 std::string FlightRecorder::dump(bool includeCollectives, bool includeStackTraces, bool onlyActive) {
   auto result = c10d::new_dict();
@@ -171,4 +171,4 @@ void FlightRecorder::writeOnFailure(const std::string& why) {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn
