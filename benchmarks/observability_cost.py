@@ -42,6 +42,8 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true", help="each loop inside torch.profiler.profile")
     parser.add_argument("--rounds", type=int, default=0, help="driver: rounds of one launch per contender")
     parser.add_argument("--backend", default="chainermn", help="the default group's backend (one launch)")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="driver: ranks per launch (1: the posting path alone, no peer to wait for)")
     return parser.parse_args(argv)
 
 
@@ -91,7 +93,7 @@ def drive(args):
     for round_ in range(args.rounds):
         order = contenders[round_ % len(contenders):] + contenders[:round_ % len(contenders)]
         for label, python, settings in order:
-            command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
                        str(Path(__file__).resolve()), *flags, "--backend", backends[label]]
             # Outside the repository: `import torch_chainermn` finds the venv's own build.
             done = subprocess.run(command, env={**os.environ, **settings}, cwd="/tmp", capture_output=True,
@@ -101,7 +103,7 @@ def drive(args):
                 sys.exit(f"{label}: launch failed ({done.returncode})\n{done.stderr[-3000:]}")
             results[label].append(json.loads(lines[-1])["median_us"])
             print(f"round {round_ + 1} {label}: {results[label][-1]:.2f} us", flush=True)
-    print(f"\n{args.bytes} B all_reduce, 2 ranks, {'profiler on' if args.profile else 'profiler off'}, "
+    print(f"\n{args.bytes} B all_reduce, {args.ranks} rank(s), {'profiler on' if args.profile else 'profiler off'}, "
           f"{args.rounds} launches each (min / median / max of the launches' medians, us per op):")
     for label, values in results.items():
         print(f"  {label:>14}: {min(values):7.2f} / {statistics.median(values):7.2f} / {max(values):7.2f}")
