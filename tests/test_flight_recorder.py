@@ -98,7 +98,9 @@ def one_rank_skips(skipper, peer):
         raised = ""
     except Exception as error:  # noqa: BLE001  the failure each rank reports
         raised = str(error)
-    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "rb") as f:
+    path = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)
+    assert os.path.exists(path), f"rank {rank} raised before its dump was written: {raised}"
+    with open(path, "rb") as f:
         written = pickle.load(f)
     return raised, written
 
@@ -141,3 +143,24 @@ def test_each_rank_dumps_and_the_analyzer_names_the_rank_that_skipped(world_size
         assert block, report
         assert "collective: chainermn:all_reduce" in block.group(1), report
         assert f"missing ranks: {{{skipper}}}" in block.group(1), report
+
+
+def mismatched_sizes():
+    """Rank 1 passes twice as many values: the ranks' check fails the op on both, each writes its dump."""
+    rank = dist.get_rank()
+    try:
+        dist.all_reduce(torch.ones(4 * (rank + 1)))
+        raised = ""
+    except Exception as error:  # noqa: BLE001  the mismatch each rank reports
+        raised = str(error)
+    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "rb") as f:
+        return raised, pickle.load(f)["entries"][-1]["input_sizes"]
+
+
+def test_a_mismatch_the_check_finds_is_dumped_on_every_rank():
+    with tempfile.TemporaryDirectory(prefix="chainermn-fr-") as folder:
+        env = {"TORCH_FR_DUMP_TEMP_FILE": os.path.join(folder, "trace_")}
+        outcomes = run_spawn(mismatched_sizes, 2, env=env, timeout=90)
+    for rank, (raised, sizes) in enumerate(outcomes):
+        assert "all_reduce" in raised, (rank, raised)
+        assert sizes == [[4 * (rank + 1)]], (rank, sizes)

@@ -2,8 +2,6 @@
 // by the worker's watchdog as its own device ops are, and the cross-rank checks that run beside it.
 #include "runtime/worker_state.h"
 
-#include "runtime/flight_recorder.h"
-
 namespace chainermn {
 
 bool Worker::State::watch(OnDevice entry) {
@@ -25,7 +23,7 @@ void Worker::State::checked(const c10::intrusive_ptr<WorkChainerMN>& deviceWork)
 }
 
 void Worker::State::checkFailed(const c10::intrusive_ptr<WorkChainerMN>& deviceWork, const std::exception& error) {
-  FlightRecorder::get().writeOnFailure(deviceWork->description() + " failed its cross-rank check");
+  dumpOnBreak(deviceWork->description() + " failed its cross-rank check");  // the group breaks below
   deviceWork->fail(failure(*deviceWork, error));
   std::unique_lock<std::mutex> lock(mutex);
   if (brokenReason.empty()) {

@@ -61,22 +61,22 @@ std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::e
     }
   }
   monitor->abort(message);
-  bool first = false;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (brokenReason.empty()) {
       // The whole message: what asks errored() (torchft) learns which peer failed, not only which op.
       brokenReason = "the group is unusable after " + message;
-      first = true;
     }
   }
-  if (first) {
-    FlightRecorder::get().writeOnFailure(work.description() + " failed");  // before the op's caller learns it
-  }
+  dumpOnBreak(work.description() + " failed");  // before the op's caller learns it
   if (comms) {
     comms->abort();  // device work queued before this op, or a caller's op, waits on the peers too
   }
   return backendError(message);
+}
+
+void Worker::State::dumpOnBreak(const std::string& why) {
+  std::call_once(breakDumped, [&] { FlightRecorder::get().writeOnFailure(why); });
 }
 
 // Fails every op not yet done with `reason` and makes the group unusable. Called with the lock
@@ -155,7 +155,7 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
     return false;
   }
   lock.unlock();
-  FlightRecorder::get().writeOnFailure(waiter->description() + " ended by a peer");  // before the ops fail
+  dumpOnBreak(waiter->description() + " ended by a peer");  // before the ops fail
   lock.lock();
   if (!brokenReason.empty()) {
     return false;
@@ -244,9 +244,7 @@ void Worker::State::failAndBreak(
   if (monitor) {
     monitor->abort(message);
   }
-  if (first) {
-    FlightRecorder::get().writeOnFailure(work.description() + " " + what);  // before its caller learns it
-  }
+  dumpOnBreak(work.description() + " " + what);  // before its caller learns it
   work.fail(backendError(message));
   lock.lock();
   if (first) {

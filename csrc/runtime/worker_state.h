@@ -91,6 +91,10 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   // <what>"). Lock held on entry and exit.
   void failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message, const std::string& what);
   std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
+  // The flight recorder's dump of the group's break (runtime/flight_recorder.h), written once: every
+  // thread that fails ops for the break calls this first, without the lock, and so waits for the dump.
+  void dumpOnBreak(const std::string& why);
+  std::once_flag breakDumped;
   // "chainermn <op> timed out: ..., who waited where" (asks the store: without the lock).
   std::string timeoutMessage(const WorkChainerMN& work);
   // Runs an op's body: completes its Work, or leaves its transfer in flight or its device work watched.
