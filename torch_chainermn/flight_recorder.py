@@ -8,7 +8,8 @@ tools read it (docs/observability.md):
   as in torch; 0 turns the recorder off.
 - On a failure (an op's timeout, a dead or aborting peer, a mismatch the ranks' check finds) each rank
   writes its dump through torch's DebugInfoWriter before the op raises: to `TORCH_FR_DUMP_TEMP_FILE`
-  (legacy `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`, default `/tmp/nccl_trace_rank_`) followed by the global rank.
+  (legacy `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`; torch 2.13 defaults to `~/.cache/torch/comm_lib_trace_rank_`)
+  followed by the global rank.
   `TORCH_NCCL_DUMP_ON_TIMEOUT=0` turns that off.
 - `python -m torch_chainermn.fr_trace DIR` is torch's analyzer (`torchfrtrace`), reading these dumps.
 
