@@ -42,6 +42,8 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true", help="each loop inside torch.profiler.profile")
     parser.add_argument("--rounds", type=int, default=0, help="driver: rounds of one launch per contender")
     parser.add_argument("--backend", default="chainermn", help="the default group's backend (one launch)")
+    parser.add_argument("--recorder-cost", action="store_true",
+                        help="the flight recorder's own time per op, in process (a test build's _C.testing)")
     parser.add_argument("--ranks", type=int, default=2,
                         help="driver: ranks per launch (1: the posting path alone, no peer to wait for)")
     return parser.parse_args(argv)
@@ -109,9 +111,26 @@ def drive(args):
         print(f"  {label:>14}: {min(values):7.2f} / {statistics.median(values):7.2f} / {max(values):7.2f}")
 
 
+def recorder_cost(args):
+    """The flight recorder's own work per op (record, start, end of a 4 KiB all_reduce), timed in C++ on a
+    ring of torch's default size, against the op times above."""
+    import torch
+
+    from torch_chainermn._C import testing
+
+    ring = testing.FlightRecorderRing(2000, [0, 1], 0, "0", "default_pg")
+    x = torch.ones(args.bytes // 4)
+    ring.nanoseconds_per_op(x, 10000)  # every slot written once: no allocation from here on
+    runs = [ring.nanoseconds_per_op(x, 200000) for _ in range(7)]
+    print(f"flight recorder, {args.bytes} B all_reduce: {min(runs):.0f} / {statistics.median(runs):.0f} / "
+          f"{max(runs):.0f} ns per op (min / median / max of 7 runs of 200000)")
+
+
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.rounds:
+    if arguments.recorder_cost:
+        recorder_cost(arguments)
+    elif arguments.rounds:
         drive(arguments)
     else:
         one_launch(arguments)

@@ -7,7 +7,6 @@
 #include <pthread.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 
 namespace chainermn {
@@ -55,20 +54,6 @@ const char* analyzerName(c10d::OpType type, const char* name) {
       return std::strcmp(name, "batch_isend_irecv") == 0 ? "coalesced" : name;
     default:
       return name;  // a refusal (UNKNOWN) stands for the op refused, named as posted
-  }
-}
-
-void writeProfilingName(char (&out)[64], const PostedOp& op) {
-  switch (op.type) {
-    case c10d::OpType::SEND:
-      std::snprintf(out, sizeof(out), "chainermn:send %d->%d", op.rank, op.peer);
-      return;
-    case c10d::OpType::RECV:
-    case c10d::OpType::RECVANYSOURCE:
-      std::snprintf(out, sizeof(out), "chainermn:recv %d<-%d", op.rank, op.peer);
-      return;
-    default:
-      std::snprintf(out, sizeof(out), "chainermn:%s", analyzerName(op.type, op.name));
   }
 }
 
@@ -155,7 +140,12 @@ FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string&
   slot.collective = op.collective;
   slot.isP2P = !op.collective;
   slot.retired = false;
-  writeProfilingName(slot.profilingName, op);
+  const bool send = op.type == c10d::OpType::SEND;
+  const bool receive = op.type == c10d::OpType::RECV || op.type == c10d::OpType::RECVANYSOURCE;
+  slot.op = send ? "send" : receive ? "recv" : analyzerName(op.type, op.name);
+  slot.direction = send ? "->" : receive ? "<-" : nullptr;
+  slot.rank = op.rank;
+  slot.peer = op.peer;
   slot.createdNs = now;
   slot.startedNs = 0;
   slot.completedNs = 0;

@@ -46,7 +46,7 @@ struct TracedGroup {
 // What the funnel knows of an op when it posts it.
 struct PostedOp {
   c10d::OpType type;
-  const char* name;  // the backend's name of it ("all_gather_into_tensor"), for ops of no OpType
+  const char* name;  // the backend's name of it ("all_gather_into_tensor"): a literal, kept by the ring
   bool collective;
   uint64_t collectiveSeq;  // the group's collectives posted so far, this one included if collective
   uint64_t p2pSeq;         // likewise for sends and receives
@@ -102,7 +102,12 @@ class FlightRecorder {
     bool collective = false;
     bool isP2P = false;
     bool retired = false;
-    char profilingName[64] = {};  // "chainermn:all_reduce", "chainermn:send 0->1"
+    // Its profiling name, put together at the dump: "chainermn:" + op ("all_reduce"), and for a send
+    // or a receive the ranks ("chainermn:send 0->1", "chainermn:recv 1<-0").
+    const char* op = "";
+    const char* direction = nullptr;  // "->" for a send, "<-" for a receive; null for the rest
+    int rank = 0;
+    int peer = -1;
     int64_t createdNs = 0;        // wall clock, as torch's
     int64_t startedNs = 0;        // 0: not yet
     int64_t completedNs = 0;

@@ -66,7 +66,11 @@ c10::Dict<c10::IValue, c10::IValue> entryOf(const FlightRecorder::Slot& slot, co
   entry.insert("collective_seq_id", static_cast<int64_t>(slot.collectiveSeq));
   entry.insert("p2p_seq_id", static_cast<int64_t>(slot.p2pSeq));
   entry.insert("op_id", static_cast<int64_t>(slot.opId));
-  entry.insert("profiling_name", std::string(slot.profilingName));
+  std::string name = std::string("chainermn:") + slot.op;
+  if (slot.direction != nullptr) {
+    name += " " + std::to_string(slot.rank) + slot.direction + std::to_string(slot.peer);
+  }
+  entry.insert("profiling_name", name);
   entry.insert("time_created_ns", slot.createdNs);
   if (slot.completedNs != 0) {
     entry.insert("duration_ms", static_cast<double>(slot.completedNs - slot.startedNs) / 1e6);
