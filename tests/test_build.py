@@ -139,7 +139,7 @@ def test_every_source_compiles_to_its_own_object(monkeypatch, tmp_path, cuda, mp
 def test_a_user_build_has_no_test_harness():
     """What `pip install .` compiles (no CHAINERMN_TESTING) leaves out csrc/testing/ and the
     _C.testing bindings, and the test build has every one of them; nothing else differs."""
-    harness = {s for s in csrc_sources() if s.startswith("csrc/testing/") or s.startswith("csrc/python/testing")}
+    harness = {s for s in csrc_sources() if s.startswith("csrc/testing/")}
     assert harness
     for cuda, mpi in BUILDS:
         user = set(build_sources.sources(cuda=cuda, mpi=mpi))
@@ -147,8 +147,8 @@ def test_a_user_build_has_no_test_harness():
         assert not user & harness and test - user == harness
     # The module's init knows no harness by name: the harness registers itself where it is linked.
     bindings = (ROOT / "csrc" / "python" / "bindings.cpp").read_text()
-    assert "python/testing.h" not in bindings and "bindTesting" not in bindings
-    assert "registerSubmodule(\"testing\"" in (ROOT / "csrc" / "python" / "testing.cpp").read_text()
+    assert "testing/bindings.h" not in bindings and "bindTesting" not in bindings
+    assert "registerSubmodule(\"testing\"" in (ROOT / "csrc" / "testing" / "bindings.cpp").read_text()
 
 
 def test_each_source_is_in_the_builds_it_belongs_to():

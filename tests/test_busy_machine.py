@@ -1,4 +1,4 @@
-"""A busy machine (csrc/spin.h: waits that sleep rather than spin or yield once the machine is seen
+"""A busy machine (csrc/os/spin.h: waits that sleep rather than spin or yield once the machine is seen
 busy): every collective finishes with the right result while the cores are oversubscribed, small ops
 keep the issue order behind ops in flight, an async op never waits for its peers, and a wait with its
 own timeout keeps it. (Running a queued op on the thread that waits for it was tried and left out:

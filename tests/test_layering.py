@@ -1,14 +1,16 @@
 """The C++ layers call down only: no include points up a layer, and no two folders include each other.
 
 Layers, top to bottom (a file may include its own folder and any folder below it):
+    testing/                      the in-process harness and its bindings (_C.testing; test builds only)
     python/                       the bindings
-    backend/, testing/            the c10d surface; the in-process harness (never includes backend/)
+    backend/                      the c10d surface
     strategies/, cuda/, runtime/  allreduce algorithms; everything CUDA: the device unit (cuda/device.h),
                                   the CUDA transports and kernels; the engine that runs ops (Work, the
                                   worker, the watchdog; device-agnostic: it and cuda/ never meet)
     comm/, buffers/               transports; a device's staging buffers and how bytes move there (Scratch)
     kernels/                      packing, casting, reduction, the codes
-    types.h, topology.h           the vocabulary every layer shares
+    types.h, topology.h, os/      the vocabulary every layer shares; the operating system's helpers (waits
+                                  that spin or sleep, thread names, processes, std::terminate's report)
 
 torch's heavy headers (ATen, torch/, c10d, pybind11: 2.6 s to 5 s of compiling each, against 0.4 s for c10's
 util and core headers) are kept to the folders that meet torch; elsewhere only the adapters named in
@@ -18,8 +20,8 @@ import re
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-LEVEL = {"": 0, "kernels": 1, "comm": 2, "buffers": 2, "strategies": 3, "cuda": 3, "runtime": 3, "backend": 4, "testing": 4,
-         "python": 5}
+LEVEL = {"": 0, "os": 0, "kernels": 1, "comm": 2, "buffers": 2, "strategies": 3, "cuda": 3, "runtime": 3, "backend": 4,
+         "python": 5, "testing": 6}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 LINE_LIMIT = 700  # files are cut by what they do; this only guards against one file growing into many
 # A preprocessor test of the CUDA build: only in csrc/cuda/ and the backend's one door to it.
@@ -87,16 +89,15 @@ def test_cuda_is_tested_for_only_in_its_home():
 
 
 def test_only_the_test_harnesses_include_them():
-    """csrc/testing/ and python/testing* are compiled in a test build only (tools/build_sources.py):
-    no file of a user's build may include them (bindings.cpp names python/testing.h under
-    CHAINERMN_WITH_TESTING alone: tests/test_build.py)."""
+    """csrc/testing/ is compiled in a test build only (tools/build_sources.py): no file of a user's
+    build may include it (the harness registers _C.testing itself: tests/test_build.py)."""
     def harness(path: str) -> bool:
-        return path.startswith("testing/") or path.startswith("python/testing")
+        return path.startswith("testing/")
 
     wrong = []
     for path in sources():
         here = str(path.relative_to(CSRC))
-        if harness(here) or here == "python/bindings.cpp":
+        if harness(here):
             continue
         wrong += [f"{here} includes {included}" for included in INCLUDE.findall(path.read_text()) if harness(included)]
     assert wrong == []

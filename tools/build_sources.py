@@ -7,8 +7,7 @@ setup.py imports this module; CMakeLists.txt and tools/check_cuda_compile.sh run
 Which build compiles which file under csrc/:
   csrc/cuda/**         CUDA builds only (CUDA tensors, NCCL, the .cu kernels). Every .cu lives here.
   csrc/comm/mpi*.cpp   MPI builds only (mpicc found).
-  csrc/testing/**, csrc/python/testing*.cpp
-                       test builds only (CHAINERMN_TESTING=1, which `make install` sets): the
+  csrc/testing/**      test builds only (CHAINERMN_TESTING=1, which `make install` sets): the
                        in-process harnesses of torch_chainermn._C.testing. A user's install
                        (pip install .) leaves them out.
   everything else      every build.
@@ -31,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = "csrc"
 CUDA_ONLY = "csrc/cuda/*"        # fnmatch: "*" matches "/" too, so this is the whole subtree
 MPI_ONLY = "csrc/comm/mpi*.cpp"
-TESTING_ONLY = ("csrc/testing/*", "csrc/python/testing*.cpp")
+TESTING_ONLY = ("csrc/testing/*",)
 SOURCE_SUFFIXES = (".cpp", ".cu")
 
 # What BuildExtension's compiler accepts and how it names objects: distutils' UnixCCompiler

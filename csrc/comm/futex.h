@@ -3,7 +3,7 @@
 // callers re-check the word.
 #pragma once
 
-#include "spin.h"  // cpuRelax: the spin hint
+#include "os/spin.h"  // cpuRelax: the spin hint
 
 #include <linux/futex.h>
 #include <sys/syscall.h>

@@ -2,7 +2,7 @@
 
 #include "comm/futex.h"
 #include "phase.h"
-#include "process.h"
+#include "os/process.h"
 
 #include <c10/util/Exception.h>
 #include <sched.h>

@@ -1,9 +1,9 @@
 #include "comm/shm_mailbox.h"
 
 #include "comm/shm_mailbox_state.h"
-#include "linger.h"
-#include "spin.h"
-#include "thread_name.h"
+#include "os/linger.h"
+#include "os/spin.h"
+#include "os/thread_name.h"
 #include "types.h"
 
 #include <c10/util/Exception.h>

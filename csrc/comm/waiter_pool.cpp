@@ -1,6 +1,6 @@
 #include "comm/waiter_pool.h"
 
-#include "thread_name.h"
+#include "os/thread_name.h"
 
 #include <condition_variable>
 #include <deque>

@@ -6,7 +6,7 @@
 #include "comm/gloo.h"
 #include "python/submodules.h"
 #include "strategies/strategy.h"
-#include "terminate_report.h"
+#include "os/terminate_report.h"
 #include "topology.h"
 #ifdef CHAINERMN_WITH_MPI
 #include "comm/mpi.h"
@@ -300,7 +300,7 @@ PYBIND11_MODULE(_C, m) {
         return c10::make_intrusive<chainermn::BackendOptions>(o);
       });
 
-  // _C.testing in a test build: csrc/python/testing.cpp registers it when the build links it in.
+  // _C.testing in a test build: csrc/testing/bindings.cpp registers it when the build links it in.
   chainermn::bindRegisteredSubmodules(m);
 
   m.attr("cuda_built") = chainermn::cudaBuilt();

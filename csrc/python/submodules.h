@@ -1,7 +1,7 @@
 // Submodules of torch_chainermn._C added by the files that define them, when those files are linked in.
 //
 // A build's source list decides what _C holds (tools/build_sources.py): the test build links the
-// harnesses of csrc/python/testing*.cpp, a user's build leaves them out. Each such file registers its
+// harnesses of csrc/testing/bindings*.cpp, a user's build leaves them out. Each such file registers its
 // submodule from a static initializer, and the module's init binds whatever registered, so no source
 // is compiled differently for a test build than for a user's, and the two builds share their objects
 // (a user's wheel after `make install` only relinks).

@@ -1,6 +1,6 @@
 #include "runtime/health.h"
 
-#include "process.h"
+#include "os/process.h"
 
 #include <unistd.h>
 

@@ -1,6 +1,6 @@
 #include "runtime/store_courier.h"
 
-#include "thread_name.h"
+#include "os/thread_name.h"
 
 #include <condition_variable>
 #include <mutex>

@@ -3,7 +3,7 @@
 #include "runtime/backoff.h"
 #include "runtime/flight_recorder.h"
 #include "runtime/op_span.h"
-#include "spin.h"
+#include "os/spin.h"
 
 #include <c10/util/Exception.h>
 

@@ -4,9 +4,9 @@
 #include "runtime/flight_recorder.h"
 #include "runtime/gil_release.h"
 #include "runtime/worker_state.h"
-#include "linger.h"
-#include "spin.h"
-#include "thread_name.h"
+#include "os/linger.h"
+#include "os/spin.h"
+#include "os/thread_name.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "spin.h"
+#include "os/spin.h"
 
 #include <fcntl.h>
 #include <sched.h>

@@ -1,4 +1,4 @@
-#include "process.h"
+#include "os/process.h"
 
 #include <signal.h>
 #include <unistd.h>

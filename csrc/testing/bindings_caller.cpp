@@ -3,7 +3,7 @@
 // arrives. The caller is the thread waiting in the segment's barrier, so no watchdog can free it by
 // failing the Work: the group's break must abort the transport (AbortableComms). Ranks are threads
 // of this process (testing/runner.h).
-#include "python/testing.h"
+#include "testing/bindings.h"
 
 #include "runtime/worker.h"
 #include "testing/runner.h"

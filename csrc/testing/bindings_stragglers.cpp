@@ -1,6 +1,6 @@
 // testing.merged_arrival and testing.stragglers_named (tests/test_stragglers.py): the stragglers'
 // arithmetic (backend/stragglers.h) on times a test chooses, without ranks.
-#include "python/testing.h"
+#include "testing/bindings.h"
 
 #include "backend/stragglers.h"
 

@@ -1,17 +1,17 @@
 // torch_chainermn._C.testing: the in-process harness (csrc/testing/) for Python tests. Ranks are
 // threads; every call below releases the GIL while they run, and a rank's Python function takes it
 // only while it runs Python code.
-#include "python/testing.h"
+#include "testing/bindings.h"
 #include "python/submodules.h"
-#include "thread_name.h"
+#include "os/thread_name.h"
 
 #include "backend/device_context.h"
 #include "runtime/store_courier.h"
 #include "comm/waiter_pool.h"
 #include "buffers/scratch.h"
 #include "kernels/quantize.h"
-#include "linger.h"
-#include "spin.h"
+#include "os/linger.h"
+#include "os/spin.h"
 #include "strategies/compressed.h"
 #include "strategies/strategy.h"
 #include "testing/runner.h"

@@ -1,4 +1,4 @@
-#include "terminate_report.h"
+#include "os/terminate_report.h"
 
 #include <execinfo.h>
 #include <pthread.h>

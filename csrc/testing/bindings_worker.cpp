@@ -3,7 +3,7 @@
 // the watchdog watches its end, polls the transports' asynchronous errors, aborts them on a timeout
 // or an error) runs in CI, where there is no GPU. The device here is a counter the test advances and
 // an error string it sets: what a CUDA event and ncclCommGetAsyncError report on a GPU.
-#include "python/testing.h"
+#include "testing/bindings.h"
 
 #include "runtime/worker.h"
 
