@@ -13,7 +13,7 @@ void bindWorkerTesting(pybind11::module_& testing);
 void bindCallerTesting(pybind11::module_& testing);
 // testing.merged_arrival, testing.stragglers_named (testing_stragglers.cpp): the stragglers' arithmetic.
 void bindStragglersTesting(pybind11::module_& testing);
-// testing.FlightRecorderRing (testing_flight_recorder.cpp): a flight recorder of a chosen size.
+// testing.FlightRecorderRing (bindings_flight_recorder.cpp): a flight recorder of a chosen size.
 void bindFlightRecorderTesting(pybind11::module_& testing);
 
 } // namespace chainermn

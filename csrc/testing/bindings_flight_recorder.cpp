@@ -1,7 +1,7 @@
 // torch_chainermn._C.testing.FlightRecorderRing: a flight recorder of its own size (the process's is
 // sized once, from the environment), fed ops by the test, so that the ring's wrap-around, its states and
 // its dump are checked in process.
-#include "python/testing.h"
+#include "testing/bindings.h"
 
 #include "runtime/flight_recorder.h"
 
