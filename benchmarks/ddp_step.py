@@ -53,6 +53,7 @@ launch, and ddp_step.md (the table), ddp_step.json (every launch) and ddp_step.p
 median step time with their range; needs matplotlib). A launch by hand prints its row, and writes its
 JSON with --json PATH.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,17 +82,32 @@ RTOL, ATOL = 1e-4, 1e-6
 
 # ----------------------------------------------------------------------------------------- arguments
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="DDP step time of a ResNet-18 on CPU: chainermn vs gloo, interleaved in the same ranks",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--launch", action="store_true",
-                        help="be the driver: one torchrun launch per (threads, busy) pair, then one table")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1],
-                        help="torch intra-op threads per rank; several only with --launch")
-    parser.add_argument("--busy", type=int, nargs="+", default=[0], metavar="N",
-                        help="busy (spinning) processes beside the ranks; several only with --launch")
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="be the driver: one torchrun launch per (threads, busy) pair, then one table",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="torch intra-op threads per rank; several only with --launch",
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="busy (spinning) processes beside the ranks; several only with --launch",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="--launch: ranks per launch")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block (per backend and round)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds; the median and range are reported")
@@ -117,6 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # -------------------------------------------------------------------------------------------- model
 
+
 def build_model(args):
     """ResNet-18's layout with `args.width` channels in its first stage (gpu.py's ResNet, torchvision's
     layout, so no torchvision needed); the same weights in every process for the same --seed."""
@@ -129,6 +146,7 @@ def build_model(args):
 
 
 # ------------------------------------------------------------------------------------------- a rank
+
 
 def run_rank(args) -> None:
     sys.path.insert(0, str(REPO))  # the package, also when it is not pip-installed
@@ -161,8 +179,13 @@ def run_rank(args) -> None:
     ddps[FLOOR].register_comm_hook(None, no_communication)
     optimizers = {name: torch.optim.SGD(ddps[name].parameters(), lr=0.01, momentum=0.9) for name in CONTENDERS}
     data = torch.Generator().manual_seed(args.seed + 1 + rank)
-    batches = [(torch.randn(args.batch, 3, args.image_size, args.image_size, generator=data),
-                torch.randint(args.classes, (args.batch,), generator=data)) for _ in range(args.batches)]
+    batches = [
+        (
+            torch.randn(args.batch, 3, args.image_size, args.image_size, generator=data),
+            torch.randint(args.classes, (args.batch,), generator=data),
+        )
+        for _ in range(args.batches)
+    ]
     taken = dict.fromkeys(CONTENDERS, 0)  # steps each has taken: all walk the same batches
 
     def step(name: str) -> None:
@@ -181,13 +204,26 @@ def run_rank(args) -> None:
         return slowest((time.perf_counter() - start) / args.steps)
 
     meta = {
-        "launcher": launcher_name(), "ranks": world, "threads": threads, "busy": busy,
-        "chainermn_transport": torch_chainermn.transport(), "batch": args.batch, "image_size": args.image_size,
-        "width": args.width, "classes": args.classes, "parameters": sum(p.numel() for p in model.parameters()),
-        "parameter_tensors": len(list(model.parameters())), "steps": args.steps, "repeats": args.repeats,
-        "warmup": args.warmup, "torch": torch.__version__, "torch_chainermn": torch_chainermn.__version__,
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_start": os.getloadavg()[0],
+        "launcher": launcher_name(),
+        "ranks": world,
+        "threads": threads,
+        "busy": busy,
+        "chainermn_transport": torch_chainermn.transport(),
+        "batch": args.batch,
+        "image_size": args.image_size,
+        "width": args.width,
+        "classes": args.classes,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameter_tensors": len(list(model.parameters())),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "torch_chainermn": torch_chainermn.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "loadavg_start": os.getloadavg()[0],
     }
     if rank == 0:
         print(f"# {describe(meta)}", flush=True)
@@ -207,8 +243,7 @@ def run_rank(args) -> None:
     difference = max_difference(torch, models["chainermn"], models["gloo"])
     difference["abs"] = slowest(difference["abs"])
     difference["equal"] = slowest(0.0 if difference["equal"] else 1.0) == 0.0
-    result = {"meta": meta, "difference": difference,
-              "times": {name: summary(times[name]) for name in CONTENDERS}}
+    result = {"meta": meta, "difference": difference, "times": {name: summary(times[name]) for name in CONTENDERS}}
     if rank == 0:
         for line in table([result]):
             print(line)
@@ -232,8 +267,9 @@ def max_difference(torch, a, b) -> dict:
     """The largest |a - b| over parameters and buffers (BatchNorm statistics), and whether every
     tensor is within float32 rounding (rtol RTOL, atol ATOL)."""
     largest, equal = 0.0, True
-    for (name, x), (_, y) in zip(list(a.named_parameters()) + list(a.named_buffers()),
-                                 list(b.named_parameters()) + list(b.named_buffers())):
+    for (name, x), (_, y) in zip(
+        list(a.named_parameters()) + list(a.named_buffers()), list(b.named_parameters()) + list(b.named_buffers())
+    ):
         x, y = x.detach().double(), y.detach().double()
         largest = max(largest, float((x - y).abs().max()))
         equal = equal and bool(torch.allclose(x, y, rtol=RTOL, atol=ATOL))
@@ -246,12 +282,15 @@ def summary(seconds: list[float]) -> dict:
 
 # ------------------------------------------------------------------------------------------- output
 
+
 def describe(meta: dict) -> str:
-    return (f"DDP step of ResNet-18 (width {meta['width']}, {meta['parameters'] / 1e6:.1f}M parameters in "
-            f"{meta['parameter_tensors']} tensors), batch {meta['batch']} of 3x{meta['image_size']}x{meta['image_size']} "
-            f"per rank, {meta['ranks']} ranks by {meta['launcher']} (chainermn over {meta['chainermn_transport']}), "
-            f"{meta['steps']} steps x {meta['repeats']} rounds after {meta['warmup']} warm-up; torch {meta['torch']}, "
-            f"{meta['cpus']} CPUs")
+    return (
+        f"DDP step of ResNet-18 (width {meta['width']}, {meta['parameters'] / 1e6:.1f}M parameters in "
+        f"{meta['parameter_tensors']} tensors), batch {meta['batch']} of 3x{meta['image_size']}x{meta['image_size']} "
+        f"per rank, {meta['ranks']} ranks by {meta['launcher']} (chainermn over {meta['chainermn_transport']}), "
+        f"{meta['steps']} steps x {meta['repeats']} rounds after {meta['warmup']} warm-up; torch {meta['torch']}, "
+        f"{meta['cpus']} CPUs"
+    )
 
 
 def cell(t: dict) -> str:
@@ -260,27 +299,38 @@ def cell(t: dict) -> str:
 
 def table(results: list[dict]) -> list[str]:
     """Markdown: a row per launch, step times as 'median (min-max)' in seconds."""
-    lines = ["| threads | busy | chainermn s/step | gloo s/step | no communication s/step | gloo / chainermn "
-             "| gloo / no communication | chainermn above the floor | load average | check |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| threads | busy | chainermn s/step | gloo s/step | no communication s/step | gloo / chainermn "
+        "| gloo / no communication | chainermn above the floor | load average | check |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         meta, ours, theirs, floor = r["meta"], r["times"]["chainermn"], r["times"]["gloo"], r["times"][FLOOR]
-        check = (f"equal (max diff {r['difference']['abs']:.3g})" if r["difference"]["equal"] else
-                 f"WRONG: parameters differ by up to {r['difference']['abs']:.3g}")
-        lines.append(f"| {meta['threads']} | {meta['busy']} | {cell(ours)} | {cell(theirs)} | {cell(floor)} "
-                     f"| {theirs['median'] / ours['median']:.2f} | {theirs['median'] / floor['median']:.2f} "
-                     f"| {ours['median'] / floor['median'] - 1:+.0%} "
-                     f"| {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} | {check} |")
+        check = (
+            f"equal (max diff {r['difference']['abs']:.3g})"
+            if r["difference"]["equal"]
+            else f"WRONG: parameters differ by up to {r['difference']['abs']:.3g}"
+        )
+        lines.append(
+            f"| {meta['threads']} | {meta['busy']} | {cell(ours)} | {cell(theirs)} | {cell(floor)} "
+            f"| {theirs['median'] / ours['median']:.2f} | {theirs['median'] / floor['median']:.2f} "
+            f"| {ours['median'] / floor['median'] - 1:+.0%} "
+            f"| {meta['loadavg_start']:.1f} -> {meta['loadavg_end']:.1f} | {check} |"
+        )
     return lines
 
 
 def report(results: list[dict]) -> str:
-    lines = [f"{describe(results[0]['meta'])}.", "",
-             "Seconds per step (forward, backward with DDP's all-reduces, SGD step): median over the rounds "
-             "(min-max); gloo / chainermn above 1: chainermn faster. no communication: the same step with a comm "
-             "hook that returns each bucket as it is, the floor; gloo / no communication is the most any backend "
-             "could gain on gloo in this run. busy: spinning processes beside the ranks. "
-             "check: the chainermn and gloo DDPs end with the same parameters.", ""]
+    lines = [
+        f"{describe(results[0]['meta'])}.",
+        "",
+        "Seconds per step (forward, backward with DDP's all-reduces, SGD step): median over the rounds "
+        "(min-max); gloo / chainermn above 1: chainermn faster. no communication: the same step with a comm "
+        "hook that returns each bucket as it is, the floor; gloo / no communication is the most any backend "
+        "could gain on gloo in this run. busy: spinning processes beside the ranks. "
+        "check: the chainermn and gloo DDPs end with the same parameters.",
+        "",
+    ]
     return "\n".join(lines + table(results))
 
 
@@ -298,19 +348,30 @@ def plot(results: list[dict], path: Path) -> None:
         medians = [x["median"] * 1e3 for x in t]
         below = [(x["median"] - x["min"]) * 1e3 for x in t]
         above = [(x["max"] - x["median"]) * 1e3 for x in t]
-        ax.bar([x + (k - 1) * bar for x in xs], medians, bar, yerr=[below, above], capsize=3,
-               color=COLORS[name], label="no communication" if name == FLOOR else name)
+        ax.bar(
+            [x + (k - 1) * bar for x in xs],
+            medians,
+            bar,
+            yerr=[below, above],
+            capsize=3,
+            color=COLORS[name],
+            label="no communication" if name == FLOOR else name,
+        )
     for x, r in zip(xs, results):
         ratio = r["times"]["gloo"]["median"] / r["times"]["chainermn"]["median"]
         top = max(r["times"][name]["max"] for name in CONTENDERS) * 1e3
         mark = "" if r["difference"]["equal"] else " WRONG"
-        ax.annotate(f"x{ratio:.2f}{mark}", (x, top), textcoords="offset points", xytext=(0, 4), ha="center",
-                    fontsize="small")
+        ax.annotate(
+            f"x{ratio:.2f}{mark}", (x, top), textcoords="offset points", xytext=(0, 4), ha="center", fontsize="small"
+        )
     ax.set_xticks(list(xs), [f"{r['meta']['threads']} thread(s)\nbusy {r['meta']['busy']}" for r in results])
     ax.set_ylabel("ms per step (median, range)")
     meta = results[0]["meta"]
-    ax.set_title(f"DDP step, ResNet-18 w{meta['width']}, batch {meta['batch']} of {meta['image_size']}px, "
-                 f"{meta['ranks']} ranks ({meta['launcher']})\nlabels: gloo / chainermn", fontsize="medium")
+    ax.set_title(
+        f"DDP step, ResNet-18 w{meta['width']}, batch {meta['batch']} of {meta['image_size']}px, "
+        f"{meta['ranks']} ranks ({meta['launcher']})\nlabels: gloo / chainermn",
+        fontsize="medium",
+    )
     ax.margins(y=0.15)
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -322,13 +383,36 @@ def plot(results: list[dict], path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- driver
 
+
 def launch_command(args, ranks: int, threads: int, busy: int, json_path: Path) -> list[str]:
     """A torchrun launch of this script for one (threads, busy), this run's options passed on."""
-    script = [str(Path(__file__).resolve()), "--threads", str(threads), "--busy", str(busy),
-              "--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-              "--batch", str(args.batch), "--image-size", str(args.image_size), "--width", str(args.width),
-              "--classes", str(args.classes), "--batches", str(args.batches), "--seed", str(args.seed),
-              "--json", str(json_path)]
+    script = [
+        str(Path(__file__).resolve()),
+        "--threads",
+        str(threads),
+        "--busy",
+        str(busy),
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+        "--batch",
+        str(args.batch),
+        "--image-size",
+        str(args.image_size),
+        "--width",
+        str(args.width),
+        "--classes",
+        str(args.classes),
+        "--batches",
+        str(args.batches),
+        "--seed",
+        str(args.seed),
+        "--json",
+        str(json_path),
+    ]
     # --standalone: a private rendezvous on a free port, so nothing else on this host interferes.
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script]
 

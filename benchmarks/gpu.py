@@ -50,6 +50,7 @@ It prints a markdown table per section and writes `gpu.md`, `gpu.json` (every nu
 (busbw curves, packing GB/s; needs matplotlib) into `--out` (default benchmarks/results), beside
 `allreduce.md` and `allreduce-2-torchrun.json` from the allreduce launch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,17 +91,19 @@ DEFAULT_OUT = BENCHMARKS / "results"
 
 # ----------------------------------------------------------------------------------------- arguments
 
+
 @dataclasses.dataclass
 class Plan:
     """The sizes a run uses: set by the device, shrunk by --quick, overridden by explicit options."""
+
     device: torch.device
     repeats: int
-    loop_seconds: float          # aim for timed loops this long
-    copy_bytes: int              # the float32 buffer of the copy-bandwidth reference
-    resnet_width: int            # 64: ResNet-50 itself; smaller keeps its 161 tensors, shrinks them
+    loop_seconds: float  # aim for timed loops this long
+    copy_bytes: int  # the float32 buffer of the copy-bandwidth reference
+    resnet_width: int  # 64: ResNet-50 itself; smaller keeps its 161 tensors, shrinks them
     transformer_layers: int
     transformer_width: int
-    ddp_model: str               # "resnet50" or "small"
+    ddp_model: str  # "resnet50" or "small"
     batch: int
     image_size: int
     ddp_ranks: int
@@ -111,18 +114,21 @@ class Plan:
 def parse_args(argv=None) -> tuple[argparse.Namespace, Plan]:
     parser = argparse.ArgumentParser(
         description="chainermn vs torch's backend on one device: packing, DDP step time, all_reduce busbw",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="comma-separated, among: " + ", ".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, among: " + ", ".join(SECTIONS))
     parser.add_argument("--repeats", type=int, default=7, help="timed loops per contender; the median is reported")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and short loops: a smoke test, not a measurement")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes and short loops: a smoke test, not a measurement"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for gpu.md, gpu.json, gpu.png")
     parser.add_argument("--loop-seconds", type=float, help="length of one timed loop (default: 0.25, --quick 0.01)")
     parser.add_argument("--transformer-layers", type=int, help="layers of the transformer's gradients (default 12)")
-    parser.add_argument("--ddp-model", choices=("resnet50", "small"),
-                        help="DDP's model (default: resnet50 on CUDA, small on CPU)")
+    parser.add_argument(
+        "--ddp-model", choices=("resnet50", "small"), help="DDP's model (default: resnet50 on CUDA, small on CPU)"
+    )
     parser.add_argument("--batch", type=int, help="DDP's batch per rank (default: 64 for resnet50, 32 for small)")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="DDP's ranks (2: spawned processes)")
     parser.add_argument("--max-bytes", type=int, help="largest all_reduce (default: 256 MiB on CUDA, 16 MiB on CPU)")
@@ -136,8 +142,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Plan]:
     if args.device == "cuda" and not cuda:
         parser.error("--device cuda: torch sees no CUDA GPU")
     if args.device == "cuda" and not torch_chainermn._C.cuda_built:
-        parser.error("--device cuda: torch_chainermn was built without its CUDA path (torch_chainermn._C.cuda_built "
-                     "is False); rebuild it against this CUDA torch with nvcc on PATH")
+        parser.error(
+            "--device cuda: torch_chainermn was built without its CUDA path (torch_chainermn._C.cuda_built "
+            "is False); rebuild it against this CUDA torch with nvcc on PATH"
+        )
     return args, make_plan(args)
 
 
@@ -171,6 +179,7 @@ def make_plan(args) -> Plan:
 
 # -------------------------------------------------------------------------------------------- timing
 
+
 def nothing() -> None:
     pass
 
@@ -179,6 +188,7 @@ def nothing() -> None:
 class Contender:
     """One way of doing the measured thing: `op` does it once; `finish` runs once at the end of every
     timed loop (e.g. to wait for communication still running in the background)."""
+
     label: str
     op: Callable[[], None]
     finish: Callable[[], None] = nothing
@@ -187,6 +197,7 @@ class Contender:
 @dataclasses.dataclass
 class Timing:
     """Seconds per op: the median over the timed loops, and the fastest and slowest loop."""
+
     median: float
     low: float
     high: float
@@ -268,8 +279,14 @@ def iterations_for(clock: Clock, contender: Contender, target_seconds: float, ra
         iters *= 4
 
 
-def time_in_turns(contenders: list[Contender], clock: Clock, plan: Plan, warmup: int,
-                  ranks: Ranks = Ranks(), failures: dict[str, str] | None = None) -> dict[str, Timing]:
+def time_in_turns(
+    contenders: list[Contender],
+    clock: Clock,
+    plan: Plan,
+    warmup: int,
+    ranks: Ranks = Ranks(),
+    failures: dict[str, str] | None = None,
+) -> dict[str, Timing]:
     """Warm every contender up, size its loops, then time them loop by loop in turns.
 
     With `failures` given, a contender that raises during its warm-up is left out and its error
@@ -301,8 +318,10 @@ def time_in_turns(contenders: list[Contender], clock: Clock, plan: Plan, warmup:
 
 # ------------------------------------------------------------------------------------ models, shapes
 
+
 class BasicBlock(nn.Module):
     """ResNet-18/34's block: two 3x3 convolutions."""
+
     expansion = 1
 
     def __init__(self, inplanes: int, planes: int, stride: int):
@@ -320,6 +339,7 @@ class BasicBlock(nn.Module):
 
 class Bottleneck(nn.Module):
     """ResNet-50's block: 1x1 down, 3x3 (stride here, as torchvision's v1.5), 1x1 up by 4."""
+
     expansion = 4
 
     def __init__(self, inplanes: int, planes: int, stride: int):
@@ -396,6 +416,7 @@ def ddp_model(plan: Plan) -> tuple[nn.Module, str, int]:
     if plan.ddp_model == "resnet50":
         try:
             import torchvision
+
             return torchvision.models.resnet50(), "ResNet-50 (torchvision)", 1000
         except ImportError:
             return resnet50(), "ResNet-50 (defined in gpu.py, torchvision's layout)", 1000
@@ -406,12 +427,14 @@ def ddp_model(plan: Plan) -> tuple[nn.Module, str, int]:
 
 # ---------------------------------------------------------------------------------- process groups
 
+
 @dataclasses.dataclass
 class Groups:
     """The measured groups: the default one (chainermn) and one of torch's backend for the device."""
+
     chainermn: dist.ProcessGroup
     torch: dist.ProcessGroup
-    torch_name: str           # "nccl" or "gloo"
+    torch_name: str  # "nccl" or "gloo"
     ranks: Ranks = dataclasses.field(default_factory=Ranks)
 
 
@@ -421,8 +444,9 @@ def torch_backend_for(device: torch.device) -> str:
 
 def open_groups(device: torch.device, store, rank: int, world: int) -> Groups:
     """The default group on chainermn, a group of torch's backend, and (several ranks) a control group."""
-    dist.init_process_group("chainermn", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "chainermn", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     name = torch_backend_for(device)
     theirs = dist.new_group(backend=name)
     control = dist.new_group(backend="gloo") if world > 1 else None
@@ -437,6 +461,7 @@ def use_gpu_of_rank(rank: int, world: int) -> None:
 
 
 # ------------------------------------------------------------------------------- section 1: packing
+
 
 def measure_copy_bandwidth(clock: Clock, plan: Plan) -> dict:
     """The device's copy bandwidth: `dst.copy_(src)` of a large float32 buffer, bytes read + written."""
@@ -460,7 +485,7 @@ def torch_flat_mean(grads: list[torch.Tensor], wire: torch.dtype, group) -> Cont
 
     def op():
         flat = torch._utils._flatten_dense_tensors(grads)  # torch.cat of the flattened tensors
-        packed = flat.to(wire)                               # no copy when wire is float32
+        packed = flat.to(wire)  # no copy when wire is float32
         packed.div_(world)
         dist.all_reduce(packed, group=group)
         torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(packed, grads))
@@ -471,8 +496,10 @@ def torch_flat_mean(grads: list[torch.Tensor], wire: torch.dtype, group) -> Cont
 def packing_models(plan: Plan) -> list[tuple[str, list[torch.Size]]]:
     resnet = "ResNet-50" if plan.resnet_width == 64 else f"ResNet-50 at width {plan.resnet_width}"
     transformer = f"Transformer {plan.transformer_layers} x d={plan.transformer_width}"
-    return [(resnet, resnet50_gradient_shapes(plan.resnet_width)),
-            (transformer, transformer_gradient_shapes(plan.transformer_layers, plan.transformer_width))]
+    return [
+        (resnet, resnet50_gradient_shapes(plan.resnet_width)),
+        (transformer, transformer_gradient_shapes(plan.transformer_layers, plan.transformer_width)),
+    ]
 
 
 def run_packing_section(groups: Groups, plan: Plan) -> dict:
@@ -496,8 +523,13 @@ def run_packing_section(groups: Groups, plan: Plan) -> dict:
             for impl in ("chainermn", "torch"):
                 timing = timings.get(f"{impl} {wire}")  # None: it failed (see failures)
                 gbps = nbytes / timing.median / GB if timing else None
-                row[impl] = timing and {"ms": timing.median * 1e3, "GBps": gbps, "of_copy": gbps / copy_bw["GBps"],
-                                        "spread": timing.spread, "iters": timing.iters}
+                row[impl] = timing and {
+                    "ms": timing.median * 1e3,
+                    "GBps": gbps,
+                    "of_copy": gbps / copy_bw["GBps"],
+                    "spread": timing.spread,
+                    "iters": timing.iters,
+                }
             rows.append(row)
         del grads, contenders
     return {"copy": copy_bw, "torch_backend": groups.torch_name, "rows": rows, "failures": failures}
@@ -505,12 +537,13 @@ def run_packing_section(groups: Groups, plan: Plan) -> dict:
 
 # ------------------------------------------------------------------------------------ section 2: DDP
 
+
 @dataclasses.dataclass
 class HookSpec:
-    backend: str          # "chainermn" or torch's backend name
+    backend: str  # "chainermn" or torch's backend name
     hook_name: str
     hook: Callable | None  # None: DDP's own allreduce
-    state: object = None   # a process group, or a DoubleBufferingState
+    state: object = None  # a process group, or a DoubleBufferingState
     double_buffering: bool = False
 
 
@@ -525,10 +558,20 @@ def ddp_hook_specs(groups: Groups) -> list[HookSpec]:
         HookSpec("chainermn", "allreduce_hook", chainermn_hooks.allreduce_hook, ours),
         HookSpec("chainermn", "fp16_compress_hook", chainermn_hooks.fp16_compress_hook, ours),
         HookSpec("chainermn", "bf16_compress_hook", chainermn_hooks.bf16_compress_hook, ours),
-        HookSpec("chainermn", "double_buffering_hook", chainermn_hooks.double_buffering_hook,
-                 chainermn_hooks.DoubleBufferingState(ours), True),
-        HookSpec("chainermn", "double_buffering_hook, float16", chainermn_hooks.double_buffering_hook,
-                 chainermn_hooks.DoubleBufferingState(ours, compression=torch.float16), True),
+        HookSpec(
+            "chainermn",
+            "double_buffering_hook",
+            chainermn_hooks.double_buffering_hook,
+            chainermn_hooks.DoubleBufferingState(ours),
+            True,
+        ),
+        HookSpec(
+            "chainermn",
+            "double_buffering_hook, float16",
+            chainermn_hooks.double_buffering_hook,
+            chainermn_hooks.DoubleBufferingState(ours, compression=torch.float16),
+            True,
+        ),
     ]
 
 
@@ -578,12 +621,28 @@ def run_ddp_section(groups: Groups, plan: Plan) -> dict:
     for contender in contenders:
         backend, hook = contender.label.split(" | ")
         timing = timings[contender.label]
-        rows.append({"backend": backend, "hook": hook, "ms": timing.median * 1e3, "spread": timing.spread,
-                     "samples_per_s": plan.batch * dist.get_world_size() / timing.median,
-                     "vs_torch": timing.median / reference.median if reference else None, "iters": timing.iters})
+        rows.append(
+            {
+                "backend": backend,
+                "hook": hook,
+                "ms": timing.median * 1e3,
+                "spread": timing.spread,
+                "samples_per_s": plan.batch * dist.get_world_size() / timing.median,
+                "vs_torch": timing.median / reference.median if reference else None,
+                "iters": timing.iters,
+            }
+        )
     parameters = sum(p.numel() for p in base.parameters())
-    return {"model": description, "parameters": parameters, "batch": plan.batch, "image_size": plan.image_size,
-            "ranks": dist.get_world_size(), "torch_backend": groups.torch_name, "rows": rows, "skipped": skipped}
+    return {
+        "model": description,
+        "parameters": parameters,
+        "batch": plan.batch,
+        "image_size": plan.image_size,
+        "ranks": dist.get_world_size(),
+        "torch_backend": groups.torch_name,
+        "rows": rows,
+        "skipped": skipped,
+    }
 
 
 def ddp_rank_main(rank: int, world: int, store_path: str, plan: Plan, result_path: str) -> None:
@@ -607,12 +666,17 @@ def run_ddp_on_spawned_ranks(plan: Plan) -> dict:
     with tempfile.TemporaryDirectory(prefix="chainermn-gpu-bench-") as tmp:
         result_path = Path(tmp) / "ddp.json"
         # A FileStore in a fresh directory: no port to choose, nothing shared with another run.
-        mp.spawn(ddp_rank_main, args=(plan.ddp_ranks, str(Path(tmp) / "store"), plan, str(result_path)),
-                 nprocs=plan.ddp_ranks, join=True)
+        mp.spawn(
+            ddp_rank_main,
+            args=(plan.ddp_ranks, str(Path(tmp) / "store"), plan, str(result_path)),
+            nprocs=plan.ddp_ranks,
+            join=True,
+        )
         return json.loads(result_path.read_text())
 
 
 # ---------------------------------------------------------------------------- section 3: allreduce
+
 
 def allreduce_strategies(device: str) -> list[str]:
     return (["pure_nccl"] if device == "cuda" else []) + ["hierarchical", "two_dimensional"]
@@ -620,11 +684,26 @@ def allreduce_strategies(device: str) -> list[str]:
 
 def run_allreduce_section(args, plan: Plan) -> dict:
     """2 ranks under torchrun, measured by benchmarks/allreduce.py; its JSON becomes this section."""
-    argv = ["--launch", "torchrun", "--configs", "2", "--device", args.device,
-            "--strategies", *allreduce_strategies(args.device),
-            "--min-bytes", str(4 * 2**10), "--max-bytes", str(plan.allreduce_max_bytes),
-            "--repeats", str(plan.repeats), "--seconds-per-point", str(plan.allreduce_seconds_per_point),
-            "--out-dir", str(args.out)]
+    argv = [
+        "--launch",
+        "torchrun",
+        "--configs",
+        "2",
+        "--device",
+        args.device,
+        "--strategies",
+        *allreduce_strategies(args.device),
+        "--min-bytes",
+        str(4 * 2**10),
+        "--max-bytes",
+        str(plan.allreduce_max_bytes),
+        "--repeats",
+        str(plan.repeats),
+        "--seconds-per-point",
+        str(plan.allreduce_seconds_per_point),
+        "--out-dir",
+        str(args.out),
+    ]
     measured = allreduce_benchmark.parse_args(argv)
     status = allreduce_benchmark.drive(measured)
     json_path = args.out / "allreduce-2-torchrun.json"
@@ -647,12 +726,19 @@ def summarize_allreduce(result: dict, torch_name: str) -> dict:
     for cells in by_size.values():
         reference = cells.get(torch_name)
         for name, cell in cells.items():
-            cell["ratio"] = cell["busbw"] / reference["busbw"] if reference and name not in (torch_name, "memcpy") else None
-    return {"meta": result["meta"], "torch_backend": torch_name, "contenders": contenders,
-            "sizes": {str(k): v for k, v in sorted(by_size.items())}}
+            cell["ratio"] = (
+                cell["busbw"] / reference["busbw"] if reference and name not in (torch_name, "memcpy") else None
+            )
+    return {
+        "meta": result["meta"],
+        "torch_backend": torch_name,
+        "contenders": contenders,
+        "sizes": {str(k): v for k, v in sorted(by_size.items())},
+    }
 
 
 # ------------------------------------------------------------------------------------------- output
+
 
 def machine_description(device: torch.device) -> dict:
     if device.type == "cuda":
@@ -665,10 +751,17 @@ def machine_description(device: torch.device) -> dict:
         machine = f"CPU {cpu_model()} ({os.cpu_count()} cores)"
         torch_nccl = "none (CPU)"
     ours = torch_chainermn._C.nccl_version() or "not built (CPU build)"
-    return {"machine": machine, "torch": torch.__version__, "torch_chainermn": torch_chainermn.__version__,
-            "torch_nccl": torch_nccl, "chainermn_nccl": str(ours), "torch_threads": torch.get_num_threads(),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
-            "loadavg_start": os.getloadavg()[0]}
+    return {
+        "machine": machine,
+        "torch": torch.__version__,
+        "torch_chainermn": torch_chainermn.__version__,
+        "torch_nccl": torch_nccl,
+        "chainermn_nccl": str(ours),
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg()[0],
+    }
 
 
 def cpu_model() -> str:
@@ -700,12 +793,16 @@ def millions(n: int) -> str:
 
 
 def markdown_report(meta: dict, results: dict, plan: Plan) -> str:
-    lines = [f"# chainermn vs torch on {meta['machine']}", "",
-             f"{meta['date']}; torch {meta['torch']}, torch_chainermn {meta['torch_chainermn']}; "
-             f"NCCL: torch {meta['torch_nccl']}, chainermn {meta['chainermn_nccl']}; device {plan.device.type}, "
-             f"{meta['torch_threads']} torch thread(s); median of {plan.repeats} timed loops"
-             + ("; --quick (tiny sizes: a smoke test, not a measurement)" if results.get("quick") else "")
-             + f"; 1-minute load average {meta['loadavg_start']:.2f} -> {meta.get('loadavg_end', 0):.2f}", ""]
+    lines = [
+        f"# chainermn vs torch on {meta['machine']}",
+        "",
+        f"{meta['date']}; torch {meta['torch']}, torch_chainermn {meta['torch_chainermn']}; "
+        f"NCCL: torch {meta['torch_nccl']}, chainermn {meta['chainermn_nccl']}; device {plan.device.type}, "
+        f"{meta['torch_threads']} torch thread(s); median of {plan.repeats} timed loops"
+        + ("; --quick (tiny sizes: a smoke test, not a measurement)" if results.get("quick") else "")
+        + f"; 1-minute load average {meta['loadavg_start']:.2f} -> {meta.get('loadavg_end', 0):.2f}",
+        "",
+    ]
     if "pack" in results:
         lines += packing_table(results["pack"])
     if "ddp" in results:
@@ -720,11 +817,13 @@ def markdown_report(meta: dict, results: dict, plan: Plan) -> str:
 def packing_table(pack: dict) -> list[str]:
     copy_bw, torch_name = pack["copy"], pack["torch_backend"]
     lines = [
-        "## 1. Packing: mean_coalesced on one rank (pack + unpack)", "",
+        "## 1. Packing: mean_coalesced on one rank (pack + unpack)",
+        "",
         f"Copy bandwidth: {copy_bw['GBps']:.1f} GB/s (`dst.copy_(src)`, {human_bytes(copy_bw['bytes'])} float32, "
         "read + write). GB/s = 2 (4 + w) N bytes / time for N float32 elements and a wire dtype of w bytes; "
-        "\"of copy\" = that / copy bandwidth. torch: cat, .to(wire), div_, all_reduce on a one-rank "
-        f"{torch_name} group, _foreach_copy_ back (same bytes counted).", "",
+        '"of copy" = that / copy bandwidth. torch: cat, .to(wire), div_, all_reduce on a one-rank '
+        f"{torch_name} group, _foreach_copy_ back (same bytes counted).",
+        "",
         "| model | tensors | elements | wire | chainermn ms | chainermn GB/s | chainermn of copy | "
         f"torch ({torch_name}) ms | torch GB/s | torch of copy | chainermn speedup |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -735,8 +834,11 @@ def packing_table(pack: dict) -> list[str]:
             m = r[impl]
             cells += [num(m["ms"]), num(m["GBps"]), num(m["of_copy"])] if m else ["failed"] * 3
         speedup = f"{num(r['torch']['ms'] / r['chainermn']['ms'])}x" if r["chainermn"] and r["torch"] else "-"
-        lines.append(f"| {r['model']} | {r['tensors']} | {millions(r['elements'])} | {r['wire']} | "
-                     + " | ".join(cells) + f" | {speedup} |")
+        lines.append(
+            f"| {r['model']} | {r['tensors']} | {millions(r['elements'])} | {r['wire']} | "
+            + " | ".join(cells)
+            + f" | {speedup} |"
+        )
     lines.append("")
     lines += [f"Failed: {failure}" for failure in pack["failures"]]
     return lines + ([""] if pack["failures"] else [])
@@ -745,16 +847,20 @@ def packing_table(pack: dict) -> list[str]:
 def ddp_table(ddp: dict) -> list[str]:
     lines = [
         f"## 2. DDP step time: {ddp['model']}, {millions(ddp['parameters'])} parameters, batch {ddp['batch']} "
-        f"of {ddp['image_size']}x{ddp['image_size']} per rank, {ddp['ranks']} rank(s)", "",
+        f"of {ddp['image_size']}x{ddp['image_size']} per rank, {ddp['ranks']} rank(s)",
+        "",
         "Forward, backward, SGD step; ms per step is the median over timed loops, spread = (slowest - fastest "
-        f"loop) / median; \"vs {ddp['torch_backend']}\" = step time / that of plain DDP on {ddp['torch_backend']}.", "",
+        f'loop) / median; "vs {ddp["torch_backend"]}" = step time / that of plain DDP on {ddp["torch_backend"]}.',
+        "",
         f"| backend | hook | ms/step | spread | samples/s | vs {ddp['torch_backend']} DDP |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for r in ddp["rows"]:
         vs = num(r["vs_torch"]) if r["vs_torch"] is not None else "-"
-        lines.append(f"| {r['backend']} | {r['hook']} | {num(r['ms'])} | {100 * r['spread']:.0f}% "
-                     f"| {num(r['samples_per_s'])} | {vs} |")
+        lines.append(
+            f"| {r['backend']} | {r['hook']} | {num(r['ms'])} | {100 * r['spread']:.0f}% "
+            f"| {num(r['samples_per_s'])} | {vs} |"
+        )
     lines.append("")
     lines += [f"Not measured: {reason}" for reason in ddp["skipped"]]
     return lines + ([""] if ddp["skipped"] else [])
@@ -766,7 +872,8 @@ def allreduce_tables(summary: dict) -> list[str]:
         f"## 3. all_reduce bus bandwidth, {meta['ranks']} ranks ({allreduce_benchmark.launch_title(meta)}), float32",
         "",
         f"busbw in GB/s (nccl-tests: bytes / time x 2(n-1)/n); chainermn cells: busbw (ratio to {torch_name}). "
-        "memcpy: one rank's `dst.copy_(src)`, bytes / time, a reference. Measured by benchmarks/allreduce.py.", "",
+        "memcpy: one rank's `dst.copy_(src)`, bytes / time, a reference. Measured by benchmarks/allreduce.py.",
+        "",
         "| size | " + " | ".join(contenders) + " |",
         "|---:|" + "---:|" * len(contenders),
     ]
@@ -782,13 +889,20 @@ def allreduce_tables(summary: dict) -> list[str]:
         lines.append(f"| {human_bytes(int(size))} | " + " | ".join(out) + " |")
     smallest = summary["sizes"][min(summary["sizes"], key=int)]
     reference = smallest.get(torch_name)
-    lines += ["", f"Small messages: time per all_reduce of {human_bytes(int(min(summary['sizes'], key=int)))}", "",
-              f"| contender | latency (us) | vs {torch_name} |", "|---|---:|---:|"]
+    lines += [
+        "",
+        f"Small messages: time per all_reduce of {human_bytes(int(min(summary['sizes'], key=int)))}",
+        "",
+        f"| contender | latency (us) | vs {torch_name} |",
+        "|---|---:|---:|",
+    ]
     for name in contenders:
         if name == "memcpy" or name not in smallest:
             continue
         us = smallest[name]["us"]
-        lines.append(f"| {name} | {num(us)} | {num(us / reference['us'])}x |" if reference else f"| {name} | {num(us)} | - |")
+        lines.append(
+            f"| {name} | {num(us)} | {num(us / reference['us'])}x |" if reference else f"| {name} | {num(us)} | - |"
+        )
     return lines + [""]
 
 
@@ -815,8 +929,11 @@ def plot(results: dict, path: Path) -> None:
             summary = results["allreduce"]
             sizes = [int(s) for s in summary["sizes"]]
             for contender in summary["contenders"]:
-                points = [(s, summary["sizes"][str(s)][contender]["busbw"]) for s in sizes
-                          if contender in summary["sizes"][str(s)]]
+                points = [
+                    (s, summary["sizes"][str(s)][contender]["busbw"])
+                    for s in sizes
+                    if contender in summary["sizes"][str(s)]
+                ]
                 style = dict(linestyle="--", color="gray") if contender == "memcpy" else {}
                 ax.loglog([p[0] for p in points], [p[1] for p in points], marker="o", label=contender, **style)
             ax.set_xticks(sizes, [human_bytes(s) for s in sizes], rotation=45)
@@ -828,10 +945,18 @@ def plot(results: dict, path: Path) -> None:
             pack = results["pack"]
             labels = [f"{r['model'].split(' ')[0]}\n{r['wire']}" for r in pack["rows"]]
             xs = range(len(labels))
-            ax.bar([x - 0.2 for x in xs], [gbps(r["chainermn"]) for r in pack["rows"]], 0.4,
-                   label="chainermn mean_coalesced")
-            ax.bar([x + 0.2 for x in xs], [gbps(r["torch"]) for r in pack["rows"]], 0.4,
-                   label=f"torch cat/.to/all_reduce ({pack['torch_backend']})")
+            ax.bar(
+                [x - 0.2 for x in xs],
+                [gbps(r["chainermn"]) for r in pack["rows"]],
+                0.4,
+                label="chainermn mean_coalesced",
+            )
+            ax.bar(
+                [x + 0.2 for x in xs],
+                [gbps(r["torch"]) for r in pack["rows"]],
+                0.4,
+                label=f"torch cat/.to/all_reduce ({pack['torch_backend']})",
+            )
             ax.axhline(pack["copy"]["GBps"], linestyle="--", color="gray", label="copy bandwidth")
             ax.set_xticks(list(xs), labels, fontsize="small")
             ax.set_ylabel("GB/s (2 (4 + w) N bytes / time)")
@@ -847,6 +972,7 @@ def plot(results: dict, path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- main
 
+
 def run_in_process_sections(args, plan: Plan, results: dict) -> None:
     """Sections 1 and 2 (one rank) in this process, on one-rank groups over an in-memory store."""
     wanted = [s for s in ("pack", "ddp") if s in args.sections and not (s == "ddp" and plan.ddp_ranks > 1)]
@@ -860,7 +986,9 @@ def run_in_process_sections(args, plan: Plan, results: dict) -> None:
         for section in wanted:
             print(f"\n== {section} ==", flush=True)
             try:
-                results[section] = run_packing_section(groups, plan) if section == "pack" else run_ddp_section(groups, plan)
+                results[section] = (
+                    run_packing_section(groups, plan) if section == "pack" else run_ddp_section(groups, plan)
+                )
             except Exception as error:  # noqa: BLE001  report it, go on with the other sections
                 results["errors"][section] = f"{type(error).__name__}: {error}"
                 print(f"{section} failed: {error}", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ among them runs torch's gloo instead of chainermn, for the same table), e.g.
         recorder-off=.venv/bin/python,TORCH_FR_BUFFER_SIZE=0 recorder-on=.venv/bin/python \
         gloo=.venv/bin/python,backend=gloo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,14 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true", help="each loop inside torch.profiler.profile")
     parser.add_argument("--rounds", type=int, default=0, help="driver: rounds of one launch per contender")
     parser.add_argument("--backend", default="chainermn", help="the default group's backend (one launch)")
-    parser.add_argument("--recorder-cost", action="store_true",
-                        help="the flight recorder's own time per op, in process (a test build's _C.testing)")
-    parser.add_argument("--ranks", type=int, default=2,
-                        help="driver: ranks per launch (1: the posting path alone, no peer to wait for)")
+    parser.add_argument(
+        "--recorder-cost",
+        action="store_true",
+        help="the flight recorder's own time per op, in process (a test build's _C.testing)",
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="driver: ranks per launch (1: the posting path alone, no peer to wait for)"
+    )
     return parser.parse_args(argv)
 
 
@@ -93,20 +98,33 @@ def drive(args):
     flags += ["--profile"] if args.profile else []
     results = {label: [] for label, _, _ in contenders}
     for round_ in range(args.rounds):
-        order = contenders[round_ % len(contenders):] + contenders[:round_ % len(contenders)]
+        order = contenders[round_ % len(contenders) :] + contenders[: round_ % len(contenders)]
         for label, python, settings in order:
-            command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-                       str(Path(__file__).resolve()), *flags, "--backend", backends[label]]
+            command = [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(args.ranks),
+                str(Path(__file__).resolve()),
+                *flags,
+                "--backend",
+                backends[label],
+            ]
             # Outside the repository: `import torch_chainermn` finds the venv's own build.
-            done = subprocess.run(command, env={**os.environ, **settings}, cwd="/tmp", capture_output=True,
-                                  text=True, timeout=600)
+            done = subprocess.run(
+                command, env={**os.environ, **settings}, cwd="/tmp", capture_output=True, text=True, timeout=600
+            )
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode != 0 or not lines:
                 sys.exit(f"{label}: launch failed ({done.returncode})\n{done.stderr[-3000:]}")
             results[label].append(json.loads(lines[-1])["median_us"])
             print(f"round {round_ + 1} {label}: {results[label][-1]:.2f} us", flush=True)
-    print(f"\n{args.bytes} B all_reduce, {args.ranks} rank(s), {'profiler on' if args.profile else 'profiler off'}, "
-          f"{args.rounds} launches each (min / median / max of the launches' medians, us per op):")
+    print(
+        f"\n{args.bytes} B all_reduce, {args.ranks} rank(s), {'profiler on' if args.profile else 'profiler off'}, "
+        f"{args.rounds} launches each (min / median / max of the launches' medians, us per op):"
+    )
     for label, values in results.items():
         print(f"  {label:>14}: {min(values):7.2f} / {statistics.median(values):7.2f} / {max(values):7.2f}")
 
@@ -122,8 +140,10 @@ def recorder_cost(args):
     x = torch.ones(args.bytes // 4)
     ring.nanoseconds_per_op(x, 10000)  # every slot written once: no allocation from here on
     runs = [ring.nanoseconds_per_op(x, 200000) for _ in range(7)]
-    print(f"flight recorder, {args.bytes} B all_reduce: {min(runs):.0f} / {statistics.median(runs):.0f} / "
-          f"{max(runs):.0f} ns per op (min / median / max of 7 runs of 200000)")
+    print(
+        f"flight recorder, {args.bytes} B all_reduce: {min(runs):.0f} / {statistics.median(runs):.0f} / "
+        f"{max(runs):.0f} ns per op (min / median / max of 7 runs of 200000)"
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ Run it (2 ranks)
 
 Rank 0 prints a markdown table and writes it to --out (default benchmarks/results/p2p-<launcher>.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,11 @@ def parse_args():
     p.add_argument("--seconds", type=float, default=0.15, help="about this long per round")
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None, help="PNG of one-way time per size (needs matplotlib)")
-    p.add_argument("--bind", action="store_true",
-                   help="bind each rank to core LOCAL_RANK first, as mpiexec does (torchrun does not)")
+    p.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind each rank to core LOCAL_RANK first, as mpiexec does (torchrun does not)",
+    )
     return p.parse_args()
 
 
@@ -70,6 +74,7 @@ def contenders(gloo):
             else:
                 dist.recv(x, 0, group=group)
                 dist.send(x, 0, group=group)
+
         return round_trip
 
     def functions_round_trip(x, rank):
@@ -96,6 +101,7 @@ def contenders(gloo):
             else:
                 comm.Recv(buf, source=0)
                 comm.Send(buf, dest=0)
+
         found["mpi4py"] = mpi_round_trip
     return found
 
@@ -156,10 +162,14 @@ def main():
 def report(args, rows):
     launcher = launcher_name()
     bound = "ranks bound to cores" if args.bind or launcher == "mpiexec" else "ranks not bound"
-    lines = [f"Point to point, 2 ranks of one node, launched by {launcher} ({bound}); {platform.node()}, {os.cpu_count()} cores, "
-             f"torch {torch.__version__}, {datetime.date.today()}; median of {args.rounds} rounds."
-             + ("" if MPI is not None else f" MPI row skipped: {MPI_SKIPPED}."),
-             "", "| size | contender | one-way (us) | GB/s | vs gloo |", "|---:|---|---:|---:|---:|"]
+    lines = [
+        f"Point to point, 2 ranks of one node, launched by {launcher} ({bound}); {platform.node()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {datetime.date.today()}; median of {args.rounds} rounds."
+        + ("" if MPI is not None else f" MPI row skipped: {MPI_SKIPPED}."),
+        "",
+        "| size | contender | one-way (us) | GB/s | vs gloo |",
+        "|---:|---|---:|---:|---:|",
+    ]
     gloo = {nbytes: us for nbytes, name, us, _, _ in rows if name == "gloo"}
     for nbytes, name, us, gbps, _ in rows:
         lines.append(f"| {human_bytes(nbytes)} | {name} | {us:.1f} | {gbps:.2f} | {gloo[nbytes] / us:.2f}x |")
@@ -175,6 +185,7 @@ def report(args, rows):
 def plot(path, rows):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:

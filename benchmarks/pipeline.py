@@ -40,6 +40,7 @@ Run it (2 ranks; one thread each, as the machine may have only 2 cores)
 Rank 0 prints a markdown table and, with --out (default benchmarks/results/pipeline.md), writes it
 with a JSON of the rows next to it; --plot writes a bar chart if matplotlib is installed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,9 @@ import torch_chainermn  # noqa: E402  registers the backend (and reads MPI's ran
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--width", type=int, default=512, help="features of every layer")
     parser.add_argument("--depth", type=int, default=4, help="Linear+tanh layers per stage")
     parser.add_argument("--batch", type=int, default=2048, help="samples per step")
@@ -73,11 +75,18 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="steps per timed loop")
     parser.add_argument("--repeats", type=int, default=5, help="timed loops per contender; the median is reported")
     parser.add_argument("--skip-torch", action="store_true", help="do not measure torch.distributed.pipelining")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline.md",
-                        help="rank 0 writes the table here (and the rows as .json beside it)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "benchmarks" / "results" / "pipeline.md",
+        help="rank 0 writes the table here (and the rows as .json beside it)",
+    )
     parser.add_argument("--plot", type=Path, help="write a bar chart of the throughputs here (needs matplotlib)")
-    parser.add_argument("--bind", action="store_true",
-                        help="bind each rank to core LOCAL_RANK first, as mpiexec does (torchrun does not)")
+    parser.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind each rank to core LOCAL_RANK first, as mpiexec does (torchrun does not)",
+    )
     return parser.parse_args(argv)
 
 
@@ -149,13 +158,17 @@ def chainermn_contenders(args, comm, stage, x, target):
     rank = comm.rank
     out = []
     m = args.micro_batches
-    for label, m, schedule, use_step, first in [("unpipelined", 1, "gpipe", False, False),
-                                                ("chainermn GPipe (forward + backward)", m, "gpipe", False, False),
-                                                ("chainermn step, GPipe", m, "gpipe", True, False),
-                                                ("chainermn step, 1F1B", m, "1f1b", True, False),
-                                                ("chainermn step, 1F1B, input gradients first", m, "1f1b", True, True)]:
+    for label, m, schedule, use_step, first in [
+        ("unpipelined", 1, "gpipe", False, False),
+        ("chainermn GPipe (forward + backward)", m, "gpipe", False, False),
+        ("chainermn step, GPipe", m, "gpipe", True, False),
+        ("chainermn step, 1F1B", m, "1f1b", True, False),
+        ("chainermn step, 1F1B, input gradients first", m, "1f1b", True, True),
+    ]:
         module = copy.deepcopy(stage)
-        chain = torch_chainermn.MultiNodeChainList(comm, micro_batches=m, schedule=schedule, input_gradients_first=first)
+        chain = torch_chainermn.MultiNodeChainList(
+            comm, micro_batches=m, schedule=schedule, input_gradients_first=first
+        )
         chain.add_link(module, rank_in=None if rank == 0 else 0, rank_out=1 if rank == 0 else None)
 
         def step(chain=chain, module=module, use_step=use_step):
@@ -167,6 +180,7 @@ def chainermn_contenders(args, comm, stage, x, target):
             else:
                 F.mse_loss(chain(), target).backward()
             torch_chainermn.functions.drain(comm)  # the step is over when its messages have arrived
+
         out.append((label, step, module))
     return out
 
@@ -188,6 +202,7 @@ def torch_contenders(args, stage, x, target):
                 schedule.step(x)
             else:
                 schedule.step(target=target, losses=[])
+
         out.append((label, step, module))
     return out
 
@@ -216,16 +231,21 @@ def main():
         contenders += torch_contenders(args, stage, x, target)
     rows = []
     reference = None
-    for (label, step, module), seconds in zip(contenders, timed([step for _, step, _ in contenders], args,
-                                                                comm.group)):
+    for (label, step, module), seconds in zip(contenders, timed([step for _, step, _ in contenders], args, comm.group)):
         grads = [p.grad for p in module.parameters()]  # of the last step
         if reference is None:
             reference = grads
         error = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-30) for g, r in zip(grads, reference))
         error = torch.tensor([error])
         dist.all_reduce(error, op=dist.ReduceOp.MAX)
-        rows.append({"contender": label, "step_ms": seconds * 1e3, "samples_per_s": args.batch / seconds,
-                     "grad_error": error.item()})
+        rows.append(
+            {
+                "contender": label,
+                "step_ms": seconds * 1e3,
+                "samples_per_s": args.batch / seconds,
+                "grad_error": error.item(),
+            }
+        )
         if rank == 0:
             print(f"{label}: {seconds * 1e3:.1f} ms per step", flush=True)
 
@@ -240,8 +260,9 @@ def main():
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(table)
-            args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                                 "rows": rows}, indent=2) + "\n")
+            args.out.with_suffix(".json").write_text(
+                json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n"
+            )
         if args.plot:
             plot(rows, args.plot, ideal)
     torch_chainermn.functions.drain()
@@ -250,17 +271,22 @@ def main():
 
 def markdown(rows, args, ideal) -> str:
     transport = torch_chainermn.transport()
-    lines = [f"2 stages x {args.depth} Linear({args.width}, {args.width}) + tanh, batch {args.batch}, "
-             f"{args.micro_batches} micro-batches, chainermn over {transport} (point to point within the node "
-             f"through shared memory), ranks {'bound to cores' if args.bind or torch_chainermn._launch.record().launcher == 'mpiexec' else 'not bound'}; {platform.node()}, "
-             f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}. "
-             f"Ideal speedup 2M/(M+1) = {ideal:.2f}. Two ranks computing at once ran at "
-             f"{args.concurrency:.0%} of one rank's speed alone (100%: two free cores).", "",
-             "| contender | ms per step | samples/s | speedup | max rel. grad difference |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"2 stages x {args.depth} Linear({args.width}, {args.width}) + tanh, batch {args.batch}, "
+        f"{args.micro_batches} micro-batches, chainermn over {transport} (point to point within the node "
+        f"through shared memory), ranks {'bound to cores' if args.bind or torch_chainermn._launch.record().launcher == 'mpiexec' else 'not bound'}; {platform.node()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}, {datetime.date.today()}. "
+        f"Ideal speedup 2M/(M+1) = {ideal:.2f}. Two ranks computing at once ran at "
+        f"{args.concurrency:.0%} of one rank's speed alone (100%: two free cores).",
+        "",
+        "| contender | ms per step | samples/s | speedup | max rel. grad difference |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for row in rows:
-        lines.append(f"| {row['contender']} | {row['step_ms']:.1f} | {row['samples_per_s']:.0f} | "
-                     f"{row['speedup']:.2f}x | {row['grad_error']:.1e} |")
+        lines.append(
+            f"| {row['contender']} | {row['step_ms']:.1f} | {row['samples_per_s']:.0f} | "
+            f"{row['speedup']:.2f}x | {row['grad_error']:.1e} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -268,11 +294,14 @@ def plot(rows, path: Path, ideal: float) -> None:
     try:
         import matplotlib
     except ImportError:
-        print(f"matplotlib is not installed, so no plot was written to {path} "
-              f"(pip install matplotlib into this Python: {sys.executable})")
+        print(
+            f"matplotlib is not installed, so no plot was written to {path} "
+            f"(pip install matplotlib into this Python: {sys.executable})"
+        )
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.barh([r["contender"] for r in rows][::-1], [r["speedup"] for r in rows][::-1], color="tab:blue")
     ax.axvline(ideal, color="tab:red", linestyle="--", label=f"ideal {ideal:.2f}x")

@@ -28,6 +28,7 @@ Rank 0 prints a markdown table and writes it, with the samples as JSON, to --out
 benchmarks/results/soak-<backend>.md); --plot writes the RSS curves as a PNG (needs matplotlib).
 It exits 1 if any result was wrong.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--group-every", type=int, default=2000, help="operations between group creations")
     p.add_argument("--max-bytes", type=int, default=4 << 20, help="largest tensor, in bytes (default 4 MiB)")
     p.add_argument("--backend", default="chainermn", help="chainermn (default) or gloo, for comparison")
-    p.add_argument("--trim", action="store_true",
-                   help="sample RSS after malloc_trim(0): the memory in use, without the allocator's cache")
+    p.add_argument(
+        "--trim",
+        action="store_true",
+        help="sample RSS after malloc_trim(0): the memory in use, without the allocator's cache",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="markdown table (and .json beside it)")
     p.add_argument("--plot", type=Path, default=None, help="PNG of the RSS curves (needs matplotlib)")
@@ -120,9 +124,26 @@ def one_op(rng: random.Random, group, args, rank: int, size: int) -> str:
     n = max(size, int(math.exp(rng.uniform(0, math.log(args.max_bytes // itemsize)))))
     n -= n % size  # divisible by the group's size, for the ops that split a tensor in equal parts
     root = rng.randrange(size)
-    op = rng.choice(["all_reduce", "all_reduce_avg", "all_reduce_max", "broadcast", "reduce", "all_gather",
-                     "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter",
-                     "send_recv", "barrier", "sparse", "mean_coalesced", "object"])
+    op = rng.choice(
+        [
+            "all_reduce",
+            "all_reduce_avg",
+            "all_reduce_max",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_to_all_single",
+            "gather",
+            "scatter",
+            "send_recv",
+            "barrier",
+            "sparse",
+            "mean_coalesced",
+            "object",
+        ]
+    )
     mine = torch.full((n,), rank + 1, dtype=dtype)
     total = size * (size + 1) // 2
     if op == "all_reduce":
@@ -247,12 +268,15 @@ def at(samples: list, op: int) -> float:
 
 def table(result: dict, args) -> str:
     what = "RSS after malloc_trim(0)" if args.trim else "RSS"
-    lines = [f"Memory soak ({what}), {args.backend}, {len(result['samples'])} ranks, {args.ops} ops (warm-up {args.warmup}), "
-             f"sizes up to {args.max_bytes >> 20} MiB, a group created and destroyed every {args.group_every} ops; "
-             f"{result['seconds']:.0f} s. {platform.node()}, {datetime.date.today()}.", "",
-             "| rank | RSS at start (MiB) | after warm-up (MiB) | half-way (MiB) | at the end (MiB) | "
-             "growth over the second half (MiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Memory soak ({what}), {args.backend}, {len(result['samples'])} ranks, {args.ops} ops (warm-up {args.warmup}), "
+        f"sizes up to {args.max_bytes >> 20} MiB, a group created and destroyed every {args.group_every} ops; "
+        f"{result['seconds']:.0f} s. {platform.node()}, {datetime.date.today()}.",
+        "",
+        "| rank | RSS at start (MiB) | after warm-up (MiB) | half-way (MiB) | at the end (MiB) | "
+        "growth over the second half (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for rank, samples in enumerate(result["samples"]):
         start, warm, half, end = samples[0][1], at(samples, args.warmup), at(samples, args.ops // 2), samples[-1][1]
         lines.append(f"| {rank} | {start:.0f} | {warm:.0f} | {half:.0f} | {end:.0f} | {end - half:+.1f} |")
@@ -267,6 +291,7 @@ def plot(result: dict, args, path: Path) -> None:
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for rank, samples in enumerate(result["samples"]):
         ax.plot([i for i, _ in samples], [rss for _, rss in samples], label=f"rank {rank}")
@@ -293,8 +318,9 @@ def main(argv=None) -> int:
         print(text, flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                              **result}))
+        args.out.with_suffix(".json").write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **result})
+        )
         if args.plot:
             plot(result, args, args.plot)
     dist.destroy_process_group()

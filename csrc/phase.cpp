@@ -33,4 +33,4 @@ void PhaseSpan::finish() {
   delete static_cast<at::RecordFunction*>(span_);  // its destructor ends the span
 }
 
-} // namespace chainermn
+}  // namespace chainermn

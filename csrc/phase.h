@@ -24,11 +24,11 @@ namespace chainermn {
 namespace phase {
 constexpr const char* kWithinNode = "chainermn:within_node";      // a collective among this node's ranks
 constexpr const char* kBetweenNodes = "chainermn:between_nodes";  // a collective whose ranks span nodes
-constexpr const char* kEncode = "chainermn:encode";              // a code's encode (docs/codes.md)
-constexpr const char* kDecode = "chainermn:decode";              // a code's decode
-constexpr const char* kWaitPeers = "chainermn:wait_peers";       // waiting for a peer to arrive
-constexpr const char* kCheck = "chainermn:check";                // the ranks' agreement on the op
-} // namespace phase
+constexpr const char* kEncode = "chainermn:encode";               // a code's encode (docs/codes.md)
+constexpr const char* kDecode = "chainermn:decode";               // a code's decode
+constexpr const char* kWaitPeers = "chainermn:wait_peers";        // waiting for a peer to arrive
+constexpr const char* kCheck = "chainermn:check";                 // the ranks' agreement on the op
+}  // namespace phase
 
 // How many threads are running a profiled op now (runtime/op_span.h counts them): phases are looked
 // for only while it is not zero.
@@ -79,4 +79,4 @@ inline const char* levelPhase(bool withinNode) {
   return withinNode ? phase::kWithinNode : phase::kBetweenNodes;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -41,7 +41,7 @@ Level levelOf(std::string key, std::vector<int> ranks, int rank, bool withinNode
   const int index = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank) - ranks.begin());
   return Level{std::move(key), std::move(ranks), index, withinNode};
 }
-} // namespace
+}  // namespace
 
 Level worldLevel(const Topology& t) {
   std::vector<int> all(t.size);
@@ -74,4 +74,4 @@ Topology discoverTopology(c10d::Store& store, int rank, int size, const std::str
   return topologyFromNames(names, rank);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

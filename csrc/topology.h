@@ -16,10 +16,10 @@ namespace chainermn {
 struct Topology {
   int rank = 0;
   int size = 1;
-  int intraRank = 0;  // position among the ranks of this node
-  int intraSize = 1;  // ranks on this node
-  int interRank = 0;  // index of this node
-  int interSize = 1;  // number of nodes
+  int intraRank = 0;                          // position among the ranks of this node
+  int intraSize = 1;                          // ranks on this node
+  int interRank = 0;                          // index of this node
+  int interSize = 1;                          // number of nodes
   std::vector<int> nodeOfRank;                // node index of every rank
   std::vector<std::vector<int>> ranksOfNode;  // ranks of every node, ascending
   std::vector<std::string> nodeNames;         // name of every node (CHAINERMN_HOSTNAME, or the host's)
@@ -29,9 +29,9 @@ struct Topology {
 // rank's intra rank across nodes (one per node that has one). Computed here once for every transport
 // library (MPI, Gloo, shared memory, NCCL).
 struct Level {
-  std::string key;         // names the level in the group's store: "world", "intra/<node>", "inter/<intra rank>"
-  std::vector<int> ranks;  // group ranks, ascending
-  int index = 0;           // this rank's position in `ranks`
+  std::string key;          // names the level in the group's store: "world", "intra/<node>", "inter/<intra rank>"
+  std::vector<int> ranks;   // group ranks, ascending
+  int index = 0;            // this rank's position in `ranks`
   bool withinNode = false;  // every rank of the level is on this rank's node
 };
 
@@ -45,4 +45,4 @@ Topology discoverTopology(c10d::Store& store, int rank, int size, const std::str
 // Builds the topology from every rank's node name (exposed for tests of the ordering rules).
 Topology topologyFromNames(const std::vector<std::string>& names, int rank);
 
-} // namespace chainermn
+}  // namespace chainermn

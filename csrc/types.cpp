@@ -62,4 +62,4 @@ std::string dtypeName(c10::ScalarType dtype) {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -29,4 +29,4 @@ struct FlatBuffer {
 // A receive that matches whichever rank sends first.
 constexpr int kAnySource = -1;
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -17,8 +17,10 @@ def pytest_configure(config):
     import torch_chainermn
 
     if not hasattr(torch_chainermn._C, "testing"):
-        raise pytest.UsageError("torch_chainermn._C was built without its test harnesses: build it with "
-                                "CHAINERMN_TESTING=1 (`make install` does; tools/build_sources.py)")
+        raise pytest.UsageError(
+            "torch_chainermn._C was built without its test harnesses: build it with "
+            "CHAINERMN_TESTING=1 (`make install` does; tools/build_sources.py)"
+        )
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped on machines without one)")
     config.addinivalue_line("markers", "mpi: runs ranks under Open MPI's mpiexec")
     config.addinivalue_line("markers", "smoke: the selection run on other torch releases (tests/smoke.txt)")

@@ -3,6 +3,7 @@
 One job per configuration runs the whole battery of tests/support/mismatch_cases.py on one group (each case
 followed by a correct all_reduce), so a handful of process launches cover every case.
 """
+
 import pytest
 import torch.distributed as dist
 
@@ -118,17 +119,22 @@ def carried_checks():
     counted("small all_reduce", lambda: all_reduce(small))  # on the caller: one barrier, check included
     counted("small async all_reduce", lambda: all_reduce(small, async_op=True))  # on the worker: the same
     counted("1 MiB all_reduce", lambda: all_reduce(torch.full((1 << 18,), float(rank + 1))))  # chunks: alone
-    counted("float16 AVG", lambda: all_reduce(torch.full((16,), float(rank + 1), dtype=torch.float16),
-                                              op=dist.ReduceOp.AVG))  # scaled in place first: alone, before
+    counted(
+        "float16 AVG", lambda: all_reduce(torch.full((16,), float(rank + 1), dtype=torch.float16), op=dist.ReduceOp.AVG)
+    )  # scaled in place first: alone, before
     counted("empty all_reduce", lambda: all_reduce(torch.empty(0)))  # nothing moves: alone
     counted("barrier", lambda: dist.barrier())
     root = torch.full((4,), float(rank))
     counted("broadcast", lambda: (dist.broadcast(root, src=1), root.tolist())[1])
     gathered = [torch.empty(2) for _ in range(dist.get_world_size())]
-    counted("all_gather", lambda: (dist.all_gather(gathered, torch.full((2,), float(rank))),
-                                   [g.tolist() for g in gathered])[1])
-    counted("all_to_all", lambda: (dist.all_to_all_single(out := torch.empty(2), torch.full((2,), float(rank))),
-                                   out.tolist())[1])  # through the library beside the segment: alone
+    counted(
+        "all_gather",
+        lambda: (dist.all_gather(gathered, torch.full((2,), float(rank))), [g.tolist() for g in gathered])[1],
+    )
+    counted(
+        "all_to_all",
+        lambda: (dist.all_to_all_single(out := torch.empty(2), torch.full((2,), float(rank))), out.tolist())[1],
+    )  # through the library beside the segment: alone
     return out
 
 

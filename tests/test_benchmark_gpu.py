@@ -4,6 +4,7 @@ It checks that the script runs its three sections end to end (one-rank groups in
 allreduce launch through benchmarks/allreduce.py) and that every expected row carries numbers; it
 asserts nothing about speed. About 20 s on a 2-core machine, most of it process start-up.
 """
+
 import re
 import subprocess
 import sys
@@ -49,8 +50,13 @@ def assert_numeric(row: dict, columns) -> None:
 
 def test_gpu_benchmark_cpu_quick(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, f"gpu.py failed ({run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     markdown = (out / "gpu.md").read_text()
     assert markdown.startswith("# chainermn vs torch on CPU"), markdown[:200]
@@ -60,19 +66,38 @@ def test_gpu_benchmark_cpu_quick(tmp_path):
     # 1. packing: both models, every wire dtype, both implementations.
     (pack,) = section(sections, "## 1. Packing")
     assert {(r["model"].split()[0], r["wire"]) for r in pack} == {
-        (model, wire) for model in ("ResNet-50", "Transformer") for wire in ("float16", "bfloat16", "float32")}
+        (model, wire) for model in ("ResNet-50", "Transformer") for wire in ("float16", "bfloat16", "float32")
+    }
     assert {r["tensors"] for r in pack if r["model"].startswith("ResNet-50")} == {"161"}
     for r in pack:
-        assert_numeric(r, ["chainermn ms", "chainermn GB/s", "chainermn of copy", "torch (gloo) ms", "torch GB/s",
-                           "torch of copy", "chainermn speedup"])
+        assert_numeric(
+            r,
+            [
+                "chainermn ms",
+                "chainermn GB/s",
+                "chainermn of copy",
+                "torch (gloo) ms",
+                "torch GB/s",
+                "torch of copy",
+                "chainermn speedup",
+            ],
+        )
 
     # 2. DDP: every chainermn hook and torch's on gloo (bf16 is refused by DDP without CUDA + NCCL).
     (ddp,) = section(sections, "## 2. DDP step time")
     measured = {(r["backend"], r["hook"]) for r in ddp}
     expected = {("gloo", hook) for hook in ("none (DDP's allreduce)", "allreduce_hook", "fp16_compress_hook")}
-    expected |= {("chainermn", hook) for hook in ("none (DDP's allreduce)", "allreduce_hook", "fp16_compress_hook",
-                                                  "bf16_compress_hook", "double_buffering_hook",
-                                                  "double_buffering_hook, float16")}
+    expected |= {
+        ("chainermn", hook)
+        for hook in (
+            "none (DDP's allreduce)",
+            "allreduce_hook",
+            "fp16_compress_hook",
+            "bf16_compress_hook",
+            "double_buffering_hook",
+            "double_buffering_hook, float16",
+        )
+    }
     assert measured == expected, measured ^ expected
     for r in ddp:
         assert_numeric(r, ["ms/step", "samples/s", "vs gloo DDP"])

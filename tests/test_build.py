@@ -5,6 +5,7 @@ run setup.py's own code for every (CUDA, MPI) combination (CUDA and mpicc faked)
 it builds to torch's BuildExtension and stop it where it gives ninja the object list: so they see the
 objects exactly as a real build would, and fail if two sources share one.
 """
+
 import importlib.util
 import os
 import pathlib
@@ -96,8 +97,7 @@ def build_extension_objects(monkeypatch, tmp_path, ext):
         captured["sources"], captured["objects"] = list(sources), list(objects)
         raise _StopBeforeCompiling
 
-    monkeypatch.setattr(cpp_extension, "_write_ninja_file_and_compile_objects",
-                        write_ninja_file_and_compile_objects)
+    monkeypatch.setattr(cpp_extension, "_write_ninja_file_and_compile_objects", write_ninja_file_and_compile_objects)
     monkeypatch.setattr(cpp_extension, "_check_cuda_version", lambda *args: None)
     dist = setuptools.Distribution({"name": "torch-chainermn", "ext_modules": [ext]})
     cmd = cpp_extension.BuildExtension(dist)
@@ -148,7 +148,7 @@ def test_a_user_build_has_no_test_harness():
     # The module's init knows no harness by name: the harness registers itself where it is linked.
     bindings = (ROOT / "csrc" / "python" / "bindings.cpp").read_text()
     assert "testing/bindings.h" not in bindings and "bindTesting" not in bindings
-    assert "registerSubmodule(\"testing\"" in (ROOT / "csrc" / "testing" / "bindings.cpp").read_text()
+    assert 'registerSubmodule("testing"' in (ROOT / "csrc" / "testing" / "bindings.cpp").read_text()
 
 
 def test_each_source_is_in_the_builds_it_belongs_to():
@@ -159,8 +159,7 @@ def test_each_source_is_in_the_builds_it_belongs_to():
         in_builds = {build for build, chosen in selections.items() if src in chosen}
         cuda_only = src.startswith("csrc/cuda/")
         mpi_only = src.startswith("csrc/comm/mpi") and src.endswith(".cpp")
-        expected = {(cuda, mpi) for cuda, mpi in BUILDS
-                    if (cuda or not cuda_only) and (mpi or not mpi_only)}
+        expected = {(cuda, mpi) for cuda, mpi in BUILDS if (cuda or not cuda_only) and (mpi or not mpi_only)}
         assert in_builds == expected, src
         if src.endswith(".cu"):
             assert cuda_only, f"{src}: .cu files belong in csrc/cuda/"
@@ -172,7 +171,9 @@ def test_a_colliding_list_is_refused_naming_both():
         build_sources.object_names(["csrc/a.cpp", "csrc/kernels/pack.cpp", "csrc/kernels/pack.cu"])
     assert "csrc/kernels/pack.cpp" in str(info.value) and "csrc/kernels/pack.cu" in str(info.value)
     assert build_sources.object_names(["csrc/kernels/pack.cpp", "csrc/cuda/pack.cu"], "b") == [
-        os.path.join("b", "csrc/kernels/pack.o"), os.path.join("b", "csrc/cuda/pack.o")]
+        os.path.join("b", "csrc/kernels/pack.o"),
+        os.path.join("b", "csrc/cuda/pack.o"),
+    ]
 
 
 def test_a_colliding_tree_is_refused_and_cu_files_stay_in_csrc_cuda(tmp_path):
@@ -192,11 +193,14 @@ def test_cli_and_compile_check_script_list_the_same_sources():
     for cuda, mpi in BUILDS:
         flags = ["--cuda"] * cuda + ["--mpi"] * mpi + ["--testing"]
         expected = build_sources.sources(cuda=cuda, mpi=mpi, testing=True)
-        out = subprocess.run(cli + flags + ["--format", "cmake"], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(cli + flags + ["--format", "cmake"], check=True, capture_output=True, text=True).stdout
         assert out.strip().split(";") == expected
-    dry = subprocess.run([str(ROOT / "tools" / "check_cuda_compile.sh"), "--dry-run"],
-                         check=True, capture_output=True, text=True,
-                         env={**os.environ, "MPI": "1", "PYTHON": sys.executable}).stdout
+    dry = subprocess.run(
+        [str(ROOT / "tools" / "check_cuda_compile.sh"), "--dry-run"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MPI": "1", "PYTHON": sys.executable},
+    ).stdout
     listed = [line.split()[2] for line in dry.splitlines() if line.startswith("would compile")]
     assert sorted(listed) == build_sources.sources(cuda=True, mpi=True, testing=True)

@@ -4,6 +4,7 @@ keep the issue order behind ops in flight, an async op never waits for its peers
 own timeout keeps it. (Running a queued op on the thread that waits for it was tried and left out:
 a late rank's op then waited for its transport's timeout instead of failing on its peers' word, and
 an async op run too early waits for its peers: docs/benchmarks.md.)"""
+
 import datetime
 import subprocess
 import sys

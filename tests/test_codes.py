@@ -1,5 +1,6 @@
 """torch_chainermn.codes: the encode/decode operators (int8 and 4-bit blocks, 2-bit, 1-bit, top-k) against their
 rules written plainly, bit for bit, and their errors. The CUDA versions: tests/test_cuda.py (same cases)."""
+
 import struct
 
 import pytest
@@ -20,12 +21,14 @@ def block_rule(r: torch.Tensor, block: int, levels: int) -> tuple[torch.Tensor, 
     codes = torch.zeros(r.numel(), dtype=torch.int32)
     scales = []
     for start in range(0, r.numel(), block):
-        piece = r[start:start + block]
+        piece = r[start : start + block]
         largest = piece.abs().max()
         scales.append(largest / levels)
         if largest > 0:
-            inverse = torch.tensor(float(levels)) / largest  # a true division (levels / largest: a reciprocal times levels)
-            codes[start:start + block] = torch.round(piece * inverse).clamp(-levels, levels).to(torch.int32)
+            inverse = (
+                torch.tensor(float(levels)) / largest
+            )  # a true division (levels / largest: a reciprocal times levels)
+            codes[start : start + block] = torch.round(piece * inverse).clamp(-levels, levels).to(torch.int32)
     return codes, torch.stack(scales) if scales else torch.zeros(0)
 
 
@@ -41,12 +44,12 @@ def block_code_row(code: str, r: torch.Tensor, block: int) -> tuple[torch.Tensor
     codes, scales = block_rule(r, block, levels)
     row = torch.zeros(wire_row_bytes(code, r.numel(), block), dtype=torch.uint8)
     fields = torch.zeros(-(-r.numel() // per_byte) * per_byte, dtype=torch.int32)
-    fields[:r.numel()] = codes & ((1 << bits) - 1)
+    fields[: r.numel()] = codes & ((1 << bits) - 1)
     packed = (fields.view(-1, per_byte) << (torch.arange(per_byte, dtype=torch.int32) * bits)).sum(dim=1)
-    row[:packed.numel()] = packed.to(torch.uint8)
+    row[: packed.numel()] = packed.to(torch.uint8)
     offset = -(-packed.numel() // 4) * 4
     row[offset:] = scales.view(torch.uint8)
-    carried = codes.float() * scales.repeat_interleave(block)[:r.numel()] if r.numel() else r.clone()
+    carried = codes.float() * scales.repeat_interleave(block)[: r.numel()] if r.numel() else r.clone()
     return row, carried
 
 
@@ -90,12 +93,17 @@ def test_python_reads_the_registry():
 
 def torch_chainermn_C():
     from torch_chainermn import _C
+
     return _C
 
 
 # A code that needs a residual always carries one; the others with one (gradients) and without (weights).
-FEEDBACK = [(code, feedback) for code in CODES for feedback in (True, False)
-            if feedback or not codes.describe(code)["needs_residual"]]
+FEEDBACK = [
+    (code, feedback)
+    for code in CODES
+    for feedback in (True, False)
+    if feedback or not codes.describe(code)["needs_residual"]
+]
 
 
 @pytest.mark.parametrize("code, feedback", FEEDBACK)
@@ -144,16 +152,20 @@ def test_errors_name_the_op_and_the_argument():
         "block must be >= 1, got 0": lambda: encode(x, wire, code="int8", block=0),
         # (a wire of any size: the settings are checked first, and wire_row_bytes refuses an odd 4-bit block too)
         "block must be a multiple of 2 for the 4bit code, got 3": lambda: encode(
-            x, torch.empty(2, 24, dtype=torch.uint8), code="4bit", block=3),
+            x, torch.empty(2, 24, dtype=torch.uint8), code="4bit", block=3
+        ),
         "torch_chainermn.encode: wire must be [2, 32]": lambda: encode(x, wire, code="int8", block=2),
         "values must be float32, got Double": lambda: encode(x.double(), wire, code="int8", block=4),
         "the 2bit code needs a residual": lambda: encode(
-            x, torch.empty(2, wire_row_bytes("2bit", 10), dtype=torch.uint8), code="2bit"),
+            x, torch.empty(2, wire_row_bytes("2bit", 10), dtype=torch.uint8), code="2bit"
+        ),
         "residual must have the values' shape": lambda: encode(x, wire, torch.zeros(2, 9), code="int8", block=4),
         "torch_chainermn.decode: out must be 1-D [values] (sum=True)": lambda: decode(
-            wire, torch.empty(2, 10), code="int8", block=4, sum=True),
+            wire, torch.empty(2, 10), code="int8", block=4, sum=True
+        ),
         "torch_chainermn.decode: wire rows of 24 bytes do not hold 13 values": lambda: decode(
-            wire, torch.empty(2, 13), code="int8", block=4),
+            wire, torch.empty(2, 13), code="int8", block=4
+        ),
     }
     for message, call in cases.items():
         with pytest.raises(ValueError, match="torch_chainermn") as raised:
@@ -163,13 +175,14 @@ def test_errors_name_the_op_and_the_argument():
 
 # ---- top-k --------------------------------------------------------------------------------------
 
+
 def topk_rule(r: torch.Tensor, block: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the wire row, the values it carries) of one row r by kernels/topk.h's rule: per block, a float32
     scale (largest |r| / 127), the `keep` chosen indices as uint16 and their int8 codes (a short block's
     unused slots: 0xFFFF and 0), zero bytes to a multiple of 4."""
     row, carried = b"", torch.zeros_like(r)
     for start in range(0, r.numel(), block):
-        piece = r[start:start + block]
+        piece = r[start : start + block]
         chosen = compression_reference.topk_chosen(piece, keep)
         largest = piece.abs().max()
         scale = largest / 127
@@ -179,8 +192,11 @@ def topk_rule(r: torch.Tensor, block: int, keep: int) -> tuple[torch.Tensor, tor
             codes = torch.round(piece[chosen] * inverse).clamp(-127, 127).to(torch.int32)
         carried[start + chosen] = codes.float() * scale
         unused = keep - chosen.numel()
-        blob = (struct.pack("<f", float(scale)) + struct.pack(f"<{keep}H", *chosen.tolist(), *[0xFFFF] * unused)
-                + struct.pack(f"<{keep}b", *codes.tolist(), *[0] * unused))
+        blob = (
+            struct.pack("<f", float(scale))
+            + struct.pack(f"<{keep}H", *chosen.tolist(), *[0xFFFF] * unused)
+            + struct.pack(f"<{keep}b", *codes.tolist(), *[0] * unused)
+        )
         row += blob + bytes(-len(blob) % 4)
     return torch.tensor(list(row), dtype=torch.uint8), carried
 
@@ -198,9 +214,21 @@ def topk_values(rows: int, count: int, seed: int, ties: bool) -> torch.Tensor:
 # heap) and many of a block (its nth_element), blocks of 4096.
 @pytest.mark.parametrize("feedback", [True, False])
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("rows, count, block, keep", [
-    (1, 1, 4, 1), (1, 1, 4, 4), (3, 1000, 256, 8), (2, 37, 5, 2), (2, 37, 16, 7), (2, 4099, 64, 1),
-    (2, 4099, 64, 64), (2, 1100, 512, 100), (1, 5000, 4096, 8), (1, 0, 8, 3)])
+@pytest.mark.parametrize(
+    "rows, count, block, keep",
+    [
+        (1, 1, 4, 1),
+        (1, 1, 4, 4),
+        (3, 1000, 256, 8),
+        (2, 37, 5, 2),
+        (2, 37, 16, 7),
+        (2, 4099, 64, 1),
+        (2, 4099, 64, 64),
+        (2, 1100, 512, 100),
+        (1, 5000, 4096, 8),
+        (1, 0, 8, 3),
+    ],
+)
 def test_topk_equals_its_rule_bit_for_bit(rows, count, block, keep, ties, feedback):
     x, residual = topk_values(rows, count, 1, ties), topk_values(rows, count, 2, ties) * 0.5
     wire = torch.full((rows, wire_row_bytes("topk", count, block, keep)), 0xAB, dtype=torch.uint8)
@@ -266,18 +294,24 @@ def test_topk_errors_name_the_op_and_the_argument():
     wire = torch.empty(2, wire_row_bytes("topk", 10, 4, keep=2), dtype=torch.uint8)
     cases = {
         "torch_chainermn.encode: keep must be >= 1 and <= block (4) for the topk code, got 0": lambda: encode(
-            x, wire, code="topk", block=4, keep=0),
+            x, wire, code="topk", block=4, keep=0
+        ),
         "torch_chainermn.encode: keep must be >= 1 and <= block (4) for the topk code, got 5": lambda: encode(
-            x, wire, code="topk", block=4, keep=5),
-        "torch_chainermn.encode: block must be at most 65536 for the topk code, got 65537": lambda: (
-            encode(x, wire, code="topk", block=65537, keep=2)),
+            x, wire, code="topk", block=4, keep=5
+        ),
+        "torch_chainermn.encode: block must be at most 65536 for the topk code, got 65537": lambda: encode(
+            x, wire, code="topk", block=65537, keep=2
+        ),
         "torch_chainermn.encode: wire must be [2, 48]": lambda: encode(x, wire, code="topk", block=4, keep=3),
         "torch_chainermn.decode: keep must be >= 1 and <= block (4) for the topk code, got 9": lambda: decode(
-            wire, torch.empty(2, 10), code="topk", block=4, keep=9),
+            wire, torch.empty(2, 10), code="topk", block=4, keep=9
+        ),
         "torch_chainermn.decode: wire rows of 36 bytes do not hold 10 values (48 bytes)": lambda: decode(
-            wire, torch.empty(2, 10), code="topk", block=4, keep=3),
-        "torch_chainermn.wire_row_bytes: keep must be >= 1 and <= block (4) for the topk code, got 5": lambda: wire_row_bytes(
-            "topk", 10, 4, keep=5),
+            wire, torch.empty(2, 10), code="topk", block=4, keep=3
+        ),
+        "torch_chainermn.wire_row_bytes: keep must be >= 1 and <= block (4) for the topk code, got 5": lambda: (
+            wire_row_bytes("topk", 10, 4, keep=5)
+        ),
     }
     for message, call in cases.items():
         with pytest.raises(ValueError, match="torch_chainermn") as raised:

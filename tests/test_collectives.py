@@ -40,8 +40,10 @@ def matrix(config: str, size: int):
 
 @pytest.mark.parametrize(
     "transport,size",
-    [pytest.param(t, n, id=f"{t}-{n}ranks", marks=[pytest.mark.mpi] if t.startswith("mpi") else [])
-     for t, n in CONFIGS],
+    [
+        pytest.param(t, n, id=f"{t}-{n}ranks", marks=[pytest.mark.mpi] if t.startswith("mpi") else [])
+        for t, n in CONFIGS
+    ],
 )
 @pytest.mark.parametrize("case", list(collective_cases.CASES))
 def test_collective(transport, size, case):
@@ -57,14 +59,20 @@ def test_collective(transport, size, case):
 # machine, not only on one with a GPU.
 def device_case_sets_on_cpu():
     dtypes = collective_cases.NCCL_DTYPES
-    cases = {**collective_cases.device_collective_cases("cpu", dtypes),
-             **collective_cases.device_point_to_point_cases("cpu", dtypes)}
+    cases = {
+        **collective_cases.device_collective_cases("cpu", dtypes),
+        **collective_cases.device_point_to_point_cases("cpu", dtypes),
+    }
     return collective_cases.run_cases(cases=cases)
 
 
 def test_device_case_sets_on_cpu():
     results = [device for _, device in launch_matrix("gloo", 2)]  # 2 ranks, spawn, shared memory on
-    failures = [f"rank {rank} {case}:\n{error}" for rank, r in enumerate(results)
-                for case, error in r.items() if error and not case.startswith("__")]
+    failures = [
+        f"rank {rank} {case}:\n{error}"
+        for rank, r in enumerate(results)
+        for case, error in r.items()
+        if error and not case.startswith("__")
+    ]
     assert len(results[0]) > 150, sorted(results[0])  # the sets are really there
     assert not failures, "\n".join(failures[:5])

@@ -1,5 +1,6 @@
 """The ChainerMN communicator object: arrays and objects point to point and collectively, model
 gradients and parameters, split and finalize. Each run packs many checks, as processes are costly."""
+
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ NUMPY_DTYPES = [np.int32, np.int64, np.float32, np.float64, np.float16, np.bool_
 
 
 # ---- exact, rank-tagged inputs --------------------------------------------------------------------
+
 
 def tensor_of(rank, shape, dtype, salt=0):
     """Small integers that tell the rank and position apart, exact in every dtype."""
@@ -72,6 +74,7 @@ def contiguous_copy(array):
 
 # ---- the cases ------------------------------------------------------------------------------------
 
+
 def check_identity(comm, ranks_per_node):
     rank, size = dist.get_rank(), dist.get_world_size()
     assert (comm.rank, comm.size) == (rank, size)
@@ -90,8 +93,11 @@ def check_point_to_point(comm):
         for tag, (name, mine) in enumerate(cases_of_arrays(0)):
             if rank == 0:
                 comm.send(mine, peer, tag=tag)
-                assert_same(comm.recv(peer, tag=tag), contiguous_copy(cases_of_arrays(peer, salt=1)[tag][1]),
-                            f"recv {name} from {peer}")
+                assert_same(
+                    comm.recv(peer, tag=tag),
+                    contiguous_copy(cases_of_arrays(peer, salt=1)[tag][1]),
+                    f"recv {name} from {peer}",
+                )
             elif rank == peer:
                 assert_same(comm.recv(0, tag=tag), contiguous_copy(mine), f"recv {name}")
                 comm.send(cases_of_arrays(rank, salt=1)[tag][1], 0, tag=tag)
@@ -118,8 +124,11 @@ def check_collectives(comm):
         mine = everyone[rank][i][1]
         for root in range(size):
             got = comm.bcast(mine if rank == root else None, root=root)
-            assert_same(got if rank != root else contiguous_copy(got), contiguous_copy(everyone[root][i][1]),
-                        f"bcast {name} root {root}")
+            assert_same(
+                got if rank != root else contiguous_copy(got),
+                contiguous_copy(everyone[root][i][1]),
+                f"bcast {name} root {root}",
+            )
             gathered = comm.gather(mine, root=root)
             if rank == root:
                 assert isinstance(gathered, tuple) and len(gathered) == size
@@ -138,8 +147,11 @@ def check_collectives(comm):
             assert_same(comm.allreduce(mine), want, f"allreduce {dtype} {shape}")
             assert torch.equal(mine, before)
         view = non_contiguous(rank, dtype)
-        assert_same(comm.allreduce(view), sum(non_contiguous(r, torch.int64) for r in range(size)).to(dtype),
-                    f"allreduce non-contiguous {dtype}")
+        assert_same(
+            comm.allreduce(view),
+            sum(non_contiguous(r, torch.int64) for r in range(size)).to(dtype),
+            f"allreduce non-contiguous {dtype}",
+        )
     for dtype in [np.int32, np.int64, np.float32, np.float64]:
         for shape in [(), (2, 3, 1, 4)]:
             want = sum(array_of(r, shape, np.int64) for r in range(size)).astype(dtype)
@@ -150,18 +162,25 @@ def check_collectives(comm):
         assert_same(got, tensor_of(r, (r + 1, 2), torch.int32), f"ragged allgather {r}")
     for root in range(size):
         pieces = [array_of(root * 10 + r, (r + 2,), np.float32) for r in range(size)] if rank == root else None
-        assert_same(comm.scatter(pieces, root=root), array_of(root * 10 + rank, (rank + 2,), np.float32),
-                    f"scatter root {root}")
+        assert_same(
+            comm.scatter(pieces, root=root), array_of(root * 10 + rank, (rank + 2,), np.float32), f"scatter root {root}"
+        )
         rows = tensor_of(root, (size, 2, 3), torch.float64) if rank == root else None
-        assert_same(comm.scatter(rows, root=root), tensor_of(root, (size, 2, 3), torch.float64)[rank],
-                    f"scatter rows root {root}")
+        assert_same(
+            comm.scatter(rows, root=root),
+            tensor_of(root, (size, 2, 3), torch.float64)[rank],
+            f"scatter rows root {root}",
+        )
     for dtype in [torch.int64, torch.float32]:
         xs = [tensor_of(rank * 10 + dest, (dest + 1, 2), dtype).t() for dest in range(size)]
         received = comm.alltoall(xs)
         assert isinstance(received, tuple) and len(received) == size
         for source, got in enumerate(received):
-            assert_same(got, tensor_of(source * 10 + rank, (rank + 1, 2), dtype).t().contiguous(),
-                        f"alltoall {dtype} from {source}")
+            assert_same(
+                got,
+                tensor_of(source * 10 + rank, (rank + 1, 2), dtype).t().contiguous(),
+                f"alltoall {dtype} from {source}",
+            )
     received = comm.alltoall([np.full((3,), rank * 10 + dest, np.int64) for dest in range(size)])
     for source, got in enumerate(received):
         assert_same(got, np.full((3,), source * 10 + rank, np.int64), f"alltoall numpy from {source}")
@@ -176,10 +195,15 @@ class Point:
 
 def rich_object(rank):
     return {
-        "rank": rank, "name": f"rank-{rank}", "nested": [(rank, 2.5), {"x": None}],
-        "tensor": tensor_of(rank, (5, 3), torch.float64).t(), "half": tensor_of(rank, (4,), torch.bfloat16),
-        "array": array_of(rank, (2, 2), np.int32), "object_array": np.array([rank, "x"], dtype=object),
-        "point": Point(rank, np.arange(rank + 1)), "parameter": torch.nn.Parameter(torch.ones(2) * rank),
+        "rank": rank,
+        "name": f"rank-{rank}",
+        "nested": [(rank, 2.5), {"x": None}],
+        "tensor": tensor_of(rank, (5, 3), torch.float64).t(),
+        "half": tensor_of(rank, (4,), torch.bfloat16),
+        "array": array_of(rank, (2, 2), np.int32),
+        "object_array": np.array([rank, "x"], dtype=object),
+        "point": Point(rank, np.arange(rank + 1)),
+        "parameter": torch.nn.Parameter(torch.ones(2) * rank),
         "bytes": bytes(range(rank, rank + 50)),
     }
 
@@ -259,13 +283,14 @@ def check_errors(comm):
     expect_value_error(lambda: comm.multi_node_mean_grad("model"), "multi_node_mean_grad", "model")
     expect_value_error(lambda: comm.split("red", 0), "split", "color")
     expect_value_error(lambda: create_communicator("fastest"), "create_communicator", "fastest")
-    expect_value_error(lambda: create_communicator(allreduce_grad_dtype=torch.int32), "create_communicator",
-                       "allreduce_grad_dtype")
+    expect_value_error(
+        lambda: create_communicator(allreduce_grad_dtype=torch.int32), "create_communicator", "allreduce_grad_dtype"
+    )
     # A mistake on one rank makes every rank raise the same ValueError (no one is left waiting).
-    expect_value_error(lambda: comm.allreduce([1.0] if rank == 1 else torch.ones(1)), "allreduce", "data",
-                       "on rank 1")
-    expect_value_error(lambda: comm.allgather(torch.ones(2, dtype=torch.float64 if rank == 0 else torch.float32)),
-                       "allgather", "dtype")
+    expect_value_error(lambda: comm.allreduce([1.0] if rank == 1 else torch.ones(1)), "allreduce", "data", "on rank 1")
+    expect_value_error(
+        lambda: comm.allgather(torch.ones(2, dtype=torch.float64 if rank == 0 else torch.float32)), "allgather", "dtype"
+    )
     expect_value_error(lambda: comm.allreduce(torch.ones(rank + 1)), "allreduce", "shape")
     expect_value_error(lambda: comm.gather(np.ones(2) if rank == 0 else torch.ones(2)), "gather", "kind")
     expect_value_error(lambda: comm.bcast("data" if rank == 0 else None), "bcast", "data")
@@ -303,29 +328,37 @@ def check_mean_grad(comm, rank, size, dtypes, tolerance):
         comm.multi_node_mean_grad(model)
         for i, param in enumerate(model.ordered()):
             assert param.grad.dtype == param.dtype
-            torch.testing.assert_close(param.grad.double(), torch.full(param.shape, mean + i, dtype=torch.float64),
-                                       rtol=0, atol=tolerance)
+            torch.testing.assert_close(
+                param.grad.double(), torch.full(param.shape, mean + i, dtype=torch.float64), rtol=0, atol=tolerance
+            )
     # None gradients are skipped (everywhere) and stay None.
     set_grads(model, rank, present=(True, False, True))
     comm.allreduce_grad(model)
     assert model.b.grad is None
-    torch.testing.assert_close(model.c.grad.double(), torch.full((4,), mean + 2, dtype=torch.float64),
-                               rtol=0, atol=tolerance)
+    torch.testing.assert_close(
+        model.c.grad.double(), torch.full((4,), mean + 2, dtype=torch.float64), rtol=0, atol=tolerance
+    )
     # zero_fill: odd ranks have no gradients; they take part as zeros and end with the mean.
     set_grads(model, rank, present=(rank % 2 == 0,) * 3)
     comm.multi_node_mean_grad(model, zero_fill=True)
     evens = [r for r in range(size) if r % 2 == 0]
     for i, param in enumerate(model.ordered()):
         want = sum(r + i for r in evens) / size
-        torch.testing.assert_close(param.grad.double(), torch.full(param.shape, want, dtype=torch.float64),
-                                   rtol=0, atol=tolerance)
+        torch.testing.assert_close(
+            param.grad.double(), torch.full(param.shape, want, dtype=torch.float64), rtol=0, atol=tolerance
+        )
 
 
 def check_models(comm):
     rank, size = comm.rank, comm.size
     f16, f32, f64 = torch.float16, torch.float32, torch.float64
-    for wire, tolerance in [(None, 1e-6), (torch.float16, 2e-2), (torch.bfloat16, 5e-2), (torch.float32, 1e-3),
-                            (torch.float64, 1e-3)]:
+    for wire, tolerance in [
+        (None, 1e-6),
+        (torch.float16, 2e-2),
+        (torch.bfloat16, 5e-2),
+        (torch.float32, 1e-3),
+        (torch.float64, 1e-3),
+    ]:
         wire_comm = create_communicator("hierarchical", allreduce_grad_dtype=wire)
         assert wire_comm.allreduce_grad_dtype == wire and wire_comm.communicator_name == "hierarchical"
         for dtypes in [(f16,) * 3, (f32,) * 3, (f64,) * 3, (f16, f32, f16)]:
@@ -406,15 +439,19 @@ def communicator_cases(ranks_per_node):
 
 
 def test_communicator_over_gloo():
-    assert run_spawn(communicator_cases, 3, 2, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=400,
-                     op_timeout=120) == [0, 1, 2]
+    assert run_spawn(communicator_cases, 3, 2, env={"CHAINERMN_RANKS_PER_NODE": "2"}, timeout=400, op_timeout=120) == [
+        0,
+        1,
+        2,
+    ]
 
 
 @pytest.mark.mpi
 def test_communicator_over_mpi_initialises_the_group():
     # init=False: create_communicator itself calls init_process_group, under mpiexec.
-    assert run_mpiexec(communicator_cases, 2, 1, env={"CHAINERMN_RANKS_PER_NODE": "1"}, init=False,
-                       timeout=400, op_timeout=120) == [0, 1]
+    assert run_mpiexec(
+        communicator_cases, 2, 1, env={"CHAINERMN_RANKS_PER_NODE": "1"}, init=False, timeout=400, op_timeout=120
+    ) == [0, 1]
 
 
 SINGLE_PROCESS = """
@@ -431,6 +468,7 @@ print("ok")
 def test_a_process_nobody_launched_is_a_world_of_one():
     env = launcher_free_environment(drop_prefixes=("OMPI_", "PMI"))
     env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run([sys.executable, "-c", SINGLE_PROCESS], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", SINGLE_PROCESS], env=env, cwd=REPO, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

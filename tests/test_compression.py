@@ -1,5 +1,6 @@
 """Gradient compression (MXNet's 2-bit, 1-bit sign): the kernels, the backend's mean, and the
 hook, communicator and optimizer on real processes, each against tests/support/compression_reference.py."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ def values(count: int, seed: int, scale: float = 0.4) -> torch.Tensor:
 
 
 # ---- the kernels --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["2bit", "1bit"])
 @pytest.mark.parametrize("count, extra", [(0, 0), (1, 0), (17, 40), (1000, 0), (4099, 33)])
@@ -85,7 +87,8 @@ def test_mean_equals_the_reference_step_by_step(names, kind, compress_result, re
     results, firsts, seconds = _C.testing.compressed_mean_steps(names, inputs, steps, spec, shared_memory=True)
     nodes = [[r for r, n in enumerate(names) if n == name] for name in dict.fromkeys(names)]
     means, first, second = reference.compressed_mean_steps(
-        [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype, block=block)
+        [inputs] * steps, nodes, steps, kind, 0.3, compress_result, result_dtype, block=block
+    )
     for step in range(steps):
         for rank in range(len(names)):
             assert torch.equal(results[step][rank], means[step]), (step, rank)
@@ -109,9 +112,11 @@ def test_topk_mean_takes_keep(keep):
     names, count, steps, block = ["a", "b", "b"], 1001, 3, 64
     inputs = [values(count, 20 + rank) for rank in range(len(names))]
     results, firsts, _ = _C.testing.compressed_mean_steps(
-        names, inputs, steps, CompressionSpec("topk", block=block, keep=keep))
-    means, first, _ = reference.compressed_mean_steps([inputs] * steps, [[0], [1, 2]], steps, "topk", block=block,
-                                                      keep=keep)
+        names, inputs, steps, CompressionSpec("topk", block=block, keep=keep)
+    )
+    means, first, _ = reference.compressed_mean_steps(
+        [inputs] * steps, [[0], [1, 2]], steps, "topk", block=block, keep=keep
+    )
     for step in range(steps):
         for rank in range(len(names)):
             assert torch.equal(results[step][rank], means[step]), (step, rank)
@@ -240,11 +245,14 @@ def process_cases():
     outcome["optimizer has it"] = optimizer.gradient_compression is comm.gradient_compression
 
     # Bad input: a clear ValueError on every rank.
-    outcome["errors"] = value_errors((
-        lambda: hooks.GradientCompressionState(threshold=0),
-        lambda: hooks.GradientCompressionState(type="3bit"),
-        lambda: torch_chainermn.create_communicator(gradient_compression={"type": "2bit", "thresh": 1}),
-        lambda: compression.start([torch.ones(4, dtype=torch.int64)], ((0, 0, 4),)).wait()))
+    outcome["errors"] = value_errors(
+        (
+            lambda: hooks.GradientCompressionState(threshold=0),
+            lambda: hooks.GradientCompressionState(type="3bit"),
+            lambda: torch_chainermn.create_communicator(gradient_compression={"type": "2bit", "thresh": 1}),
+            lambda: compression.start([torch.ones(4, dtype=torch.int64)], ((0, 0, 4),)).wait(),
+        )
+    )
     comm.finalize()
     return outcome
 
@@ -273,6 +281,7 @@ def test_hook_and_toolkit_two_nodes_of_two():
 
 # ---- the block codes through the DDP hook, real processes -----------------------------------------
 
+
 class OneVector(torch.nn.Module):
     """One parameter, so one bucket whatever DDP does: a block code's scales depend on where its blocks
     fall, and the reference lays the gradients out as this bucket does (the relayout of residuals is
@@ -296,8 +305,7 @@ def block_code_cases(kind: str, block: int, compress_result=False):
     per_node = torch_chainermn.topology().intra_size
     nodes = [list(range(n, n + per_node)) for n in range(0, size, per_node)]
     inputs = [[flat(gradients(r, step)) for r in range(size)] for step in range(4)]  # run() sends these
-    expected = reference.compressed_mean_steps(inputs, nodes, 4, kind, compress_result=compress_result,
-                                               block=block)[0]
+    expected = reference.compressed_mean_steps(inputs, nodes, 4, kind, compress_result=compress_result, block=block)[0]
     outcome = {}
 
     def run(model, state, steps):
@@ -335,28 +343,44 @@ def block_code_cases(kind: str, block: int, compress_result=False):
         return said, after.tolist()
 
     outcome["disagreement"], outcome["after"] = disagreement(
-        GradientCompression(type=kind, block=block * (1 + rank % 2 * 2)))
+        GradientCompression(type=kind, block=block * (1 + rank % 2 * 2))
+    )
     if kind == "topk":  # ranks that keep different numbers of values a block
         outcome["keep disagreement"], outcome["after keep"] = disagreement(
-            GradientCompression(None, kind, block=block, keep=4 + rank % 2))
+            GradientCompression(None, kind, block=block, keep=4 + rank % 2)
+        )
     if compress_result:  # the sums in compress_result's code on one rank, in the type's own on the other
         outcome["sums disagreement"], outcome["after sums"] = disagreement(
-            GradientCompression(None, kind, block=block, compress_result=compress_result if rank == 0 else True))
+            GradientCompression(None, kind, block=block, compress_result=compress_result if rank == 0 else True)
+        )
 
     gloo = dist.new_group(backend="gloo")
-    outcome["errors"] = value_errors((lambda: hooks.GradientCompressionState(type=kind, block=0),
-                                      lambda: hooks.GradientCompressionState(type="int4"),
-                                      lambda: hooks.GradientCompressionState(gloo, type=kind),
-                                      lambda: hooks.GradientCompressionState(type=kind, compress_result="2bit")))
+    outcome["errors"] = value_errors(
+        (
+            lambda: hooks.GradientCompressionState(type=kind, block=0),
+            lambda: hooks.GradientCompressionState(type="int4"),
+            lambda: hooks.GradientCompressionState(gloo, type=kind),
+            lambda: hooks.GradientCompressionState(type=kind, compress_result="2bit"),
+        )
+    )
     return outcome
 
 
-@pytest.mark.parametrize("kind, block, ranks_per_node, size, compress_result",
-                         [("int8", 64, "2", 4, False), ("4bit", 32, "1", 2, "int8"), ("topk", 64, "1", 2, False)],
-                         ids=["int8-2x2", "4bit-int8-sums-2x1", "topk-2x1"])
+@pytest.mark.parametrize(
+    "kind, block, ranks_per_node, size, compress_result",
+    [("int8", 64, "2", 4, False), ("4bit", 32, "1", 2, "int8"), ("topk", 64, "1", 2, False)],
+    ids=["int8-2x2", "4bit-int8-sums-2x1", "topk-2x1"],
+)
 def test_block_codes_through_the_hook(kind, block, ranks_per_node, size, compress_result):
-    outcomes = run_spawn(block_code_cases, size, kind, block, compress_result,
-                         env={"CHAINERMN_RANKS_PER_NODE": ranks_per_node}, timeout=300)
+    outcomes = run_spawn(
+        block_code_cases,
+        size,
+        kind,
+        block,
+        compress_result,
+        env={"CHAINERMN_RANKS_PER_NODE": ranks_per_node},
+        timeout=300,
+    )
     for rank, outcome in enumerate(outcomes):
         assert all(outcome["hook"]), (rank, outcome["hook"])
         assert all(outcome["resumed"]), (rank, outcome["resumed"])
@@ -373,11 +397,12 @@ def test_block_codes_through_the_hook(kind, block, ranks_per_node, size, compres
             assert f"compress_result={compress_result}" in said and f"compress_result={kind}" in said, said
             assert outcome["after sums"] == [float(size)] * 3
         block_error, type_error, group_error, sums_error = outcome["errors"]
-        assert ("GradientCompressionState: compress_result must be True or a code that carries sums ('4bit', 'int8'), "
-                "got '2bit'" in sums_error)
+        assert (
+            "GradientCompressionState: compress_result must be True or a code that carries sums ('4bit', 'int8'), "
+            "got '2bit'" in sums_error
+        )
         assert "GradientCompressionState: block must be >= 1, got 0" in block_error
-        assert (f"GradientCompressionState: type must be one of {', '.join(map(repr, CODES))}, got 'int4'"
-                in type_error)
+        assert f"GradientCompressionState: type must be one of {', '.join(map(repr, CODES))}, got 'int4'" in type_error
         assert "GradientCompressionState" in group_error and "chainermn" in group_error
 
 
@@ -394,27 +419,42 @@ def spelling_cases():
         old = hooks.DoubleBufferingState(compress=torch.float16)
         comm = torch_chainermn.create_communicator("flat", gradient_compression={"type": "int8"})
         optimizer = torch_chainermn.create_multi_node_optimizer(
-            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"type": "4bit"})
+            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"type": "4bit"}
+        )
         outcome["old spelling warns"] = [(w.category.__name__, str(w.message)) for w in caught]
     outcome["same mean"] = (new.mean.dtype, old.mean.dtype, comm.compression.type, optimizer.compression.type)
     # A CompressionSpec is a compression= value everywhere, and .compression the same kind of value.
     spec = torch_chainermn.CompressionSpec("4bit", block=64, compress_result="int8")
     model = torch.nn.Linear(2, 2)
-    holders = {"double buffering": hooks.DoubleBufferingState(compression=spec),
-               "communicator": torch_chainermn.create_communicator("flat", compression=spec),
-               "optimizer": torch_chainermn.create_multi_node_optimizer(
-                   torch.optim.SGD(model.parameters(), lr=1.0), compression=spec),
-               "DiLoCo": torch_chainermn.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                                torch.optim.SGD(model.parameters(), lr=0.7), sync_every=2,
-                                                compression=spec),
-               "state": hooks.GradientCompressionState(compression=spec)}
-    outcome["specs"] = {name: (type(getattr(holder, "compression", holder)).__name__,
-                               getattr(holder, "compression", holder).spec == spec)
-                        for name, holder in holders.items()}
-    outcome["errors"] = value_errors((
-        lambda: hooks.DoubleBufferingState(compression=torch.float16, compress=torch.float16),
-        lambda: torch_chainermn.create_communicator(compression=torch.float16),
-        lambda: hooks.GradientCompressionState(compression=spec, block=32)))
+    holders = {
+        "double buffering": hooks.DoubleBufferingState(compression=spec),
+        "communicator": torch_chainermn.create_communicator("flat", compression=spec),
+        "optimizer": torch_chainermn.create_multi_node_optimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0), compression=spec
+        ),
+        "DiLoCo": torch_chainermn.DiLoCo(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.optim.SGD(model.parameters(), lr=0.7),
+            sync_every=2,
+            compression=spec,
+        ),
+        "state": hooks.GradientCompressionState(compression=spec),
+    }
+    outcome["specs"] = {
+        name: (
+            type(getattr(holder, "compression", holder)).__name__,
+            getattr(holder, "compression", holder).spec == spec,
+        )
+        for name, holder in holders.items()
+    }
+    outcome["errors"] = value_errors(
+        (
+            lambda: hooks.DoubleBufferingState(compression=torch.float16, compress=torch.float16),
+            lambda: torch_chainermn.create_communicator(compression=torch.float16),
+            lambda: hooks.GradientCompressionState(compression=spec, block=32),
+        )
+    )
     comm.finalize()
     holders["communicator"].finalize()
     return outcome
@@ -425,8 +465,11 @@ def test_one_spelling_of_compression_the_old_ones_deprecated():
     assert outcome["new spelling warns"] == [], outcome
     warned = outcome["old spelling warns"]
     assert [category for category, _ in warned] == ["DeprecationWarning"] * 3, warned
-    for (_, message), op, old in zip(warned, ("DoubleBufferingState", "create_communicator", "create_multi_node_optimizer"),
-                                     ("compress", "gradient_compression", "gradient_compression")):
+    for (_, message), op, old in zip(
+        warned,
+        ("DoubleBufferingState", "create_communicator", "create_multi_node_optimizer"),
+        ("compress", "gradient_compression", "gradient_compression"),
+    ):
         assert message == f"{op}: {old}= is deprecated, use compression= (it takes the same values)", warned
     assert outcome["same mean"] == (torch.float16, torch.float16, "int8", "4bit"), outcome
     for name, (kind, same) in outcome["specs"].items():

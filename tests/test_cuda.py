@@ -8,7 +8,7 @@ NCCL_IB_DISABLE=1). `nccl_between_ranks()` probes that once: if NCCL refuses or 
 groups (every rank its own simulated node, NCCL within it) with the host transport staged through
 pinned memory between them ("nccl_intra"), and the all-staged transport ("staged").
 """
-import functools
+
 import traceback
 
 import pytest
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import torch_chainermn
 from tests.support.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
-from tests.support.harness import RankFailure, cached_launch, run_spawn
+from tests.support.harness import cached_launch, run_spawn
 
 pytestmark = pytest.mark.cuda
 
@@ -28,8 +28,10 @@ SIZES = [0, 1, 7, 1000, 1 << 20]
 
 def nccl_one_gpu_env(world_size: int) -> dict:
     """Per-rank environment that lets NCCL put several ranks on one GPU (one simulated host each)."""
-    return {rank: {"NCCL_HOSTID": f"chainermn-test-host-{rank}", "NCCL_SOCKET_IFNAME": "lo",
-                   "NCCL_IB_DISABLE": "1"} for rank in range(world_size)}
+    return {
+        rank: {"NCCL_HOSTID": f"chainermn-test-host-{rank}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+        for rank in range(world_size)
+    }
 
 
 def probe_all_reduce():
@@ -58,8 +60,14 @@ def cuda_configurations():
 def nccl_between_ranks():
     """Two-rank NCCL on the one GPU, probed once: a refusal or a wrong sum fails every "nccl" test with
     what the probe saw (never a fallback to another transport under the same name)."""
-    values = run_spawn(probe_all_reduce, 2, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
-                       rank_env=nccl_one_gpu_env(2), timeout=120, op_timeout=60)
+    values = run_spawn(
+        probe_all_reduce,
+        2,
+        env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
+        rank_env=nccl_one_gpu_env(2),
+        timeout=120,
+        op_timeout=60,
+    )
     if values != [3.0, 3.0]:
         raise AssertionError(f"two-rank NCCL all_reduce of 1 + 2 gave {values} on ranks 0 and 1")
     return values
@@ -81,6 +89,7 @@ def config_names():
 
 
 # ---- every strategy x dtype x size on CUDA tensors --------------------------------------------------
+
 
 def cuda_strategy_cases():
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -127,8 +136,12 @@ def cuda_strategy_cases():
 
 
 def check_outcomes(outcomes):
-    failures = [f"rank {r} {case}:\n{error}" for r, outcome in enumerate(outcomes)
-                for case, error in outcome.items() if error and not case.startswith("__")]
+    failures = [
+        f"rank {r} {case}:\n{error}"
+        for r, outcome in enumerate(outcomes)
+        for case, error in outcome.items()
+        if error and not case.startswith("__")
+    ]
     assert not failures, "\n".join(failures[:5])
 
 
@@ -153,28 +166,40 @@ def test_strategies_on_cuda_one_node(config):
 
 # ---- mean_coalesced: one-kernel pack/unpack with cast and scale ------------------------------------
 
+
 def mean_cases():
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
     # (70001,) spans many of the kernel's chunks (4096 elements at this total); after (3, 5) every
     # part sits at an odd element offset, so raw moves of 16-bit parts go 2 bytes at a time.
     shapes = [(3, 5), (1,), (1000,), (0,), (257, 3), (70001,)]
-    mixes = {"float32": [torch.float32] * 6,
-             "float16": [torch.float16] * 6,
-             "mixed": [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float32, torch.bfloat16]}
+    mixes = {
+        "float32": [torch.float32] * 6,
+        "float16": [torch.float16] * 6,
+        "mixed": [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float32, torch.bfloat16],
+    }
     for mix_name, dtypes in mixes.items():
         for wire in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
             case = f"{mix_name}-{wire}"
             try:
+
                 def values(r):
-                    return [small_values(r + i, shape, dtype) * (i + 1) for i, (shape, dtype) in enumerate(zip(shapes, dtypes))]
+                    return [
+                        small_values(r + i, shape, dtype) * (i + 1)
+                        for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
+                    ]
+
                 tensors = [t.cuda() for t in values(rank)]
                 torch_chainermn.mean_coalesced(tensors, dtype=wire)
                 per_rank = [values(r) for r in range(size)]
                 for i, tensor in enumerate(tensors):
                     expected = sum(p[i].double() for p in per_rank) / size
                     assert tensor.dtype == dtypes[i] and tensor.is_cuda
-                    tolerance = 2e-2 if wire in (torch.float16, torch.bfloat16) or dtypes[i] in (torch.float16, torch.bfloat16) else 1e-6
+                    tolerance = (
+                        2e-2
+                        if wire in (torch.float16, torch.bfloat16) or dtypes[i] in (torch.float16, torch.bfloat16)
+                        else 1e-6
+                    )
                     torch.testing.assert_close(tensor.cpu().double(), expected, rtol=tolerance, atol=tolerance)
                 outcome[case] = None
             except Exception:  # noqa: BLE001
@@ -195,14 +220,25 @@ def compression_cases():
 
     rank, size = dist.get_rank(), dist.get_world_size()
     outcome = {}
-    for kind, compress_result in (("2bit", False), ("2bit", True), ("1bit", True), ("int8", False), ("4bit", True),
-                                  ("topk", True), ("4bit", "int8")):
+    for kind, compress_result in (
+        ("2bit", False),
+        ("2bit", True),
+        ("1bit", True),
+        ("int8", False),
+        ("4bit", True),
+        ("topk", True),
+        ("4bit", "int8"),
+    ):
         case = f"{kind}, compress_result={compress_result}"
         try:
             compression = GradientCompression(type=kind, threshold=0.3, compress_result=compress_result)
-            inputs = [[torch.randn(1001, generator=torch.Generator().manual_seed(100 * step + r)) * 0.4
-                       for r in range(size)] for step in range(3)]
-            means = reference.compressed_mean_steps(inputs, [[r] for r in range(size)], 3, kind, 0.3, compress_result)[0]
+            inputs = [
+                [torch.randn(1001, generator=torch.Generator().manual_seed(100 * step + r)) * 0.4 for r in range(size)]
+                for step in range(3)
+            ]
+            means = reference.compressed_mean_steps(inputs, [[r] for r in range(size)], 3, kind, 0.3, compress_result)[
+                0
+            ]
             for step in range(3):
                 buffer = inputs[step][rank].cuda()
                 compression.start([buffer], ((0, 0, buffer.numel()),)).wait()
@@ -222,6 +258,7 @@ def test_gradient_compression_on_cuda(config):
 
 
 # ---- stream ordering, futures, refusals -----------------------------------------------------------
+
 
 def stream_and_future_cases():
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -294,7 +331,6 @@ def test_streams_futures_and_refusals(config):
 
 
 def cpu_and_cuda_in_one_group():
-    rank, size = dist.get_rank(), dist.get_world_size()
     a = torch.ones(100, device="cuda")
     b = torch.ones(100)
     work_a = dist.all_reduce(a, async_op=True)
@@ -312,11 +348,20 @@ def test_cpu_and_cuda_tensors_in_one_group(config):
 
 # ---- DDP comm hooks on CUDA -----------------------------------------------------------------------
 
+
 def ddp_cuda_cases():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from torch_chainermn import hooks
-    from tests.support.training_reference import LR, batch, make_model, max_difference, one_step_stale, parameters_of, synchronous
+    from tests.support.training_reference import (
+        LR,
+        batch,
+        make_model,
+        max_difference,
+        one_step_stale,
+        parameters_of,
+        synchronous,
+    )
 
     steps = 5
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -343,10 +388,12 @@ def ddp_cuda_cases():
         "fp16_compress_hook": max_difference(train(hooks.fp16_compress_hook, None, bucket_cap_mb=0.05), sync),
         "bf16_compress_hook": max_difference(train(hooks.bf16_compress_hook, None), sync),
         "double buffering": max_difference(
-            train(hooks.double_buffering_hook, hooks.DoubleBufferingState(), bucket_cap_mb=0.05), stale),
+            train(hooks.double_buffering_hook, hooks.DoubleBufferingState(), bucket_cap_mb=0.05), stale
+        ),
         "double buffering fp16": max_difference(
-            train(hooks.double_buffering_hook, hooks.DoubleBufferingState(compress=torch.float16),
-                  bucket_cap_mb=0.05), stale),
+            train(hooks.double_buffering_hook, hooks.DoubleBufferingState(compress=torch.float16), bucket_cap_mb=0.05),
+            stale,
+        ),
     }
     return differences
 
@@ -365,6 +412,7 @@ def test_ddp_hooks_on_cuda(config):
 
 # ---- single process: NCCL group of one rank --------------------------------------------------------
 
+
 def single_rank_nccl():
     """One rank's all_reduce is the identity, which an op that did nothing would pass too: each group also
     gathers into a zeroed output, which only a gather that ran fills."""
@@ -382,14 +430,14 @@ def single_rank_nccl():
 
 
 def test_single_rank_nccl_group():
-    values, gathered, version = run_spawn(single_rank_nccl, 1, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"},
-                                          timeout=120)[0]
+    values, gathered, version = run_spawn(single_rank_nccl, 1, env={"CHAINERMN_CUDA_TRANSPORT": "nccl"}, timeout=120)[0]
     assert values == [float(i) for i in range(10)]
     assert gathered == [[2.0 * i for i in range(10)]] * len(STRATEGIES)
     assert version.startswith("2.")
 
 
 # ---- a CUDA op that never ends: the watchdog aborts NCCL and names the op ---------------------------
+
 
 def hung_cuda_collective():
     """Both ranks all_reduce CUDA tensors once on a group with a 10 s timeout (so its NCCL
@@ -430,8 +478,9 @@ def hung_cuda_collective():
 
 @pytest.mark.parametrize("config", config_names())
 def test_a_hung_cuda_collective_is_aborted_and_named(config):
-    outcome = run_cuda(hung_cuda_collective, 2, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=120,
-                       op_timeout=60)[0]
+    outcome = run_cuda(hung_cuda_collective, 2, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=120, op_timeout=60)[
+        0
+    ]
     assert outcome["joined"] == 2.0
     assert outcome["completed"] is True
     assert outcome["seconds"] < 10 + 10, outcome  # the group timeout, and the watchdog's margin
@@ -441,6 +490,7 @@ def test_a_hung_cuda_collective_is_aborted_and_named(config):
 
 
 # ---- a lost rank on CUDA: the survivors shrink and go on; an abort reaches a pending op -------------
+
 
 def shrink_and_abort_on_cuda():
     """3 ranks all_reduce CUDA tensors once (so the device transports exist), then rank 2 is SIGKILLed
@@ -476,8 +526,7 @@ def shrink_and_abort_on_cuda():
     value = torch.full((1 << 16,), float(rank + 1), device="cuda")
     dist.all_reduce(value)
     torch.cuda.synchronize()
-    outcome.update(resumed_after=time.monotonic() - start, rank=group.rank(), size=group.size(),
-                   sum=value[0].item())
+    outcome.update(resumed_after=time.monotonic() - start, rank=group.rank(), size=group.size(), sum=value[0].item())
     pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
     dist.all_reduce(value, group=pair)
     torch.cuda.synchronize()
@@ -505,8 +554,15 @@ def test_a_lost_rank_on_cuda_shrink_and_abort(config):
     """The survivors' CUDA all_reduce fails naming the killed rank (not at the 60 s timeout), the
     shrunk group's CUDA all_reduce is right on ranks 0 and 1 of 2, and rank 1's abort fails rank 0's
     pending CUDA all_reduce with its reason."""
-    outcomes = run_cuda(shrink_and_abort_on_cuda, 3, config, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, timeout=180,
-                        op_timeout=60, dies={2: "killed by SIGKILL"})
+    outcomes = run_cuda(
+        shrink_and_abort_on_cuda,
+        3,
+        config,
+        {"TORCH_DISTRIBUTED_DEBUG": "OFF"},
+        timeout=180,
+        op_timeout=60,
+        dies={2: "killed by SIGKILL"},
+    )
     for rank in (0, 1):
         got = outcomes[rank]
         assert got["joined"] == 3.0 and "rank 2" in got["killed"] and "timed out" not in got["killed"], got
@@ -516,6 +572,7 @@ def test_a_lost_rank_on_cuda_shrink_and_abort(config):
 
 
 # ---- what a first GPU run would have hit (issue 21) ---------------------------------------------------
+
 
 def nccl_readiness_cases():
     """Each case of issue 21 that a GPU can show, on a group of every rank; {case: None or traceback}."""
@@ -532,8 +589,11 @@ def nccl_readiness_cases():
     def moves_dtypes_nccl_lacks():
         # Data movement of any dtype goes as bytes; none of these may break the group.
         for dtype in (torch.int16, torch.uint16, torch.uint32, torch.complex64, torch.float8_e4m3fn):
-            source = torch.arange(6, dtype=torch.int32).to(dtype) if not dtype.is_complex else \
-                torch.arange(6, dtype=torch.float32).to(dtype)
+            source = (
+                torch.arange(6, dtype=torch.int32).to(dtype)
+                if not dtype.is_complex
+                else torch.arange(6, dtype=torch.float32).to(dtype)
+            )
             tensor = source.cuda() if rank == 0 else torch.zeros_like(source).cuda()
             dist.broadcast(tensor, src=0)
             assert torch.equal(tensor.cpu().view(torch.uint8), source.view(torch.uint8)), dtype
@@ -716,8 +776,9 @@ def test_code_operators_match_the_cpu(code):
             got[device] = [t.cpu() for t in (wire, kept, out, total)]
         (cpu_wire, cpu_kept, cpu_out, cpu_total), (wire, kept, out, total) = got["cpu"], got["cuda"]
         if code == "1bit" and count:
-            torch.testing.assert_close(wire[:, :4].view(torch.float32), cpu_wire[:, :4].view(torch.float32),
-                                       rtol=1e-6, atol=0, msg=case)
+            torch.testing.assert_close(
+                wire[:, :4].view(torch.float32), cpu_wire[:, :4].view(torch.float32), rtol=1e-6, atol=0, msg=case
+            )
             assert torch.equal(wire[:, 4:], cpu_wire[:, 4:]), case
             for a, b in ((kept, cpu_kept), (out, cpu_out), (total, cpu_total)):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=case)

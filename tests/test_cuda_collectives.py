@@ -14,6 +14,7 @@ each case is then reported as its own test, as tests/test_collectives.py does. P
 job of its own, so that a transfer failure (which makes the group unusable) cannot take the
 collectives with it.
 """
+
 import pytest
 import torch
 

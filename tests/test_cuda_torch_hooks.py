@@ -11,6 +11,7 @@ On CUDA the hooks' then() callbacks read the reduced bucket on the stream their 
 a future that did not order that stream after the backend's would read the bucket before the
 reduction lands, and the parameters would differ from nccl's.
 """
+
 import traceback
 
 import pytest
@@ -28,8 +29,10 @@ pytestmark = pytest.mark.cuda
 # time (gloo deadlocks there on the CPU, so tests/test_torch_hooks.py only checks that the replicas
 # agree). batched_powerSGD last: torch 2.13's own _orthogonalize refuses the 2-D matrix that hook
 # builds, and a hook that raises leaves its step half done.
-RUNS = [(name, name, small_model) for name in
-        ("allreduce", "fp16_compress", "bf16_compress", "fp16_compress_wrapper", "powerSGD", "post_localSGD")]
+RUNS = [
+    (name, name, small_model)
+    for name in ("allreduce", "fp16_compress", "bf16_compress", "fp16_compress_wrapper", "powerSGD", "post_localSGD")
+]
 RUNS += [("powerSGD (several buckets)", "powerSGD", make_model), ("batched_powerSGD", "batched_powerSGD", small_model)]
 
 
@@ -48,8 +51,10 @@ def hooks_against_nccl():
     # Local SGD averages within a subgroup: one per simulated node, on each backend.
     ours_sub, _ = dist.new_subgroups(group_size=1)
     nccl_sub, _ = dist.new_subgroups(group_size=1, backend="nccl")
-    return {label: (outcome_of(name, None, ours_sub, make), outcome_of(name, nccl, nccl_sub, make))
-            for label, name, make in RUNS}
+    return {
+        label: (outcome_of(name, None, ours_sub, make), outcome_of(name, nccl, nccl_sub, make))
+        for label, name, make in RUNS
+    }
 
 
 # Both runs do the same float math on the same GPU; only the order of a two-term sum could differ.

@@ -12,6 +12,7 @@ FSDP2 issues its all-gathers and reduce-scatters (ReduceOp.AVG) from streams of 
 for them through the Work: a backend that did not order its work after the caller's stream, or the
 caller's stream after its work, would read or write those buffers too early.
 """
+
 import tempfile
 
 import pytest
@@ -45,8 +46,7 @@ def results_of(config: str):
     """Every rank's results, run once per configuration; a job that fails as a whole (any error) is
     remembered too, so the next test reports it without running it again."""
     with tempfile.TemporaryDirectory(prefix="chainermn-dcp-cuda-") as directory:
-        return run_cuda(both_backends, 2, config, directory=directory, nccl_reference=True, timeout=300,
-                        op_timeout=120)
+        return run_cuda(both_backends, 2, config, directory=directory, nccl_reference=True, timeout=300, op_timeout=120)
 
 
 @pytest.mark.parametrize("config", config_names())
@@ -73,8 +73,14 @@ def test_distributed_checkpoint_on_cuda_saves_and_loads(config):
 def test_diloco_on_cuda_matches_cpu(config):
     """Streaming DiLoCo, 2 ranks as 2 nodes (so 2-bit compresses between them): the GPU trajectory
     is the CPU one up to float rounding (float32), and up to a few flipped 2-bit codes (t / 2 each)."""
-    results = run_cuda(local_sgd_cases.cuda_matches_cpu, 2, config, extra_env={"CHAINERMN_RANKS_PER_NODE": "1"},
-                       timeout=240, op_timeout=120)
+    results = run_cuda(
+        local_sgd_cases.cuda_matches_cpu,
+        2,
+        config,
+        extra_env={"CHAINERMN_RANKS_PER_NODE": "1"},
+        timeout=240,
+        op_timeout=120,
+    )
     for rank, outcome in enumerate(results):
         assert outcome["float32"]["moved"] > 1e-2 and outcome["2bit"]["moved"] > 1e-2, outcome
         assert outcome["float32"]["difference"] < 1e-4, f"rank {rank}: {outcome}"
@@ -86,8 +92,9 @@ def test_fsdp_codes_between_nodes_on_cuda(config):
     """torch_chainermn.fsdp's coded reduce-scatter (int8, 2-bit, 1-bit, residuals carried over 3
     calls) and int8 all-gather on CUDA tensors, 2 ranks as 2 nodes: the rules written plainly (1-bit's
     scale, summed on the GPU in another order, to float rounding)."""
-    results = run_cuda(fsdp_cases.cuda_cases, 2, config, extra_env={"CHAINERMN_RANKS_PER_NODE": "1"},
-                       timeout=240, op_timeout=120)
+    results = run_cuda(
+        fsdp_cases.cuda_cases, 2, config, extra_env={"CHAINERMN_RANKS_PER_NODE": "1"}, timeout=240, op_timeout=120
+    )
     for rank, outcome in enumerate(results):
         for code, worst in outcome.items():
             assert max(worst.values()) < (1e-5 if code == "1bit" else 1e-6), f"rank {rank}, {code}: {worst}"

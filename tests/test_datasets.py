@@ -1,5 +1,6 @@
 """scatter_dataset and create_empty_dataset: ChainerMN's shard properties, and that each rank is
 sent its own shard only."""
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +72,7 @@ class FailingDataset(torch.utils.data.Dataset):
 
 # ---- on every rank ---------------------------------------------------------------------------------
 
+
 def scatter_properties():
     """Every (n, root, shuffle, force_equal_length): this rank's (samples, indices), for the parent."""
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -83,8 +85,7 @@ def scatter_properties():
                 for equal in (True, False):
                     data = [OFFSET + i for i in range(n)] if rank == root else Poison()
                     how = ways[len(shards) % len(ways)]
-                    shard = scatter_dataset(data, how, root=root, shuffle=shuffle, seed=SEED,
-                                            force_equal_length=equal)
+                    shard = scatter_dataset(data, how, root=root, shuffle=shuffle, seed=SEED, force_equal_length=equal)
                     samples = [shard[i] for i in range(len(shard))]
                     shards[(n, root, shuffle, equal)] = (samples, shard.indices.tolist())
     return shards
@@ -95,10 +96,20 @@ def check_containers(rank, size):
     n = 5 * size - 1
     rows = np.arange(n * 3, dtype=np.int16).reshape(n, 3)
     root = size - 1
-    for data in [rows, torch.from_numpy(rows.astype(np.float64)), torch.utils.data.TensorDataset(
-            torch.arange(n), torch.arange(n * 2, dtype=torch.float16).reshape(n, 2))]:
-        shard = scatter_dataset(data if rank == root else None, None, root=root, shuffle=True, seed=3,
-                                max_buf_len=13, force_equal_length=False)
+    for data in [
+        rows,
+        torch.from_numpy(rows.astype(np.float64)),
+        torch.utils.data.TensorDataset(torch.arange(n), torch.arange(n * 2, dtype=torch.float16).reshape(n, 2)),
+    ]:
+        shard = scatter_dataset(
+            data if rank == root else None,
+            None,
+            root=root,
+            shuffle=True,
+            seed=3,
+            max_buf_len=13,
+            force_equal_length=False,
+        )
         for i, index in enumerate(shard.indices):
             got, want = shard[i], data[int(index)]
             if isinstance(want, tuple):
@@ -117,8 +128,14 @@ def check_only_own_shard(rank, size):
     root = 0
     n = 5 * size - 1
     PICKLED_ON_ROOT.clear()
-    shard = scatter_dataset(RootOnlyDataset(n) if rank == root else Poison(), Communicator(), root=root,
-                            shuffle=True, seed=SEED, force_equal_length=False)
+    shard = scatter_dataset(
+        RootOnlyDataset(n) if rank == root else Poison(),
+        Communicator(),
+        root=root,
+        shuffle=True,
+        seed=SEED,
+        force_equal_length=False,
+    )
     assert [sample.index for sample in shard.items] == shard.indices.tolist()
     return shard.indices.tolist(), list(PICKLED_ON_ROOT) if rank == root else None
 
@@ -170,8 +187,9 @@ def dataset_cases():
 
 # ---- the parent checks the properties --------------------------------------------------------------
 
+
 def check_properties(shards_per_rank, size):
-    for (n, root, shuffle, equal) in shards_per_rank[0]:
+    for n, root, shuffle, equal in shards_per_rank[0]:
         shards = [shards_per_rank[r][(n, root, shuffle, equal)] for r in range(size)]
         what = f"n={n} root={root} shuffle={shuffle} equal={equal}"
         order = np.random.RandomState(SEED).permutation(n).tolist() if shuffle else list(range(n))
@@ -192,7 +210,7 @@ def check_properties(shards_per_rank, size):
         for _, indices in shards:
             if indices:
                 start = order.index(indices[0])
-                assert indices == order[start:start + len(indices)], what
+                assert indices == order[start : start + len(indices)], what
 
 
 def check_own_shard_only(owns, size):

@@ -1,4 +1,5 @@
 """DDP on the chainermn backend trains the same model as DDP on torch's gloo backend."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,7 +53,9 @@ def ddp_against_gloo(**ddp_kwargs):
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     replicas_agree = all(torch.equal(g, gathered[0]) for g in gathered)
-    moved = not torch.allclose(ours["head.weight"], train(None, seed_by_rank=False, steps=0, **ddp_kwargs)["head.weight"])
+    moved = not torch.allclose(
+        ours["head.weight"], train(None, seed_by_rank=False, steps=0, **ddp_kwargs)["head.weight"]
+    )
     return mismatched, replicas_agree, moved
 
 

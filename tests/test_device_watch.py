@@ -7,6 +7,7 @@ a GPU) and, on a timeout or an error, aborts them (ncclCommAbort: the kernels re
 op naming it. torch_chainermn._C.testing.DeviceQueue scripts the device: `finish(n)` is the event
 of op n being reached, `set_error` what NCCL would report. tests/test_cuda.py kills a real peer.
 """
+
 import time
 
 import pytest
@@ -70,11 +71,14 @@ def test_an_op_the_device_never_finishes_times_out_and_aborts():
     assert work.wait()
     assert eventually(work.is_completed)
     assert queue.aborts >= 1
-    with pytest.raises(dist.DistBackendError, match=r"all_reduce \(seq 1, rank 0 of 1, nccl, timeout 500 ms\) timed out"):
+    with pytest.raises(
+        dist.DistBackendError, match=r"all_reduce \(seq 1, rank 0 of 1, nccl, timeout 500 ms\) timed out"
+    ):
         work.wait()
 
 
 # ---- launched on the caller's thread (over NCCL), its cross-rank check beside the kernels -------------
+
 
 def test_a_launched_op_completes_only_once_the_device_and_its_check_are_through():
     queue = testing.DeviceQueue()

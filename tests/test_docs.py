@@ -12,6 +12,7 @@ says what it is and runs:
 A page's Python snippets run in order in one namespace, as a reader would run them
 (tests/support/doc_snippets.py); every runnable snippet shares one launch. A failure names the page
 and line of the snippet that broke. The counts, and every reason not to run, are in pytest's summary."""
+
 import collections
 import json
 import re
@@ -46,8 +47,11 @@ def alternatives(path: str) -> list:
     braces = re.search(r"\{([^}]*)\}", path)
     if not braces:
         return [path]
-    return [full for alternative in braces.group(1).split(",")
-            for full in alternatives(path[:braces.start()] + alternative + path[braces.end():])]
+    return [
+        full
+        for alternative in braces.group(1).split(",")
+        for full in alternatives(path[: braces.start()] + alternative + path[braces.end() :])
+    ]
 
 
 def found(base: Path, path: str) -> bool:
@@ -136,8 +140,15 @@ def snippets() -> list:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             marker = MARKER.match(before.strip())
-            found_.append(Snippet(str(doc.relative_to(REPO)), i + 2, fence.group(1),
-                                  marker.group(1) if marker else None, "\n".join(lines[i + 1:end]) + "\n"))
+            found_.append(
+                Snippet(
+                    str(doc.relative_to(REPO)),
+                    i + 2,
+                    fence.group(1),
+                    marker.group(1) if marker else None,
+                    "\n".join(lines[i + 1 : end]) + "\n",
+                )
+            )
             i = end + 1
     return found_
 
@@ -168,8 +179,14 @@ def test_python_snippets_run_on_two_ranks(tmp_path):
     path = tmp_path / "snippets.json"
     path.write_text(json.dumps([s._asdict() for s in selected]))
     env = job_environment({"CHAINERMN_RANKS_PER_NODE": "1"})  # 2 ranks as 2 nodes: the codes between them run
-    done = launch(torchrun(2) + [str(REPO / "tests/support/doc_snippets.py"), str(path)], env, timeout=300,
-                  cwd=tmp_path, what="the docs' snippets", merged=True)
+    done = launch(
+        torchrun(2) + [str(REPO / "tests/support/doc_snippets.py"), str(path)],
+        env,
+        timeout=300,
+        cwd=tmp_path,
+        what="the docs' snippets",
+        merged=True,
+    )
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
     assert done.returncode == 0, f"{failed[0] if failed else 'the job failed'}:\n{done.stdout[-6000:]}"
     ran = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]

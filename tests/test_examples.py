@@ -1,4 +1,5 @@
 """The MNIST example, launched as users launch it: torchrun, and mpiexec with no extra environment."""
+
 import json
 import sys
 from pathlib import Path
@@ -46,18 +47,30 @@ def test_mnist_fp16_double_buffering_within_a_point_of_plain(plain_torchrun_run,
     summary = run_example(torchrun(2), tmp_path, *SMALL_BATCHES_2_RANKS, "--compress", "fp16", "--double-buffering")
     assert summary["compress"] == "fp16" and summary["double_buffering"] and summary["world_size"] == 2
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
-        summary["final_accuracy"], plain_torchrun_run["final_accuracy"])
+        summary["final_accuracy"],
+        plain_torchrun_run["final_accuracy"],
+    )
 
 
 def test_mnist_2bit_compression_between_two_nodes_within_a_point_of_plain(plain_torchrun_run, tmp_path):
     # 4 processes as 2 simulated nodes: the 2-bit codes cross between them. Adam's gradients here are
     # ~1e-2 and smaller, hence the threshold (0.002 lands at 0.82: +-t almost every step is noise).
     # The plain run it is compared with took the same global batches on 2 ranks (SMALL_BATCHES_2_RANKS).
-    summary = run_example(torchrun(4), tmp_path, *SMALL_BATCHES_4_RANKS, "--compression", "2bit", "--threshold", "0.01",
-                     env_extra={"CHAINERMN_RANKS_PER_NODE": "2"})
+    summary = run_example(
+        torchrun(4),
+        tmp_path,
+        *SMALL_BATCHES_4_RANKS,
+        "--compression",
+        "2bit",
+        "--threshold",
+        "0.01",
+        env_extra={"CHAINERMN_RANKS_PER_NODE": "2"},
+    )
     assert summary["compression"] == "2bit" and summary["world_size"] == 4
     assert abs(summary["final_accuracy"] - plain_torchrun_run["final_accuracy"]) <= 0.01, (
-        summary["final_accuracy"], plain_torchrun_run["final_accuracy"])
+        summary["final_accuracy"],
+        plain_torchrun_run["final_accuracy"],
+    )
 
 
 @pytest.mark.mpi

@@ -1,6 +1,7 @@
 """The ChainerMN-way examples, launched as users launch them: MNIST with the communicator, scatter_dataset,
 the multi-node optimizer, evaluator and checkpointer (killed and restarted, it resumes), under torchrun
 and mpiexec; the ImageNet ResNet with multi-node BatchNorm, fp16 gradients and double buffering."""
+
 import json
 import subprocess
 import sys
@@ -37,15 +38,27 @@ def succeeded(result: subprocess.CompletedProcess, summary: Path) -> dict:
 
 def epoch_lines(stdout: str) -> list:
     """The epochs rank 0 reported finishing, in order."""
-    return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("epoch ") and "test/accuracy" in line]
+    return [
+        int(line.split()[1]) for line in stdout.splitlines() if line.startswith("epoch ") and "test/accuracy" in line
+    ]
 
 
 def test_mnist_chainermn_under_torchrun(tmp_path):
     # The default (hierarchical) communicator on two simulated nodes of two ranks: intra-node reduce,
     # allreduce between the node leaders, intra-node broadcast.
     checkpoints, summary = tmp_path / "checkpoints", tmp_path / "summary.json"
-    result = run_example(torchrun(4), MNIST, *EPOCHS, "--batchsize", "25", "--checkpoint-dir", checkpoints,
-                    "--out", summary, env={"CHAINERMN_RANKS_PER_NODE": "2"})
+    result = run_example(
+        torchrun(4),
+        MNIST,
+        *EPOCHS,
+        "--batchsize",
+        "25",
+        "--checkpoint-dir",
+        checkpoints,
+        "--out",
+        summary,
+        env={"CHAINERMN_RANKS_PER_NODE": "2"},
+    )
     run = succeeded(result, summary)
     assert "final test accuracy" in result.stdout
     assert (run["world_size"], run["transport"], run["communicator"]) == (4, "gloo", "hierarchical")
@@ -59,8 +72,19 @@ def test_mnist_chainermn_killed_and_restarted_resumes(tmp_path):
     # Two ranks (two launches of four would double the start-up time), the two_dimensional
     # communicator (reduce-scatter and allgather within the node) and float16 gradients.
     checkpoints, summary = tmp_path / "checkpoints", tmp_path / "summary.json"
-    flags = (*EPOCHS, "--batchsize", "50", "--communicator", "two_dimensional", "--allreduce-grad-dtype", "float16",
-             "--checkpoint-dir", checkpoints, "--out", summary)
+    flags = (
+        *EPOCHS,
+        "--batchsize",
+        "50",
+        "--communicator",
+        "two_dimensional",
+        "--allreduce-grad-dtype",
+        "float16",
+        "--checkpoint-dir",
+        checkpoints,
+        "--out",
+        summary,
+    )
 
     killed = run_example(torchrun(2), MNIST, *flags, "--die-after-epoch", 2)
     assert killed.returncode != 0, output_of(killed)
@@ -77,8 +101,9 @@ def test_mnist_chainermn_killed_and_restarted_resumes(tmp_path):
     assert run["resumed_from"] == 2 and epoch_lines(restarted.stdout) == [3, 4, 5, 6], output_of(restarted)
     # The history of epochs 1 and 2 came back from the snapshot.
     assert [h["epoch"] for h in run["history"]] == [1, 2, 3, 4, 5, 6]
-    first_run_accuracy = [line.split("test/accuracy")[1].split()[0]
-                          for line in killed.stdout.splitlines() if "test/accuracy" in line]
+    first_run_accuracy = [
+        line.split("test/accuracy")[1].split()[0] for line in killed.stdout.splitlines() if "test/accuracy" in line
+    ]
     assert [f"{h['test/accuracy']:.4f}" for h in run["history"][:2]] == first_run_accuracy
     assert (run["communicator"], run["allreduce_grad_dtype"]) == ("two_dimensional", "float16")
     assert run["final_accuracy"] >= 0.95, run["history"]
@@ -90,8 +115,21 @@ def test_mnist_chainermn_under_mpiexec_flat_double_buffering(tmp_path):
     assert MPIEXEC is not None, "mpiexec is not installed (make install sets up Open MPI)"
     checkpoints, summary = tmp_path / "checkpoints", tmp_path / "summary.json"
     mpiexec = [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable]
-    result = run_example(mpiexec, MNIST, "--communicator", "flat", "--double-buffering", "--batchsize", "50",
-                    "--epoch", "5", "--checkpoint-dir", checkpoints, "--out", summary)
+    result = run_example(
+        mpiexec,
+        MNIST,
+        "--communicator",
+        "flat",
+        "--double-buffering",
+        "--batchsize",
+        "50",
+        "--epoch",
+        "5",
+        "--checkpoint-dir",
+        checkpoints,
+        "--out",
+        summary,
+    )
     run = succeeded(result, summary)
     assert (run["world_size"], run["transport"], run["communicator"]) == (2, "mpi", "flat")
     assert run["double_buffering"] is True and epoch_lines(result.stdout) == [1, 2, 3, 4, 5]
@@ -103,9 +141,25 @@ def test_mnist_chainermn_under_mpiexec_flat_double_buffering(tmp_path):
 def test_imagenet_synthetic_mnbn_fp16_double_buffering(tmp_path):
     summary = tmp_path / "summary.json"
     iterations, batch = 4, 16
-    result = run_example(torchrun(2), IMAGENET, "--synthetic", "--fp16", "--double-buffering", "--depth", "10",
-                    "--epoch", "1", "--iterations", iterations, "--batchsize", batch,
-                    "--synthetic-val-size", "64", "--out", summary)
+    result = run_example(
+        torchrun(2),
+        IMAGENET,
+        "--synthetic",
+        "--fp16",
+        "--double-buffering",
+        "--depth",
+        "10",
+        "--epoch",
+        "1",
+        "--iterations",
+        iterations,
+        "--batchsize",
+        batch,
+        "--synthetic-val-size",
+        "64",
+        "--out",
+        summary,
+    )
     run = succeeded(result, summary)
     assert run["mnbn"] is True and run["fp16"] is True and run["double_buffering"] is True
     assert run["allreduce_grad_dtype"] == "torch.float16" and run["world_size"] == 2

@@ -4,6 +4,7 @@ Each job runs a script where rank 1 raises while rank 0 waits in a collective wh
 far longer than the test allows: the subprocess timeout is the failure condition, so a job that
 hangs fails the test.
 """
+
 import os
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from tests.support.harness import MPIEXEC, REPO, job_environment, run_job
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 JOB_TIMEOUT_S = 90  # generous for a loaded machine; the group timeout (600 s) is far beyond it
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import datetime, os, threading, time
     import torch
     import torch.distributed as dist
@@ -49,7 +50,7 @@ SCRIPT = textwrap.dedent('''
     time.sleep(600)                              # rank 0 must never get past its collective quietly: if it
                                                  # does, the job runs past JOB_TIMEOUT_S and fails
     print("rank 0 finished")
-''')
+""")
 
 
 def run_failing_job(tmp_path, command, env):
@@ -76,8 +77,11 @@ def test_torchrun_job_ends_when_one_rank_raises(tmp_path):
 
 def test_torchrun_job_ends_when_a_thread_raises_over_gloo(tmp_path):
     # Over Gloo's sockets: the dead rank's closed connections make rank 0's all_reduce fail.
-    returncode, output = run_failing_job(tmp_path, [TORCHRUN, "--nproc-per-node", "2"],
-                                         {"CHAINERMN_SHM": "0", "FAIL_IN_THREAD": "1", "WAIT_OP": "all_reduce"})
+    returncode, output = run_failing_job(
+        tmp_path,
+        [TORCHRUN, "--nproc-per-node", "2"],
+        {"CHAINERMN_SHM": "0", "FAIL_IN_THREAD": "1", "WAIT_OP": "all_reduce"},
+    )
     check_job_failed_with_report(returncode, output, "deliberate failure in a thread of rank 1")
     assert "rank 1 of 2 (thread loader)" in output, output
 
@@ -89,8 +93,10 @@ def test_mpiexec_job_is_aborted_when_one_rank_raises(tmp_path):
     # Without mpiexec this fails, as every other MPI test does (make install sets up Open MPI).
     assert MPIEXEC is not None, "mpiexec is not installed (make install sets up Open MPI)"
     returncode, output = run_failing_job(
-        tmp_path, [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable],
-        {"CHAINERMN_SHM": "0", "CHAINERMN_FORCE_ABORT_ON_EXCEPTION": "1"})
+        tmp_path,
+        [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable],
+        {"CHAINERMN_SHM": "0", "CHAINERMN_FORCE_ABORT_ON_EXCEPTION": "1"},
+    )
     check_job_failed_with_report(returncode, output)
     assert "chainermn: rank 1 calls MPI_Abort to end all 2 ranks" in output, output
 
@@ -125,7 +131,7 @@ def test_add_and_remove_hook_restore_previous_hooks(monkeypatch):
 
 def test_hook_in_a_process_without_torch_distributed():
     # No process group: the rank comes from the environment, and a thread's SystemExit is no failure.
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         import sys, threading
         import torch_chainermn.global_except_hook as h
         h.add_hook()
@@ -135,7 +141,7 @@ def test_hook_in_a_process_without_torch_distributed():
             import atexit; atexit.register(lambda: print("atexit ran"))
         finally:
             raise ValueError("boom")
-    ''')
+    """)
     env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "3", "WORLD_SIZE": "4"}
     returncode, output = run_job([sys.executable, "-c", code], env, JOB_TIMEOUT_S)
     assert returncode == global_except_hook.EXIT_CODE, output

@@ -4,6 +4,7 @@
 The hazard: the worker thread drops the last reference to a tensor whose Python object is gone, which
 needs the GIL; during interpreter finalisation a thread asking for the GIL is killed by forced
 unwinding, and that aborts the process ("terminate called without an active exception")."""
+
 import subprocess
 import sys
 import textwrap
@@ -38,8 +39,17 @@ def test_exit_with_operations_in_flight(tmp_path):
     script.write_text(SCRIPT)
     env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), str(script), str(log)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(log),
+    ]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     report = f"exit status {result.returncode}\nstderr:\n{result.stderr[-3000:]}"
     assert result.returncode == 0, report
@@ -80,8 +90,16 @@ def test_a_group_released_by_ddp_while_its_op_finishes(tmp_path):
     script.write_text(RELEASE_SCRIPT)
     env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(script),
+    ]
     status, output = run_job(command, env, timeout=90)  # a hang fails (RankFailure), its ranks killed
     assert status == 0, output[-4000:]
     assert "rank 0 released" in output and "rank 1 released" in output, output[-4000:]
@@ -92,8 +110,9 @@ def test_a_terminate_names_its_thread():
     and its native stack before the process aborts, not only libstdc++'s "terminate called"."""
     code = "import torch_chainermn._C as C; C.testing.terminate_on_thread('cmn-probe')"
     env = launcher_free_environment(drop_prefixes=("CHAINERMN_",))
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == -6, result.stderr[-3000:]  # SIGABRT, as before the report
     assert "chainermn: std::terminate on thread cmn-probe (no exception" in result.stderr, result.stderr[-3000:]
     assert "terminate called without an active exception" in result.stderr, result.stderr[-3000:]

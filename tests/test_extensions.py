@@ -3,6 +3,7 @@
 Two launches in all (each costs seconds): one where rank 1 dies in the middle of a save, and one that
 runs every other check, starting with resuming from what the crashed launch left behind.
 """
+
 import copy
 import os
 
@@ -28,14 +29,15 @@ def files_of(directory, name):
 
 # ---- a rank dies in the middle of a save ---------------------------------------------------------
 
+
 def crash_in_the_middle_of_a_save(directory):
     """Both ranks save iterations 1-3; during iteration 4 rank 1 dies after writing, before the rename."""
     rank = dist.get_rank()
-    checkpointer = ext.create_multi_node_checkpointer("crash", None, cp_interval=2, gc_interval=100,
-                                                      path=directory)
+    checkpointer = ext.create_multi_node_checkpointer("crash", None, cp_interval=2, gc_interval=100, path=directory)
     for iteration in (1, 2, 3):
         checkpointer.save({"iteration": iteration, "rank": rank, "values": torch.arange(1000.0)}, iteration)
     if rank == 1:
+
         def die(fd):  # the payload is written; the process dies before fsync and rename
             os._exit(17)
 
@@ -65,6 +67,7 @@ def check_resume_after_crash(rank, directory):
 
 
 # ---- AllreducePersistent ---------------------------------------------------------------------------
+
 
 def check_allreduce_persistent(rank, size):
     torch.manual_seed(0)
@@ -100,6 +103,7 @@ def check_allreduce_persistent(rank, size):
 
 # ---- evaluator ---------------------------------------------------------------------------------------
 
+
 def shard(rank):
     """Uneven shards of a validation set: rank r holds 3 + 4r samples."""
     generator = torch.Generator().manual_seed(500 + rank)
@@ -127,8 +131,9 @@ def check_evaluator(rank, size):
         seen["samples"] = len(data)
         return {"loss": data.mean()}
 
-    by_callable = ext.create_multi_node_evaluator(evaluate_and_count, Communicator(dist.group.WORLD),
-                                                  weight=lambda: seen["samples"])
+    by_callable = ext.create_multi_node_evaluator(
+        evaluate_and_count, Communicator(dist.group.WORLD), weight=lambda: seen["samples"]
+    )
     assert abs(by_callable()["loss"] - everything.mean().item()) < 1e-12
 
     # Unweighted: ChainerMN's plain mean over ranks, which differs with uneven shards.
@@ -138,13 +143,15 @@ def check_evaluator(rank, size):
 
     # A rank of weight 0 (empty shard) adds nothing, even a NaN.
     empty = ext.create_multi_node_evaluator(
-        lambda: {"loss": float("nan") if rank == 0 else data.mean()}, None, weight=0 if rank == 0 else 1)
+        lambda: {"loss": float("nan") if rank == 0 else data.mean()}, None, weight=0 if rank == 0 else 1
+    )
     assert abs(empty()["loss"] - torch.stack([shard(r).mean() for r in range(1, size)]).mean().item()) < 1e-12
 
     # Different metric names on different ranks: every rank raises, none hangs.
     mismatched = ext.create_multi_node_evaluator(lambda: {"loss": 1.0, f"extra{rank % 2}": 2.0}, None)
     with pytest.raises(ValueError, match="same metric names"):
         mismatched()
+
     # evaluate failing on one rank: that rank raises its error, the others say where it failed.
     def flaky():
         if rank == 1:
@@ -174,6 +181,7 @@ def check_evaluator(rank, size):
 
 # ---- checkpointer ------------------------------------------------------------------------------------
 
+
 def make_training(seed):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
@@ -197,8 +205,12 @@ def train_epoch(model, optimizer, scheduler, epoch, rank, size):
 
 
 def state_of(model, optimizer, scheduler, epoch):
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "epoch": epoch}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,
+    }
 
 
 def check_checkpoint_resume(rank, size, directory):
@@ -220,8 +232,9 @@ def check_checkpoint_resume(rank, size, directory):
 
     # "Crash": everything is rebuilt from another seed, and a new checkpointer resumes.
     model, optimizer, scheduler = make_training(123)
-    resumed = ext.create_multi_node_checkpointer("run", Communicator(dist.group.WORLD), cp_interval=2,
-                                                 gc_interval=2, path=directory)
+    resumed = ext.create_multi_node_checkpointer(
+        "run", Communicator(dist.group.WORLD), cp_interval=2, gc_interval=2, path=directory
+    )
     state, start = resumed.maybe_load(map_location="cpu")
     assert start == 4 and state["epoch"] == 4
     model.load_state_dict(state["model"])
@@ -244,8 +257,9 @@ def check_damaged_files(rank, size, directory):
     name = "damaged"
     checkpointer = ext.create_multi_node_checkpointer(name, None, cp_interval=10, gc_interval=100, path=directory)
     for iteration in (1, 2, 3):
-        checkpointer.save({"iteration": iteration, "rank": rank, "values": torch.full((256,), float(iteration))},
-                          iteration)
+        checkpointer.save(
+            {"iteration": iteration, "rank": rank, "values": torch.full((256,), float(iteration))}, iteration
+        )
     dist.barrier()
     if rank == 1:  # iteration 3 cut short on rank 1 only
         with open(checkpointer.filename(3), "r+b") as f:
@@ -312,7 +326,6 @@ def extension_cases(directory):
 
 def test_extensions(tmp_path):
     crash_directory = tmp_path / "crash"
-    outcomes = run_spawn(crash_in_the_middle_of_a_save, 2, str(crash_directory), dies={1: "exit code 17"},
-                         timeout=120)
+    outcomes = run_spawn(crash_in_the_middle_of_a_save, 2, str(crash_directory), dies={1: "exit code 17"}, timeout=120)
     assert outcomes[0] == [1, 2, 3, 4] and outcomes[1] is None
     assert run_spawn(extension_cases, 2, str(tmp_path), timeout=240) == [True, True]

@@ -1,5 +1,6 @@
 """A peer that never comes, or dies, ends in an error that names the op: never a hang. A peer that is
 only slow is waited for."""
+
 import datetime
 import os
 
@@ -86,8 +87,9 @@ def peer_goes(how: str):
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_dead_peer_gives_an_error(shm):
     # Well before the 60 s group timeout: the transport notices the death, and says which rank.
-    outcomes = run_spawn(peer_goes, 2, "dies", timeout=50, op_timeout=60, dies={1: "exit code 0"},
-                         env={"CHAINERMN_SHM": shm})
+    outcomes = run_spawn(
+        peer_goes, 2, "dies", timeout=50, op_timeout=60, dies={1: "exit code 0"}, env={"CHAINERMN_SHM": shm}
+    )
     said, on_caller = outcomes[0]
     assert "all_reduce" in said, said
     assert "rank 1 (host" in said and "died" in said, said  # named over Gloo too
@@ -100,8 +102,9 @@ def test_dead_peer_gives_an_error(shm):
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_a_peer_that_left_on_purpose_is_named_as_exited_not_dead(shm):
     # Rank 0's default group breaks at rank 1's departure, which is no death: the test says it may.
-    outcomes = run_spawn(peer_goes, 2, "leaves", timeout=50, op_timeout=20, env={"CHAINERMN_SHM": shm},
-                         group_may_break=True)
+    outcomes = run_spawn(
+        peer_goes, 2, "leaves", timeout=50, op_timeout=20, env={"CHAINERMN_SHM": shm}, group_may_break=True
+    )
     assert outcomes[1] == "left"
     said, _ = outcomes[0]
     assert "rank 1 (host" in said and "exited" in said, said

@@ -1,4 +1,5 @@
 """torch_chainermn.fsdp: FSDP2 with two-hop reduce-scatter and all-gather (tests/support/fsdp_cases.py)."""
+
 import tempfile
 
 import pytest
@@ -74,13 +75,15 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(ranks_per_node):
     op = "torch_chainermn.fsdp.compress_between_nodes"
     others = ",".join(str(r) for r in range(1, 2 * ranks_per_node))
     have = "have" if ranks_per_node > 1 else "has"
-    expected = {"old spelling": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
-                "threshold": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
-                "type": "type: rank 0 has type='2bit'; rank{s} {others} {have} type='1bit'",
-                "block": "block: rank 0 has block=256; rank{s} {others} {have} block=128",
-                "keep": "keep: rank 0 has keep=8; rank{s} {others} {have} keep=4",
-                "weights": "weights: rank 0 has weights='int8'; rank{s} {others} {have} weights='float32'",
-                "object": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25"}
+    expected = {
+        "old spelling": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
+        "threshold": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
+        "type": "type: rank 0 has type='2bit'; rank{s} {others} {have} type='1bit'",
+        "block": "block: rank 0 has block=256; rank{s} {others} {have} block=128",
+        "keep": "keep: rank 0 has keep=8; rank{s} {others} {have} keep=4",
+        "weights": "weights: rank 0 has weights='int8'; rank{s} {others} {have} weights='float32'",
+        "object": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
+    }
     s = "s" if ranks_per_node > 1 else ""
     outcomes = [cases["differing"] for _, cases in job(ranks_per_node)]
     for rank, differing in enumerate(outcomes):
@@ -96,8 +99,13 @@ def test_the_old_spelling_warns_at_the_caller():
     points at the caller's line."""
     for rank, (_, cases) in enumerate(job(1)):
         assert cases["old spelling"] == [
-            ("DeprecationWarning", "torch_chainermn.fsdp.compress_between_nodes: gradients= is deprecated, use "
-             'compression= ({"type": code}, or None for "float32")', "fsdp_cases.py")], (rank, cases["old spelling"])
+            (
+                "DeprecationWarning",
+                "torch_chainermn.fsdp.compress_between_nodes: gradients= is deprecated, use "
+                'compression= ({"type": code}, or None for "float32")',
+                "fsdp_cases.py",
+            )
+        ], (rank, cases["old spelling"])
 
 
 def test_language_model_with_codes_stays_near_fsdp2():

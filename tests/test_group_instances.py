@@ -10,6 +10,7 @@ Before the instances had keys of their own, the second attempt failed every time
 segment name, or its Gloo addresses). (Two agents as two nodes of an `--nnodes 1:2` rendezvous pass
 too, but take 8 s more; tests/test_instance.py covers arrival orders a launcher cannot force.)
 """
+
 import json
 import os
 import sys
@@ -39,8 +40,18 @@ def orphan_segments() -> set:
 
 def test_restarted_job_trains_with_fresh_groups_and_leaks_no_segment(tmp_path):
     orphans_before = orphan_segments()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", "1", str(WORKER), str(tmp_path)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        str(WORKER),
+        str(tmp_path),
+    ]
     returncode, output = run_job(torchrun, job_environment(), JOB_TIMEOUT_S, what="torchrun")
 
     report = f"torchrun exited with {returncode}:\n{output[-6000:]}"

@@ -107,8 +107,9 @@ def init_with(method_template: str):
     import os
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("chainermn", init_method=method_template, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "chainermn", init_method=method_template, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=60)
+    )
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     return dist.get_backend(), t.item()

@@ -4,6 +4,7 @@ before the deadline and as declared; a default group that breaks fails the run u
 
 Most cases need no process group (init=False): what is checked is the rank's end, which the harness
 sees the same way with or without one."""
+
 import atexit
 import os
 import time
@@ -31,8 +32,9 @@ def return_then_end(end: str):
     return "ok"
 
 
-@pytest.mark.parametrize("end,said", [("exit 3", "exit code 3"), ("abort", "killed by SIGABRT"),
-                                      ("hang", "still running after")])
+@pytest.mark.parametrize(
+    "end,said", [("exit 3", "exit code 3"), ("abort", "killed by SIGABRT"), ("hang", "still running after")]
+)
 def test_a_rank_that_ends_badly_after_its_result_fails_the_run(end, said):
     with pytest.raises(RankFailure) as info:
         run_spawn(return_then_end, 2, end, timeout=20 if end == "hang" else 60)
@@ -63,12 +65,20 @@ def test_a_rank_that_writes_no_result_fails_the_run():
     assert "rank 0:" not in message, message
 
 
-@pytest.mark.parametrize("what,declared,said", [
-    ("hang", "exit code 0", "rank 1 was meant to die (exit code 0) but was still running after 10 s, killed"),
-    ("return", "exit code 0", "rank 1 was meant to die (exit code 0) but returned its result, then ended: exit code 0"),
-    ("raise", "exit code 0", "rank 1 was meant to die (exit code 0) but raised:"),
-    ("exit 3", "killed by SIGKILL", "rank 1 was meant to die (killed by SIGKILL) but ended: exit code 3"),
-], ids=["hangs", "returns", "raises", "ends-otherwise"])
+@pytest.mark.parametrize(
+    "what,declared,said",
+    [
+        ("hang", "exit code 0", "rank 1 was meant to die (exit code 0) but was still running after 10 s, killed"),
+        (
+            "return",
+            "exit code 0",
+            "rank 1 was meant to die (exit code 0) but returned its result, then ended: exit code 0",
+        ),
+        ("raise", "exit code 0", "rank 1 was meant to die (exit code 0) but raised:"),
+        ("exit 3", "killed by SIGKILL", "rank 1 was meant to die (killed by SIGKILL) but ended: exit code 3"),
+    ],
+    ids=["hangs", "returns", "raises", "ends-otherwise"],
+)
 def test_a_rank_meant_to_die_that_does_not_die_as_declared_fails_the_run(what, declared, said):
     with pytest.raises(RankFailure) as info:
         run_spawn(rank_one_does, 2, what, init=False, dies={1: declared}, timeout=10 if what == "hang" else 60)

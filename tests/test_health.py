@@ -1,5 +1,6 @@
 """A failure seen by one rank reaches every rank of the group, naming the rank at fault: a death on
 another (simulated) node, a stalled rank at a timeout, and the rank that arrives after its peers gave up."""
+
 import datetime
 import os
 import time
@@ -27,8 +28,14 @@ def dead_rank_on_another_node():
 
 
 def test_a_death_reaches_every_node_named():
-    outcomes = run_spawn(dead_rank_on_another_node, 4, env={"CHAINERMN_RANKS_PER_NODE": "2"},
-                         timeout=120, op_timeout=60, dies={3: "exit code 0"})
+    outcomes = run_spawn(
+        dead_rank_on_another_node,
+        4,
+        env={"CHAINERMN_RANKS_PER_NODE": "2"},
+        timeout=120,
+        op_timeout=60,
+        dies={3: "exit code 0"},
+    )
     for rank in (0, 1, 2):
         message, waited = outcomes[rank]
         assert "rank 3 (host" in message and "died" in message, (rank, message)
@@ -88,4 +95,3 @@ def test_a_timeout_says_who_waited_and_the_late_rank_fails_at_once():
     late, waited, _ = outcomes[2]
     assert "aborted" in late and "timed out" in late and "rank 2 (host" in late, late
     assert waited < 3, waited  # failed on the peers' word, before its own 3 s timeout
-

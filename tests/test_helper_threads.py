@@ -2,6 +2,7 @@
 them: a thread woken per op or polling a transfer preempts the rank's own computation when the rank
 is bound to one core (mpiexec binds each rank to one), and costs a thread switch per small op. Counted
 with the threads' voluntary context switches (/proc), against what the old behaviour gave."""
+
 import glob
 import time
 

@@ -1,4 +1,5 @@
 """DDP comm hooks: the mean, FP16/BF16 compression, and double buffering, against hand-computed SGD."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,8 +8,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torch_chainermn
 from torch_chainermn import hooks
 from tests.support.harness import run_mpiexec, run_spawn
-from tests.support.training_reference import (LR, loss_of, make_model, max_difference, one_step_stale, parameters_of,
-                                      synchronous)
+from tests.support.training_reference import (
+    LR,
+    loss_of,
+    make_model,
+    max_difference,
+    one_step_stale,
+    parameters_of,
+    synchronous,
+)
 
 STEPS = 5
 
@@ -42,23 +50,27 @@ def hook_cases():
     differences["no hook"] = max_difference(train(None, None), sync)
     differences["allreduce_hook"] = max_difference(train(hooks.allreduce_hook, None), sync)
     differences["allreduce_hook, small buckets"] = max_difference(
-        train(hooks.allreduce_hook, None, bucket_cap_mb=0.05), sync)
+        train(hooks.allreduce_hook, None, bucket_cap_mb=0.05), sync
+    )
     fp16 = train(hooks.fp16_compress_hook, None, bucket_cap_mb=0.05)
     differences["fp16_compress_hook"] = max_difference(fp16, sync)
     differences["bf16_compress_hook"] = max_difference(train(hooks.bf16_compress_hook, None), sync)
 
     # allreduce_hook on a group whose wire dtype is float16 travels exactly as fp16_compress_hook does.
-    half_group = dist.new_group(backend="chainermn",
-                                pg_options=torch_chainermn.Options(allreduce_grad_dtype=torch.float16))
+    half_group = dist.new_group(
+        backend="chainermn", pg_options=torch_chainermn.Options(allreduce_grad_dtype=torch.float16)
+    )
     via_group = train(hooks.allreduce_hook, half_group, process_group=half_group, bucket_cap_mb=0.05)
     same_as_fp16 = max_difference(via_group, fp16) == 0.0 and max_difference(via_group, sync) > 0.0
 
     ready_per_step = {}
-    for name, compress, kwargs in [("one bucket", None, {}),
-                                   ("several buckets", None, {"bucket_cap_mb": 0.05}),
-                                   ("bucket views", None, {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True}),
-                                   ("fp16", torch.float16, {"bucket_cap_mb": 0.05}),
-                                   ("bf16", torch.bfloat16, {})]:
+    for name, compress, kwargs in [
+        ("one bucket", None, {}),
+        ("several buckets", None, {"bucket_cap_mb": 0.05}),
+        ("bucket views", None, {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True}),
+        ("fp16", torch.float16, {"bucket_cap_mb": 0.05}),
+        ("bf16", torch.bfloat16, {}),
+    ]:
         state = hooks.DoubleBufferingState(compress=compress)
         result = train(hooks.double_buffering_hook, state, **kwargs)
         differences[f"double buffering, {name}"] = max_difference(result, stale)
@@ -76,9 +88,11 @@ def hook_cases():
     # Bad input is refused with the op and the argument named.
     errors = []
     gloo = dist.new_group(backend="gloo")
-    for call in (lambda: hooks.DoubleBufferingState(process_group=gloo),
-                 lambda: hooks.DoubleBufferingState(compress=torch.int32),
-                 lambda: hooks.double_buffering_hook(None, None)):
+    for call in (
+        lambda: hooks.DoubleBufferingState(process_group=gloo),
+        lambda: hooks.DoubleBufferingState(compress=torch.int32),
+        lambda: hooks.double_buffering_hook(None, None),
+    ):
         try:
             call()
             errors.append(None)

@@ -2,6 +2,7 @@
 first used: a process pays for torch.distributed.checkpoint (0.5 s of CPU) only if it checkpoints DiLoCo,
 and 32 ranks on a node do not pay the features they never touch. Checked in fresh interpreters, by
 which modules are loaded (the time itself is measured, not asserted: docs/development.md)."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,23 @@ import sys
 # Loaded only by the feature that needs it. The backend, its options and the launcher are not here:
 # they are what `import torch_chainermn` is for.
 HEAVY = ["torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor"]
-FEATURES = ["communicator", "compression", "datasets", "extensions", "fsdp", "functions", "hooks", "iterators",
-            "links", "local_sgd", "monitoring", "nn", "optimizers", "overlap", "torchft"]
+FEATURES = [
+    "communicator",
+    "compression",
+    "datasets",
+    "extensions",
+    "fsdp",
+    "functions",
+    "hooks",
+    "iterators",
+    "links",
+    "local_sgd",
+    "monitoring",
+    "nn",
+    "optimizers",
+    "overlap",
+    "torchft",
+]
 
 
 def run(code: str) -> str:
@@ -41,8 +57,11 @@ except AttributeError as error:
     modules, missing = run(code).splitlines()
     loaded = set(json.loads(modules))
     assert "torch_chainermn._C" in loaded
-    early = [name for name in HEAVY + [f"torch_chainermn.{f}" for f in FEATURES]
-             if any(m == name or m.startswith(name + ".") for m in loaded)]
+    early = [
+        name
+        for name in HEAVY + [f"torch_chainermn.{f}" for f in FEATURES]
+        if any(m == name or m.startswith(name + ".") for m in loaded)
+    ]
     assert not early, f"loaded by `import torch_chainermn` alone: {early}"
     assert "has no attribute 'no_such_name'" in missing
 

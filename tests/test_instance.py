@@ -1,10 +1,10 @@
 """The instance protocol (torch_chainermn/_instance.py) on one in-process store, ranks as threads: in
 whatever order the ranks of an instance arrive, and whatever earlier instances left in the store, they
 agree on one new instance; a rank that never comes is named."""
+
 import datetime
 import threading
 
-import pytest
 import torch.distributed as dist
 
 from torch_chainermn._instance import instance_store

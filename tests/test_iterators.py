@@ -1,4 +1,5 @@
 """Multi-node iterator (the master broadcasts batches) and synchronized iterator (a shared seed)."""
+
 import dataclasses
 
 import numpy as np
@@ -67,8 +68,7 @@ class Broken:
 def check_multi_node(comm):
     rank, size = comm.rank, comm.size
     master = size - 1
-    it = create_multi_node_iterator([batch(i) for i in range(5)] if rank == master else None, comm,
-                                    rank_master=master)
+    it = create_multi_node_iterator([batch(i) for i in range(5)] if rank == master else None, comm, rank_master=master)
     assert len(it) == 5 and it.is_master == (rank == master)
     for _ in range(2):  # two epochs: each iter() is a new pass on every rank
         count = 0
@@ -139,7 +139,8 @@ def check_synchronized(comm):
     # Worker processes are seeded from the agreed seed too.
     # fork: a spawned worker would re-import torch, seconds on a busy machine.
     workers = create_synchronized_iterator(
-        DataLoader(Noisy(), batch_size=4, num_workers=1, multiprocessing_context="fork"), comm)
+        DataLoader(Noisy(), batch_size=4, num_workers=1, multiprocessing_context="fork"), comm
+    )
     outcome["workers"] = [b.tolist() for b in workers]
     # Mistakes on any rank stop every rank.
     with pytest.raises(ValueError, match="map-style"):

@@ -1,5 +1,6 @@
 """The launch record (torch_chainermn/_launch.py): who started this process is decided in one place,
 from the launcher's variables, and every rank of a real job sees its own launcher, rank and size."""
+
 import re
 from pathlib import Path
 
@@ -32,10 +33,15 @@ def test_an_mpiexec_rank_without_env_variables_still_knows_its_rank():
 
 
 def test_nothing_else_reads_a_launcher_s_variables():
-    pattern = re.compile(r'environ(\.get)?[\[(]\s*"(RANK|WORLD_SIZE|LOCAL_RANK|OMPI_COMM_WORLD_\w+|PMI\w*|SLURM_\w+)"'
-                         r'|"(RANK|WORLD_SIZE)" in (os\.)?environ')
-    readers = [str(path.relative_to(REPO)) for path in REPO.glob("torch_chainermn/**/*.py")
-               if path.name not in ("_launch.py", "_slurm.py") and pattern.search(path.read_text())]
+    pattern = re.compile(
+        r'environ(\.get)?[\[(]\s*"(RANK|WORLD_SIZE|LOCAL_RANK|OMPI_COMM_WORLD_\w+|PMI\w*|SLURM_\w+)"'
+        r'|"(RANK|WORLD_SIZE)" in (os\.)?environ'
+    )
+    readers = [
+        str(path.relative_to(REPO))
+        for path in REPO.glob("torch_chainermn/**/*.py")
+        if path.name not in ("_launch.py", "_slurm.py") and pattern.search(path.read_text())
+    ]
     assert readers == []
     cpp = [str(path.relative_to(REPO)) for path in REPO.glob("csrc/**/*.[ch]*") if "getenv(" in path.read_text()]
     assert cpp == []  # C++ reads no environment at all: it is handed what it needs

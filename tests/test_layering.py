@@ -16,12 +16,24 @@ torch's heavy headers (ATen, torch/, c10d, pybind11: 2.6 s to 5 s of compiling e
 util and core headers) are kept to the folders that meet torch; elsewhere only the adapters named in
 TORCH_ADAPTERS may include them, so the list cannot grow unnoticed.
 """
+
 import re
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-LEVEL = {"": 0, "os": 0, "kernels": 1, "comm": 2, "buffers": 2, "strategies": 3, "cuda": 3, "runtime": 3, "backend": 4,
-         "python": 5, "testing": 6}
+LEVEL = {
+    "": 0,
+    "os": 0,
+    "kernels": 1,
+    "comm": 2,
+    "buffers": 2,
+    "strategies": 3,
+    "cuda": 3,
+    "runtime": 3,
+    "backend": 4,
+    "python": 5,
+    "testing": 6,
+}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 LINE_LIMIT = 700  # files are cut by what they do; this only guards against one file growing into many
 # A preprocessor test of the CUDA build: only in csrc/cuda/ and the backend's one door to it.
@@ -77,20 +89,25 @@ def test_no_include_points_up_or_sideways():
 
 
 def test_no_source_file_is_long():
-    long = [f"{p.relative_to(CSRC)}: {n} lines" for p in sources()
-            if (n := len(p.read_text().splitlines())) > LINE_LIMIT]
+    long = [
+        f"{p.relative_to(CSRC)}: {n} lines" for p in sources() if (n := len(p.read_text().splitlines())) > LINE_LIMIT
+    ]
     assert long == []
 
 
 def test_cuda_is_tested_for_only_in_its_home():
-    outside = [str(p.relative_to(CSRC)) for p in sources()
-               if folder_of(str(p.relative_to(CSRC))) != "cuda" and CUDA_CONDITION.search(p.read_text())]
+    outside = [
+        str(p.relative_to(CSRC))
+        for p in sources()
+        if folder_of(str(p.relative_to(CSRC))) != "cuda" and CUDA_CONDITION.search(p.read_text())
+    ]
     assert sorted(outside) == sorted(CUDA_DOOR)
 
 
 def test_only_the_test_harnesses_include_them():
     """csrc/testing/ is compiled in a test build only (tools/build_sources.py): no file of a user's
     build may include it (the harness registers _C.testing itself: tests/test_build.py)."""
+
     def harness(path: str) -> bool:
         return path.startswith("testing/")
 
@@ -108,6 +125,7 @@ def test_no_two_units_include_each_other():
     transports.h included device_context.h was a cycle no folder rule sees. A header that only .cpp
     files include (worker_state.h, the worker's private state) is part of what includes it: a .cpp's
     include of it is no edge."""
+
     def unit(path: str) -> str:
         return str(Path(path).with_suffix(""))
 
@@ -116,14 +134,15 @@ def test_no_two_units_include_each_other():
     edges = {}
     for path, found in includes.items():
         edges.setdefault(unit(path), set()).update(
-            unit(i) for i in found if unit(i) != unit(path) and (path.endswith(HEADERS) or i in public))
+            unit(i) for i in found if unit(i) != unit(path) and (path.endswith(HEADERS) or i in public)
+        )
     cycles, state = [], {}
 
     def visit(node, trail):
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(trail[trail.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = "done"
@@ -135,13 +154,17 @@ def test_no_two_units_include_each_other():
 
 
 def test_torch_headers_stay_where_torch_is_met():
-    outside = {str(p.relative_to(CSRC)) for p in sources()
-               if folder_of(str(p.relative_to(CSRC))) not in TORCH_FOLDERS and TORCH_HEADER.search(p.read_text())}
+    outside = {
+        str(p.relative_to(CSRC))
+        for p in sources()
+        if folder_of(str(p.relative_to(CSRC))) not in TORCH_FOLDERS and TORCH_HEADER.search(p.read_text())
+    }
     assert outside == set(TORCH_ADAPTERS)
 
 
 def registered_code_names() -> list[str]:
     from torch_chainermn import _C
+
     return [code["name"] for code in _C.codes.registered()]
 
 
@@ -173,6 +196,7 @@ def test_python_holds_no_list_of_code_names():
     """torch_chainermn derives every list of codes from the backend's registry (torch_chainermn.codes):
     no tuple, list, set or dict literal of the package holds two code names."""
     import ast
+
     names = set(registered_code_names())
     package = CSRC.parent / "torch_chainermn"
     lists = []
@@ -192,7 +216,9 @@ def test_only_the_mean_resolver_tests_for_a_compression_type():
     a type() comparison), so a new kind of mean is taught to one place."""
     package = CSRC.parent / "torch_chainermn"
     # (a CompressionSpec is a value, not a kind of mean: torch_chainermn.codes checks for one)
-    test = re.compile(r"(isinstance|issubclass)\([^)]*Compression(State)?\b(?!Spec)|"
-                      r"type\([^)]*\)\s*(is|==)\s*\w*Compression\b")
+    test = re.compile(
+        r"(isinstance|issubclass)\([^)]*Compression(State)?\b(?!Spec)|"
+        r"type\([^)]*\)\s*(is|==)\s*\w*Compression\b"
+    )
     asking = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if test.search(p.read_text()))
     assert asking == ["_means.py"]

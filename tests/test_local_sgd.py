@@ -1,4 +1,5 @@
 """LocalSGD and DiLoCo (torch_chainermn.local_sgd) on real ranks: see tests/support/local_sgd_cases.py."""
+
 from tests.support import local_sgd_cases
 from tests.support.harness import run_spawn
 

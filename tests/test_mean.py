@@ -1,4 +1,5 @@
 """mean_coalesced: ChainerMN's gradient mean, packed in one pass with the cast to the wire dtype."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,10 +31,10 @@ def check_mean(wire, dtypes, tolerance):
 
 
 def mean_cases():
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     check_mean(None, [f32] * 5, 1e-6)
-    check_mean(torch.float16, [f32] * 5, 2e-3)       # fp16 on the wire: within fp16's error
+    check_mean(torch.float16, [f32] * 5, 2e-3)  # fp16 on the wire: within fp16's error
     check_mean(torch.bfloat16, [f32] * 5, 2e-2)
     check_mean(None, [f16, f32, f16, f32, bf16], 5e-3)  # mixed: travels as float32, the widest
     check_mean(torch.float64, [f32, f16, f32, f32, f32], 5e-3)
@@ -52,8 +53,10 @@ def mean_cases():
         torch_chainermn.mean_coalesced(gradients(rank, [f32] * 5), dtype=torch.float16)
     assert backend.scratch_bytes() == held
 
-    for bad, words in [(lambda: torch_chainermn.mean_coalesced([torch.ones(2, dtype=torch.int64)]), "floating"),
-                       (lambda: torch_chainermn.mean_coalesced([torch.ones(2)], dtype=torch.int32), "allreduce_grad_dtype")]:
+    for bad, words in [
+        (lambda: torch_chainermn.mean_coalesced([torch.ones(2, dtype=torch.int64)]), "floating"),
+        (lambda: torch_chainermn.mean_coalesced([torch.ones(2)], dtype=torch.int32), "allreduce_grad_dtype"),
+    ]:
         with pytest.raises(ValueError, match=words):
             bad()
     return True
@@ -90,8 +93,13 @@ def float16_casts():
     as torch's `.half().float()`, and float16 through a float32 wire unchanged, bit for bit (the CPU
     casts use F16C where the CPU has it: the tails of lengths not a multiple of 8 go one by one)."""
     torch.manual_seed(7)
-    values = torch.cat([torch.randn(1003) * 1000, torch.randn(13) * 1e-6,  # subnormal in float16
-                        torch.tensor([70000.0, -70000.0, 65504.0, 0.0, -0.0, 1e-8, 2.0 ** -24])])
+    values = torch.cat(
+        [
+            torch.randn(1003) * 1000,
+            torch.randn(13) * 1e-6,  # subnormal in float16
+            torch.tensor([70000.0, -70000.0, 65504.0, 0.0, -0.0, 1e-8, 2.0**-24]),
+        ]
+    )
     via_half = values.clone()
     torch_chainermn.mean_coalesced([via_half], dtype=torch.float16)
     halves = values.half()

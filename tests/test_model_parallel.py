@@ -2,12 +2,18 @@
 micro-batches (GPipe and 1F1B give the unpipelined gradients), the multi-node RNN, hybrid model and
 data parallelism, and the forgotten delegate variable as an error instead of a hang. The checks run
 in the jobs of model_parallel_cases.py (shared with test_functions.py)."""
+
 import pytest
 
 from tests.support.model_parallel_cases import assert_passed
 
-CHAIN_CHECKS = ["split_mlp_training", "split_mlp_training_pipelined", "pipeline_schedules", "multi_node_rnn",
-                "chain_errors"]
+CHAIN_CHECKS = [
+    "split_mlp_training",
+    "split_mlp_training_pipelined",
+    "pipeline_schedules",
+    "multi_node_rnn",
+    "chain_errors",
+]
 
 
 @pytest.mark.parametrize("check", CHAIN_CHECKS)
@@ -28,4 +34,3 @@ def test_hybrid_model_and_data_parallel():
 
 def test_forgotten_delegate_is_an_error_not_a_hang():
     assert_passed("world:forgotten_delegate")
-

@@ -9,6 +9,7 @@ tests/support/network_fault_worker.py: a small model trained with mean_coalesced
 by (rank, step), so an unfaulted run gives the parameters every surviving run must end with.
 Needs root, as `ip netns` does (CI runs as root); without it the module fails, saying so.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,15 +53,39 @@ class Job:
         port = free_port()
         self.procs = []
         for node in range(2):
-            env = job_environment({"CHAINERMN_HOSTNAME": f"node{node}", "GLOO_SOCKET_IFNAME": netns.IFNAME,
-                                   "PYTHONUNBUFFERED": "1"})
-            command = ["ip", "netns", "exec", netns.node_ns(node), str(TORCHRUN), "--nnodes", "2",
-                       "--node-rank", str(node), "--nproc-per-node", str(ranks_per_node),
-                       "--master-addr", netns.node_addr(0), "--master-port", str(port),
-                       "--max-restarts", str(restarts), str(WORKER), str(out), "--steps", str(STEPS), *args]
+            env = job_environment(
+                {"CHAINERMN_HOSTNAME": f"node{node}", "GLOO_SOCKET_IFNAME": netns.IFNAME, "PYTHONUNBUFFERED": "1"}
+            )
+            command = [
+                "ip",
+                "netns",
+                "exec",
+                netns.node_ns(node),
+                str(TORCHRUN),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(ranks_per_node),
+                "--master-addr",
+                netns.node_addr(0),
+                "--master-port",
+                str(port),
+                "--max-restarts",
+                str(restarts),
+                str(WORKER),
+                str(out),
+                "--steps",
+                str(STEPS),
+                *args,
+            ]
             log = open(out / f"node{node}.log", "w")
-            self.procs.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
             log.close()
 
     def reports(self) -> dict:
@@ -106,8 +131,9 @@ class Job:
         return codes
 
     def logs(self) -> str:
-        return "\n".join(f"--- node{i} ---\n" + (self.out / f"node{i}.log").read_text(errors="replace")[-3000:]
-                         for i in range(2))
+        return "\n".join(
+            f"--- node{i} ---\n" + (self.out / f"node{i}.log").read_text(errors="replace")[-3000:] for i in range(2)
+        )
 
     def params(self, rank: int) -> list:
         return torch.load(self.out / f"params{rank}.pt")
@@ -175,8 +201,11 @@ def test_the_job_restarts_from_its_checkpoint_once_the_link_is_back(unfaulted, t
     netns.set_link(1, up=False)
     # Both nodes' ranks fail (each reports its error before it exits); node 1's torchrun then waits for
     # the store to restart them, which only the link's return lets it reach.
-    job.wait_until(lambda reports: len(reports) == 2 and all("error" in r for r in reports.values()),
-                   "both ranks' errors", timeout + SLACK_S + 20)
+    job.wait_until(
+        lambda reports: len(reports) == 2 and all("error" in r for r in reports.values()),
+        "both ranks' errors",
+        timeout + SLACK_S + 20,
+    )
     netns.set_link(1, up=True)
     assert job.wait(120) == [0, 0], job.logs()
     for rank, report in job.reports().items():
@@ -188,8 +217,18 @@ def test_the_job_restarts_from_its_checkpoint_once_the_link_is_back(unfaulted, t
 @pytest.mark.parametrize("hook", [False, True], ids=["plain", "except-hook"])
 def test_a_rank_that_raises_is_named_by_the_other_node(cluster, tmp_path, hook):
     timeout = 10
-    job = Job(tmp_path, "--pause", "0.02", "--timeout", str(timeout), "--raise-at", "5", "--raise-rank", "1",
-              *(["--hook"] if hook else []))
+    job = Job(
+        tmp_path,
+        "--pause",
+        "0.02",
+        "--timeout",
+        str(timeout),
+        "--raise-at",
+        "5",
+        "--raise-rank",
+        "1",
+        *(["--hook"] if hook else []),
+    )
     codes = job.wait(60)
     assert codes[0] != 0 and codes[1] != 0, job.logs()
     raised, told = job.reports()[1]["error"], job.reports()[0]["error"]

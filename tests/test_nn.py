@@ -4,6 +4,7 @@ Every rank builds every rank's input from deterministic seeds, so it can compute
 reference (nn.BatchNorm on the concatenated global batch) locally and compare its own slice.
 All checks of one launch run in one function: each launch costs seconds.
 """
+
 import copy
 import datetime
 import inspect
@@ -46,8 +47,7 @@ def initialise(layer, seed: int):
         layer.bias.copy_(torch.randn(CHANNELS, generator=generator, dtype=torch.float64))
 
 
-def compare_with_global_batch(dim: int, sizes, comm, spatial=None, dtype=DTYPE, momentum=0.1, steps=2,
-                              tolerance=1e-10):
+def compare_with_global_batch(dim: int, sizes, comm, spatial=None, dtype=DTYPE, momentum=0.1, steps=2, tolerance=1e-10):
     """Run MNBN on this rank's batch and nn.BatchNorm on the global batch for `steps` steps; compare."""
     rank, size = dist.get_rank(), dist.get_world_size()
     spatial = SPATIAL[dim] if spatial is None else spatial
@@ -169,7 +169,9 @@ def check_special_modes(rank, size):
 def check_conversion_copy_and_state_dict(rank, size, group):
     torch.manual_seed(0)  # the same model on every rank
     model = nn.Sequential(
-        nn.Conv2d(2, CHANNELS, 1), nn.BatchNorm2d(CHANNELS), nn.ReLU(),
+        nn.Conv2d(2, CHANNELS, 1),
+        nn.BatchNorm2d(CHANNELS),
+        nn.ReLU(),
         nn.Sequential(nn.Flatten(), nn.Linear(CHANNELS * 4, 4), nn.BatchNorm1d(4, momentum=None)),
         nn.BatchNorm3d(2, eps=1e-3, affine=False),
     ).double()
@@ -203,8 +205,7 @@ def check_conversion_copy_and_state_dict(rank, size, group):
         assert weight_only.weight is not None and weight_only.bias is None
 
     # The converted model trains on the global batch: compare with the original run on all of it.
-    inputs = [torch.randn(2 + r, 2, 2, 2, generator=torch.Generator().manual_seed(r), dtype=DTYPE)
-              for r in range(size)]
+    inputs = [torch.randn(2 + r, 2, 2, 2, generator=torch.Generator().manual_seed(r), dtype=DTYPE) for r in range(size)]
     head = nn.Sequential(*list(converted)[:4])
     out = head(inputs[rank])
     global_out = reference[:4](torch.cat(inputs))
@@ -266,5 +267,16 @@ def test_multi_node_batch_norm():
 
 
 def sorted_cases():
-    return sorted(["equal-1d", "unequal-1d", "unequal-1d-2D-input", "equal-2d", "unequal-2d", "equal-3d",
-                   "unequal-3d", "empty-rank-2d", "float32-2d"])
+    return sorted(
+        [
+            "equal-1d",
+            "unequal-1d",
+            "unequal-1d-2D-input",
+            "equal-2d",
+            "unequal-2d",
+            "equal-3d",
+            "unequal-3d",
+            "empty-rank-2d",
+            "float32-2d",
+        ]
+    )

@@ -1,4 +1,5 @@
 """create_multi_node_optimizer: ChainerMN's broadcast-then-mean update, and its double buffering."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def first_step_broadcast_then_mean():
 
 
 def zero_fill_and_new_parameters():
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     a = torch.nn.Parameter(torch.full((3,), float(rank)))
     b = torch.nn.Parameter(torch.full((2,), float(rank)))
     optimizer = torch_chainermn.create_multi_node_optimizer(torch.optim.SGD([a, b], lr=1.0))
@@ -99,9 +100,11 @@ def optimizer_protocol():
     restored.load_state_dict(saved)
     errors = []
     gloo = dist.new_group(backend="gloo")
-    for call in (lambda: torch_chainermn.create_multi_node_optimizer(object()),
-                 lambda: torch_chainermn.create_multi_node_optimizer(actual, communicator=gloo),
-                 lambda: torch_chainermn.create_multi_node_optimizer(actual, communicator="world")):
+    for call in (
+        lambda: torch_chainermn.create_multi_node_optimizer(object()),
+        lambda: torch_chainermn.create_multi_node_optimizer(actual, communicator=gloo),
+        lambda: torch_chainermn.create_multi_node_optimizer(actual, communicator="world"),
+    ):
         try:
             call()
             errors.append(None)

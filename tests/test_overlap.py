@@ -2,6 +2,7 @@
 (AdamW and SGD with momentum, several buckets, a checkpoint between steps, an unused parameter, a module
 used twice) on 3 ranks, on one node and on two; the step's last bucket travels on the priority lane; int8
 between nodes stays near float32; and a lost peer fails the next forward's wait naming the rank."""
+
 import os
 
 import pytest
@@ -44,8 +45,11 @@ def ddp_of(net):
 def train(ddp, optimizer, steps):
     """The usual loop, a learning rate that changes every step included (set before the forward, as a
     schedule does): the overlap must apply each step's update with that step's rate."""
-    base = BASE_LR[type(optimizer) if not isinstance(optimizer, torch_chainermn.OverlapNextForward)
-                   else type(optimizer.optimizers[0])]
+    base = BASE_LR[
+        type(optimizer)
+        if not isinstance(optimizer, torch_chainermn.OverlapNextForward)
+        else type(optimizer.optimizers[0])
+    ]
     for step in steps:
         for group in optimizer.param_groups:
             group["lr"] = base * (1 + step % 3)
@@ -119,8 +123,10 @@ def lanes_of(ddp, overlap, steps):
 def overlap_cases(between_nodes: bool):
     outcome = {"order shows": order_shows(dist.get_world_size())}
     expected = {}
-    for name, optimizer_class, kwargs in (("adamw", torch.optim.AdamW, {"lr": 1e-2}),
-                                          ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+    for name, optimizer_class, kwargs in (
+        ("adamw", torch.optim.AdamW, {"lr": 1e-2}),
+        ("sgd", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ):
         # The reference: torch's DDP, whose reducer scales every gradient by 1/world size, then sums.
         expected[name] = plain(optimizer_class, range(10), **kwargs)
         ddp = ddp_of(Net())
@@ -152,8 +158,8 @@ def overlap_cases(between_nodes: bool):
     # SGD, whose step is proportional to the gradient: a mean off by a factor shows (AdamW's would not).
     ddp = ddp_of(Net())
     compressed = torch_chainermn.OverlapNextForward(
-        ddp, torch.optim.SGD, compression=hooks.GradientCompressionState(type="int8", block=64), lr=0.1,
-        momentum=0.9)
+        ddp, torch.optim.SGD, compression=hooks.GradientCompressionState(type="int8", block=64), lr=0.1, momentum=0.9
+    )
     mine = torch.cat([p.reshape(-1) for p in train(ddp, compressed, range(10))])
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
@@ -163,10 +169,13 @@ def overlap_cases(between_nodes: bool):
     # How far int8's parameters are from float32's, against how far float32's moved.
     outcome["int8 off float32"] = ((mine - float32).norm() / (float32 - start).norm()).item()
 
-    outcome["errors"] = value_errors((
-        lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), torch.optim.AdamW, compression="int8"),
-        lambda: torch_chainermn.OverlapNextForward(Net(), torch.optim.AdamW),
-        lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), "adamw")))
+    outcome["errors"] = value_errors(
+        (
+            lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), torch.optim.AdamW, compression="int8"),
+            lambda: torch_chainermn.OverlapNextForward(Net(), torch.optim.AdamW),
+            lambda: torch_chainermn.OverlapNextForward(ddp_of(Net()), "adamw"),
+        )
+    )
     return outcome
 
 
@@ -176,8 +185,10 @@ INT8_OFF_FLOAT32 = 0.02
 
 # 3 ranks (at 2 the order of division and summation cannot show): one node over shared memory, and two
 # nodes (2 + 1 ranks) where int8 compresses between them.
-OVERLAP_CONFIGS = {"one-node-shared-memory": ({"CHAINERMN_SHM": "1"}, False),
-                   "two-nodes": ({"CHAINERMN_RANKS_PER_NODE": "2"}, True)}
+OVERLAP_CONFIGS = {
+    "one-node-shared-memory": ({"CHAINERMN_SHM": "1"}, False),
+    "two-nodes": ({"CHAINERMN_RANKS_PER_NODE": "2"}, True),
+}
 
 
 @pytest.mark.parametrize("config", list(OVERLAP_CONFIGS))

@@ -4,6 +4,7 @@ A user's `pip install .` (and the wheel `make wheel` builds) requires torch, pin
 extension is compiled against, and what the package and the examples import; the test suite's companions
 are the "test" extra, which `make test` installs, and the benchmarks' the "bench" extra (`make bench`).
 """
+
 import ast
 import importlib.metadata
 import re
@@ -30,8 +31,9 @@ def imports_of(path: Path) -> list:
 
     def visit(node, optional):
         if isinstance(node, ast.Try):
-            catches = {getattr(h.type, "id", None) for h in node.handlers} | \
-                {getattr(e, "id", None) for h in node.handlers if isinstance(h.type, ast.Tuple) for e in h.type.elts}
+            catches = {getattr(h.type, "id", None) for h in node.handlers} | {
+                getattr(e, "id", None) for h in node.handlers if isinstance(h.type, ast.Tuple) for e in h.type.elts
+            }
             guarded = optional or bool(catches & {"ImportError", "ModuleNotFoundError"})
             for child in node.body:
                 visit(child, guarded)
@@ -81,12 +83,16 @@ def test_a_user_install_requires_no_test_or_benchmark_package(monkeypatch, tmp_p
 
 def test_the_wheel_pins_the_torch_it_is_built_for(monkeypatch, tmp_path):
     for version, built_for, other in (
-            (torch.__version__, torch.__version__.split("+")[0], None),
-            ("2.12.1+cu130", "2.12.3", "2.13.0"),  # a CUDA torch: any 2.12 release, not 2.13
-            ("2.14.1", "2.14.0", "2.15.0")):
+        (torch.__version__, torch.__version__.split("+")[0], None),
+        ("2.12.1+cu130", "2.12.3", "2.13.0"),  # a CUDA torch: any 2.12 release, not 2.13
+        ("2.14.1", "2.14.0", "2.15.0"),
+    ):
         monkeypatch.setattr(torch, "__version__", version)
-        (pin,) = [Requirement(r) for r in setup_py_arguments(monkeypatch, tmp_path, testing=False)["install_requires"]
-                  if Requirement(r).name == "torch"]
+        (pin,) = [
+            Requirement(r)
+            for r in setup_py_arguments(monkeypatch, tmp_path, testing=False)["install_requires"]
+            if Requirement(r).name == "torch"
+        ]
         assert pin.specifier.contains(built_for), (version, str(pin))
         major, minor = map(int, built_for.split(".")[:2])
         for neighbour in (f"{major}.{minor + 1}.0", f"{major}.{minor - 1}.0", other):
@@ -96,7 +102,9 @@ def test_the_wheel_pins_the_torch_it_is_built_for(monkeypatch, tmp_path):
 
 def test_the_test_extra_holds_what_the_suite_imports(monkeypatch, tmp_path):
     arguments = setup_py_arguments(monkeypatch, tmp_path)
-    available = requirement_names(arguments["install_requires"]) | requirement_names(arguments["extras_require"]["test"])
+    available = requirement_names(arguments["install_requires"]) | requirement_names(
+        arguments["extras_require"]["test"]
+    )
     imported = imported_distributions(ROOT / "tests")
     assert "torchft" in imported and "pytest" in imported  # the scan sees the suite's imports
     assert undeclared(imported, available) == {}
@@ -111,11 +119,17 @@ def test_the_benchmarks_extra_holds_what_the_benchmarks_import(monkeypatch, tmp_
     extras = arguments["extras_require"]
     available = requirement_names(arguments["install_requires"]) | requirement_names(extras["bench"])
     assert {"matplotlib", "mpi4py"} <= requirement_names(extras["bench"])
-    with_the_suite = {str(path.relative_to(ROOT)) for path in (ROOT / "benchmarks").rglob("*.py")
-                      if any(top == "tests" for top, _ in imports_of(path))}
+    with_the_suite = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "benchmarks").rglob("*.py")
+        if any(top == "tests" for top, _ in imports_of(path))
+    }
     imported = imported_distributions(ROOT / "benchmarks", required_only=True)
     assert {"matplotlib", "mpi4py", "torch"} <= set(imported)  # the scan sees the benchmarks' imports
     with_the_test_extra = available | requirement_names(extras["test"])
-    missing = {dist: files for dist, files in undeclared(imported, available).items()
-               if not set(files) <= with_the_suite or undeclared({dist: files}, with_the_test_extra)}
+    missing = {
+        dist: files
+        for dist, files in undeclared(imported, available).items()
+        if not set(files) <= with_the_suite or undeclared({dist: files}, with_the_test_extra)
+    }
     assert missing == {}

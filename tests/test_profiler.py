@@ -4,21 +4,32 @@ gloo's ("chainermn:all_reduce"), with its tensors' shapes, and inside it the pha
 decode, the wait for a peer and the ranks' check. Real ranks, torch.profiler, its key_averages() and
 its Chrome trace; the op runs on the caller's thread (a blocking op over shared memory) and on the
 group's worker (an async op), and nothing is recorded once the profiler stops."""
+
 import json
 import os
 import tempfile
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from tests.support.harness import run_spawn
 
-OPS = ("chainermn:all_reduce", "chainermn:all_gather_into_tensor", "chainermn:barrier", "chainermn:send",
-       "chainermn:recv")
-PHASES = ("chainermn:within_node", "chainermn:between_nodes", "chainermn:wait_peers", "chainermn:check",
-          "chainermn:encode", "chainermn:decode")
+OPS = (
+    "chainermn:all_reduce",
+    "chainermn:all_gather_into_tensor",
+    "chainermn:barrier",
+    "chainermn:send",
+    "chainermn:recv",
+)
+PHASES = (
+    "chainermn:within_node",
+    "chainermn:between_nodes",
+    "chainermn:wait_peers",
+    "chainermn:check",
+    "chainermn:encode",
+    "chainermn:decode",
+)
 
 
 def _parents(prof):
@@ -52,6 +63,7 @@ def profiled_ops(with_compression):
         dist.barrier()
         if with_compression:
             from torch_chainermn.compression import GradientCompression
+
             grads = torch.randn(4096)
             compression = GradientCompression(type="int8")
             compression.start([grads], [(id(grads), 0, grads.numel())]).wait()
@@ -61,8 +73,13 @@ def profiled_ops(with_compression):
     dist.all_reduce(after)  # outside any profiler: recorded nowhere
 
     averages = {event.key: event.count for event in prof.key_averages()}
-    shapes = sorted({str(event.input_shapes) for event in prof.key_averages(group_by_input_shape=True)
-                     if event.key == "chainermn:all_reduce"})
+    shapes = sorted(
+        {
+            str(event.input_shapes)
+            for event in prof.key_averages(group_by_input_shape=True)
+            if event.key == "chainermn:all_reduce"
+        }
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -87,14 +104,20 @@ def test_ops_and_their_phases_on_one_node():
     for rank, out in enumerate(results):
         averages = out["averages"]
         assert averages.get("chainermn:all_reduce") == 2, (rank, averages)
-        for op in ("chainermn:all_gather_into_tensor", "chainermn:barrier", "chainermn:send" if rank == 0
-                   else "chainermn:recv"):
+        for op in (
+            "chainermn:all_gather_into_tensor",
+            "chainermn:barrier",
+            "chainermn:send" if rank == 0 else "chainermn:recv",
+        ):
             assert averages.get(op) == 1, (rank, op, averages)
         # 4 KiB of float32 as the op's input shape.
         assert out["all_reduce_shapes"] == ["[[1024]]"], (rank, out["all_reduce_shapes"])
         # Shared memory carries everything on one node: its phase is inside the op, on either thread.
-        assert out["parents"]["chainermn:within_node"] == ["chainermn:all_gather_into_tensor", "chainermn:all_reduce",
-                                                           "chainermn:barrier"], (rank, out["parents"])
+        assert out["parents"]["chainermn:within_node"] == [
+            "chainermn:all_gather_into_tensor",
+            "chainermn:all_reduce",
+            "chainermn:barrier",
+        ], (rank, out["parents"])
         assert "chainermn:between_nodes" not in out["parents"], (rank, out["parents"])
         assert {"chainermn:all_reduce", "chainermn:within_node"} <= set(out["trace_names"]), (rank, out)
         assert out["unrelated"] == [], (rank, out["unrelated"])
@@ -112,7 +135,9 @@ def test_the_exchange_between_nodes_and_a_code_on_two_nodes_of_two():
             # The transport and this rank's bytes (1024 float32 values), in Python and in the Chrome trace.
             assert {"what": "gloo", "bytes": 4096} in out["between_kwinputs"], (rank, out["between_kwinputs"])
             assert any(args.get("what") == "gloo" and args.get("bytes") == 4096 for args in out["between_args"]), (
-                rank, out["between_args"])
+                rank,
+                out["between_args"],
+            )
             # A node's first rank codes what it sends to the other nodes, inside the compressed mean.
             assert parents["chainermn:encode"] == ["chainermn:gradient_compression"], (rank, parents)
             assert parents["chainermn:decode"] == ["chainermn:gradient_compression"], (rank, parents)

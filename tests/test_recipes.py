@@ -3,6 +3,7 @@ with process_group_backend="chainermn" (its sync_dist logging included), Hugging
 group created with chainermn first, the Hugging Face Trainer likewise (use_cpu=True), and DeepSpeed
 ZeRO 1, 2 and 3 through deepspeed.init_distributed(dist_backend="chainermn"). The Trainer and DeepSpeed
 runs are repeated on gloo in the same job and must match it bit for bit."""
+
 import re
 
 import pytest

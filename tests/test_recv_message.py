@@ -1,6 +1,7 @@
 """The backend's receive of a message of any size (ProcessGroupChainerMN.recv_message), which the
 model-parallel functions' messages use: whatever count and dtype the sender sent arrives, on each
 host transport (shared memory, Gloo, MPI), in order on a (peer, tag) pair."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,9 +10,13 @@ from tests.support.harness import run_mpiexec, run_spawn
 from torch_chainermn import _backend
 
 # (tag, tensor): sent in this order; received in another order of tags, so some wait aside.
-MESSAGES = [(3, torch.arange(10, dtype=torch.float64)), (3, torch.zeros(0, dtype=torch.uint8)),
-            (4, torch.arange(3_000_000, dtype=torch.int32)), (5, torch.tensor([True, False, True])),
-            (4, torch.full((2, 3), 7, dtype=torch.int16))]
+MESSAGES = [
+    (3, torch.arange(10, dtype=torch.float64)),
+    (3, torch.zeros(0, dtype=torch.uint8)),
+    (4, torch.arange(3_000_000, dtype=torch.int32)),
+    (5, torch.tensor([True, False, True])),
+    (4, torch.full((2, 3), 7, dtype=torch.int16)),
+]
 
 
 def messages_of_any_size():
@@ -33,9 +38,11 @@ def messages_of_any_size():
     expected = {}
     for tag, tensor in MESSAGES:
         expected.setdefault(tag, []).append(tensor.reshape(-1))
-    return all(len(received[t]) == len(expected[t]) and all(
-        got.dtype == want.dtype and torch.equal(got, want) for got, want in zip(received[t], expected[t]))
-        for t in expected)
+    return all(
+        len(received[t]) == len(expected[t])
+        and all(got.dtype == want.dtype and torch.equal(got, want) for got, want in zip(received[t], expected[t]))
+        for t in expected
+    )
 
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
@@ -51,7 +58,6 @@ def test_messages_of_any_size_over_mpi():
     assert ok is True and "recv_message" in error, error
 
 
-
 def messages_sent_from_parts():
     """send_message: parts at offsets with zeros between; the parts may change once it returns (a
     message larger than the ring is partly copied); in order behind an isend on the same tag."""
@@ -61,15 +67,19 @@ def messages_sent_from_parts():
     big = torch.arange(1_000_000, dtype=torch.int32)  # 4 MB: more than a shared-memory ring holds
     if dist.get_rank() == 0:
         first = dist.isend(torch.arange(300_000, dtype=torch.int64), 1, tag=7)
-        works = [backend.send_message([head], [0], 12, 1, 7),
-                 backend.send_message([head, values.view(torch.uint8)], [0, 16], 40, 1, 3),
-                 backend.send_message([big.view(torch.uint8)], [0], big.numel() * 4, 1, 4)]
+        works = [
+            backend.send_message([head], [0], 12, 1, 7),
+            backend.send_message([head, values.view(torch.uint8)], [0, 16], 40, 1, 3),
+            backend.send_message([big.view(torch.uint8)], [0], big.numel() * 4, 1, 4),
+        ]
         big.fill_(-1)  # after the send returned, before the receiver took the message
         dist.barrier()
         errors = []
-        for parts, offsets, size in (([head, values.view(torch.uint8)], [0, 8], 40),  # overlapping
-                                     ([values.view(torch.uint8)], [30], 40),           # past the end
-                                     ([torch.zeros(4, 4).t()], [0], 64)):              # not contiguous
+        for parts, offsets, size in (
+            ([head, values.view(torch.uint8)], [0, 8], 40),  # overlapping
+            ([values.view(torch.uint8)], [30], 40),  # past the end
+            ([torch.zeros(4, 4).t()], [0], 64),
+        ):  # not contiguous
             try:
                 backend.send_message(parts, offsets, size, 1, 9)
                 errors.append("no error")
@@ -84,11 +94,14 @@ def messages_sent_from_parts():
         work = backend.recv_message(0, tag)
         work.wait()
         got.setdefault(tag, []).append(work.get_future().value()[0])
-    expect_small = torch.cat([head, torch.zeros(6, dtype=torch.uint8), values.view(torch.uint8),
-                              torch.zeros(4, dtype=torch.uint8)])
-    return (torch.equal(got[4][0].view(torch.int32), torch.arange(1_000_000, dtype=torch.int32)),
-            torch.equal(got[3][0], expect_small),
-            got[7][0].numel() == 300_000 and torch.equal(got[7][1], torch.cat([head, torch.zeros(2, dtype=torch.uint8)])))
+    expect_small = torch.cat(
+        [head, torch.zeros(6, dtype=torch.uint8), values.view(torch.uint8), torch.zeros(4, dtype=torch.uint8)]
+    )
+    return (
+        torch.equal(got[4][0].view(torch.int32), torch.arange(1_000_000, dtype=torch.int32)),
+        torch.equal(got[3][0], expect_small),
+        got[7][0].numel() == 300_000 and torch.equal(got[7][1], torch.cat([head, torch.zeros(2, dtype=torch.uint8)])),
+    )
 
 
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])

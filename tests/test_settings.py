@@ -1,5 +1,6 @@
 """The one table of environment variables (torch_chainermn/settings.py) against the sources and the
 docs: a variable read anywhere is in the table, and docs/settings.md's table says exactly what it says."""
+
 import re
 from pathlib import Path
 
@@ -41,7 +42,9 @@ def test_the_documented_table_is_the_table():
     for variable in settings.VARIABLES:
         field, default = rows[variable.name]
         assert field == (f"`{variable.field}`" if variable.scope == "group" else f"({variable.scope})"), variable
-        assert default == (f"`{variable.default}`" if variable.default else ("None" if variable.scope == "group" else "-")), variable
+        assert default == (
+            f"`{variable.default}`" if variable.default else ("None" if variable.scope == "group" else "-")
+        ), variable
 
 
 def test_options_take_their_defaults_from_the_table():
@@ -50,8 +53,11 @@ def test_options_take_their_defaults_from_the_table():
 
 def test_the_cpp_backend_reads_none_of_them():
     """C++ is handed the values (GroupSetup, discover_topology's node name): it reads no variable of the table."""
-    readers = [str(path.relative_to(REPO)) for path in REPO.glob("csrc/**/*.[ch]*")
-               if re.search(r'getenv\("(CHAINERMN|TORCH)_', path.read_text(errors="replace"))]
+    readers = [
+        str(path.relative_to(REPO))
+        for path in REPO.glob("csrc/**/*.[ch]*")
+        if re.search(r'getenv\("(CHAINERMN|TORCH)_', path.read_text(errors="replace"))
+    ]
     assert readers == []
 
 
@@ -75,7 +81,10 @@ def test_the_node_name_and_the_chunk(monkeypatch):
 def test_only_the_table_s_module_reads_them_in_python():
     """Every CHAINERMN_* variable is read in torch_chainermn/settings.py (options.py reads the group ones
     through its table): a module that reads one itself would escape the table."""
-    readers = [str(path.relative_to(REPO)) for path in REPO.glob("torch_chainermn/**/*.py")
-               if path.name != "settings.py" and re.search(
-                   r'(environ\.get\(|environ\[|getenv\()\s*"CHAINERMN_', path.read_text(errors="replace"))]
+    readers = [
+        str(path.relative_to(REPO))
+        for path in REPO.glob("torch_chainermn/**/*.py")
+        if path.name != "settings.py"
+        and re.search(r'(environ\.get\(|environ\[|getenv\()\s*"CHAINERMN_', path.read_text(errors="replace"))
+    ]
     assert readers == []

@@ -4,6 +4,7 @@ The jobs run on a real one-node Slurm cluster started for this module (tests/sup
 install` installs Debian's Slurm). What one node cannot show (several nodes, compact node lists) is
 checked on the variables srun sets, as srun sets them for a task of a two-node step.
 """
+
 import os
 
 import pytest
@@ -18,14 +19,29 @@ from tests.support.slurm_cluster import slurm_cluster
 # What srun 22.05 set for task 3 of `srun -N 2 -n 5` on node[07-08] (3 tasks on the first node, 2 on the
 # second), less what does not matter here.
 TASK_OF_TWO_NODES = {
-    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
-    "SLURM_NODEID": "1", "SLURM_NTASKS": "5", "SLURM_STEP_NUM_TASKS": "5", "SLURM_STEP_NUM_NODES": "2",
-    "SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_NODELIST": "node[07-08]",
-    "SLURM_STEP_TASKS_PER_NODE": "3,2", "SLURM_TASKS_PER_NODE": "3,2",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "1",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "5",
+    "SLURM_STEP_NUM_TASKS": "5",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+    "SLURM_JOB_NODELIST": "node[07-08]",
+    "SLURM_STEP_TASKS_PER_NODE": "3,2",
+    "SLURM_TASKS_PER_NODE": "3,2",
 }
 # What sbatch sets for the batch script itself: one process, though SLURM_NTASKS is 2.
-BATCH_SCRIPT = {"SLURM_JOB_ID": "3", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-                "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "vm", "SLURM_TASKS_PER_NODE": "2"}
+BATCH_SCRIPT = {
+    "SLURM_JOB_ID": "3",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_JOB_NODELIST": "vm",
+    "SLURM_TASKS_PER_NODE": "2",
+}
 
 
 def test_compact_node_lists_expand_as_scontrol_does():
@@ -37,8 +53,14 @@ def test_compact_node_lists_expand_as_scontrol_does():
 
 def test_a_task_of_a_two_node_step_finds_the_store_on_the_first_node():
     assert _slurm.rendezvous_variables(TASK_OF_TWO_NODES) == {
-        "RANK": "3", "WORLD_SIZE": "5", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-        "MASTER_ADDR": "node07", "MASTER_PORT": str(12000 + 16 * (4242 % 1250) + 1)}
+        "RANK": "3",
+        "WORLD_SIZE": "5",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "node07",
+        "MASTER_PORT": str(12000 + 16 * (4242 % 1250) + 1),
+    }
     # Another step of the job, or another job, meets at another port; MASTER_* set by the user win.
     assert _slurm.store_port({**TASK_OF_TWO_NODES, "SLURM_STEP_ID": "2"}) != _slurm.store_port(TASK_OF_TWO_NODES)
     chosen = _slurm.rendezvous_variables({**TASK_OF_TWO_NODES, "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
@@ -51,8 +73,15 @@ def test_only_srun_tasks_count_and_torchrun_variables_win():
     try:
         for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"):
             os.environ.pop(name, None)
-        os.environ.update({**TASK_OF_TWO_NODES, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "torchrun-host",
-                           "MASTER_PORT": "29500"})
+        os.environ.update(
+            {
+                **TASK_OF_TWO_NODES,
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "torchrun-host",
+                "MASTER_PORT": "29500",
+            }
+        )
         assert _launch.prepare_environment().launcher == "env"  # torchrun started by srun: torchrun's ranks
         assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("1", "2", "torchrun-host")
         assert "GROUP_RANK" not in os.environ
@@ -75,11 +104,26 @@ def slurm_conf(tmp_path_factory):
 def rank_report():
     t = torch.full((4,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID")
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t[0].item(),
-            "transport": torch_chainermn.transport(), "env": {n: os.environ.get(n) for n in names},
-            "launch": _launch.record()}
+    names = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+    )
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "sum": t[0].item(),
+        "transport": torch_chainermn.transport(),
+        "env": {n: os.environ.get(n) for n in names},
+        "launch": _launch.record(),
+    }
 
 
 def test_srun_starts_a_job_with_no_extra_environment(slurm_conf):
@@ -97,8 +141,9 @@ def test_srun_starts_a_job_with_no_extra_environment(slurm_conf):
 @pytest.mark.mpi
 def test_sbatch_script_running_srun_with_pmix_meets_over_mpi(slurm_conf):
     # Open MPI's ranks under srun --mpi=pmix are MPI's: chosen as under mpiexec, MPI carries the traffic.
-    reports = run_srun(rank_report, 2, slurm_conf=slurm_conf, srun_args=["--mpi=pmix"], batch=True, timeout=90,
-                       op_timeout=30)
+    reports = run_srun(
+        rank_report, 2, slurm_conf=slurm_conf, srun_args=["--mpi=pmix"], batch=True, timeout=90, op_timeout=30
+    )
     assert [(r["rank"], r["world"], r["sum"]) for r in reports] == [(0, 2, 3.0), (1, 2, 3.0)]
     assert all(r["transport"] == "mpi" and r["env"]["LOCAL_WORLD_SIZE"] == "2" for r in reports), reports
     assert [r["launch"].launcher for r in reports] == ["mpiexec", "mpiexec"], reports

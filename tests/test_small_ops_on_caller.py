@@ -5,6 +5,7 @@ end as an op on the worker does when the group breaks: the break aborts the segm
 nothing else can free a caller that waits in them. A dead peer and a peer's abort are covered by
 test_failures.py and test_survival.py, whose ops wait at once; an async op whose peers come only
 after it returned by collective_cases.wait_with_timeout_case."""
+
 import datetime
 
 import pytest

@@ -14,8 +14,12 @@ TOPOLOGIES = {
     "2x2": (4, {"CHAINERMN_RANKS_PER_NODE": "2"}, None, (2, 2)),
     "4x1": (4, {"CHAINERMN_RANKS_PER_NODE": "1"}, None, (1, 4)),
     "2+2+1": (5, {"CHAINERMN_RANKS_PER_NODE": "2"}, None, (2, 3)),  # nodes of unequal size
-    "1+2": (3, {}, {0: {"CHAINERMN_HOSTNAME": "a"}, 1: {"CHAINERMN_HOSTNAME": "b"},
-                    2: {"CHAINERMN_HOSTNAME": "b"}}, (1, 2)),
+    "1+2": (
+        3,
+        {},
+        {0: {"CHAINERMN_HOSTNAME": "a"}, 1: {"CHAINERMN_HOSTNAME": "b"}, 2: {"CHAINERMN_HOSTNAME": "b"}},
+        (1, 2),
+    ),
 }
 # Every topology runs in-process over the same strategies (tests/test_threads.py, 9 topologies); here
 # real processes over each library, on the shapes that differ: nodes of 2, three nodes of unequal
@@ -67,9 +71,15 @@ def options_and_single_node():
 def two_node_job():
     """One 2-rank job (two nodes of one) for the two tests below: the default group's options come from
     the environment, and the explicit Options(communicator="single_node") overrides them (and is refused)."""
-    return run_spawn(options_and_single_node, 2, env={
-        "CHAINERMN_RANKS_PER_NODE": "1",
-        "CHAINERMN_COMMUNICATOR": "two_dimensional", "CHAINERMN_ALLREDUCE_GRAD_DTYPE": "bfloat16"})
+    return run_spawn(
+        options_and_single_node,
+        2,
+        env={
+            "CHAINERMN_RANKS_PER_NODE": "1",
+            "CHAINERMN_COMMUNICATOR": "two_dimensional",
+            "CHAINERMN_ALLREDUCE_GRAD_DTYPE": "bfloat16",
+        },
+    )
 
 
 def test_single_node_refuses_several_nodes():

@@ -1,6 +1,7 @@
 """A rank that leaves its group on purpose, and the survivors going on without the lost ranks:
 ProcessGroup.abort() reaches the peers at once, named; dist.shrink_group gives the survivors a new
 group (torchft and elastic training's ways to survive a lost rank without a restart)."""
+
 import datetime
 import os
 import threading
@@ -145,10 +146,16 @@ def shrink_without_the_last_rank(state: str):
     dist.all_reduce(value)  # the new default group
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
     dist.all_gather(gathered, torch.tensor([group.rank()]))
-    outcome.update(rank=group.rank(), size=group.size(), sum=value[0].item(), backend=dist.get_backend(group),
-                   gathered=[t.item() for t in gathered], transport=torch_chainermn.transport(),
-                   shared_memory=_backend.backend_of(group).shared_memory,
-                   cuda=type(group._get_backend(torch.device("cuda"))).__name__)
+    outcome.update(
+        rank=group.rank(),
+        size=group.size(),
+        sum=value[0].item(),
+        backend=dist.get_backend(group),
+        gathered=[t.item() for t in gathered],
+        transport=torch_chainermn.transport(),
+        shared_memory=_backend.backend_of(group).shared_memory,
+        cuda=type(group._get_backend(torch.device("cuda"))).__name__,
+    )
     dist.barrier()
     if rank == 0:
         store.set("survivors done", "1")
@@ -157,8 +164,11 @@ def shrink_without_the_last_rank(state: str):
 
 # Each state once, each host path (shared memory, Gloo alone) at least once; 3 ranks under mpiexec below.
 # How the last rank ends in each state (idle: it lives, and returns).
-DIES = {"idle": lambda last: {}, "exited": lambda last: {last: "exit code 0"},
-        "killed": lambda last: {last: "killed by SIGKILL"}}
+DIES = {
+    "idle": lambda last: {},
+    "exited": lambda last: {last: "exit code 0"},
+    "killed": lambda last: {last: "killed by SIGKILL"},
+}
 # The survivors' bound: the run must end within SURVIVE_BEFORE_S while the group's timeout is GROUP_TIMEOUT_S,
 # so a survivor that waits for the timeout anywhere (the failed all_reduce, the shrink, the first ops on the
 # new group) is still running at the deadline and fails the run, without a clock in the assertions.
@@ -174,8 +184,15 @@ def test_shrink_without_a_rank_idle_exited_or_killed(transport, world_size, stat
     killed one as the rank at fault, not a timeout."""
     env = {"CHAINERMN_SHM": "1" if transport == "shm" else "0"}
     last = world_size - 1
-    outcomes = run_spawn(shrink_without_the_last_rank, world_size, state, env=env, timeout=SURVIVE_BEFORE_S,
-                         op_timeout=GROUP_TIMEOUT_S, dies=DIES[state](last))
+    outcomes = run_spawn(
+        shrink_without_the_last_rank,
+        world_size,
+        state,
+        env=env,
+        timeout=SURVIVE_BEFORE_S,
+        op_timeout=GROUP_TIMEOUT_S,
+        dies=DIES[state](last),
+    )
     survivors = world_size - 1
     for rank in range(survivors):
         got = outcomes[rank]
@@ -208,8 +225,12 @@ def shrink_under_mpiexec():
     group = dist.shrink_group([2])
     value = torch.full((10,), float(rank + 1))
     dist.all_reduce(value)
-    outcome = {"rank": group.rank(), "size": group.size(), "sum": value[0].item(),
-               "transport": torch_chainermn.transport()}
+    outcome = {
+        "rank": group.rank(),
+        "size": group.size(),
+        "sum": value[0].item(),
+        "transport": torch_chainermn.transport(),
+    }
     dist.barrier()
     if rank == 0:
         store.set("survivors done", "1")

@@ -5,6 +5,7 @@ here from every rank's input; the thread transport itself (collectives on each l
 agreement and aliasing checks, timeouts) is tested directly. The multi-process tests
 (test_strategies.py, test_collectives.py) cover the real transports.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,16 @@ TOPOLOGIES = {
     "3x2": ["a", "a", "b", "b", "c", "c"],
 }
 STRATEGIES = ["naive", "flat", "hierarchical", "two_dimensional", "single_node"]
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64]
+DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+]
 SIZES = [0, 1, 7, 1000, 65537]
 FLOAT_OPS = ["sum", "product", "min", "max"]
 INT_OPS = FLOAT_OPS + ["band", "bor", "bxor"]
@@ -89,8 +99,9 @@ def cases(size: int, dtype: torch.dtype, sizes=SIZES):
 def check_strategies(names, table, shared_memory=False, shm_chunk_bytes=1 << 20):
     """Every strategy of these nodes on every case of `table`, one run (one set of threads) per strategy."""
     for strategy in strategies_for(names):
-        results = testing.allreduce_cases(strategy, names, [(op, given) for _, op, given, _ in table], shared_memory,
-                                          shm_chunk_bytes=shm_chunk_bytes)
+        results = testing.allreduce_cases(
+            strategy, names, [(op, given) for _, op, given, _ in table], shared_memory, shm_chunk_bytes=shm_chunk_bytes
+        )
         for (what, _, _, expected), result in zip(table, results):
             assert_reduced(result, expected, f"{strategy} on {names}: {what}")
 
@@ -106,6 +117,7 @@ def assert_reduced(results, expected, what):
 
 # ---- strategies --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_strategy_size_and_reduction(topology, dtype):
@@ -117,8 +129,12 @@ def test_every_strategy_size_and_reduction(topology, dtype):
 def test_strategies_over_shared_memory(topology):
     # Small chunks, so that a few thousand elements take several rounds through the segment.
     names = TOPOLOGIES[topology]
-    check_strategies(names, [case for dtype in DTYPES for case in cases(len(names), dtype, sizes=(0, 7, 5001))],
-                     shared_memory=True, shm_chunk_bytes=4096)
+    check_strategies(
+        names,
+        [case for dtype in DTYPES for case in cases(len(names), dtype, sizes=(0, 7, 5001))],
+        shared_memory=True,
+        shm_chunk_bytes=4096,
+    )
 
 
 def test_inputs_are_not_modified():
@@ -148,6 +164,7 @@ def test_unknown_strategy_and_reduction():
 
 
 # ---- the thread transport ----------------------------------------------------------------------------
+
 
 def check_collectives(t, dtype):
     """Every collective of transport `t` on this rank, checked against what transport.h promises."""
@@ -240,11 +257,13 @@ def test_collectives_on_every_level(topology, shared_memory):
 
 def torch_topology(names, rank):
     from torch_chainermn import _C
+
     return _C.topology_from_names(names, rank)
 
 
-@pytest.mark.parametrize("names, shared_memory", [(TOPOLOGIES["1+2+2"], False), (TOPOLOGIES["1x4"], True)],
-                         ids=["threads", "shm"])
+@pytest.mark.parametrize(
+    "names, shared_memory", [(TOPOLOGIES["1+2+2"], False), (TOPOLOGIES["1x4"], True)], ids=["threads", "shm"]
+)
 def test_send_and_recv_match_by_peer_and_tag_in_order(names, shared_memory):
     def per_rank(r):
         t, me, size = r.world, r.world.rank, r.world.size
@@ -286,12 +305,13 @@ def test_send_and_recv_match_by_peer_and_tag_in_order(names, shared_memory):
 
 # ---- helper threads spin only while it pays (linger.h) ---------------------------------------------------
 
+
 def test_helper_threads_stop_spinning_through_long_gaps_and_spin_again_when_traffic_is_dense():
     ping_pong, pipeline = [20.0] * 10, [5000.0] * 10
     assert all(testing.linger_decisions(ping_pong))  # a latency-bound loop: spin after every op
     spun = testing.linger_decisions(ping_pong + pipeline + ping_pong)
     assert not any(spun[14:20]), spun  # milliseconds of compute between messages: sleep at once
-    assert all(spun[-4:]), spun        # dense traffic again: spinning is back
+    assert all(spun[-4:]), spun  # dense traffic again: spinning is back
     # A header and its payload back to back, then a long compute: half the gaps short is not enough.
     assert not any(testing.linger_decisions([20.0, 5000.0] * 20)[10:])
     # Once asleep, a ping-pong answers later (here 150 us a gap, three lingers): still short enough to
@@ -299,7 +319,9 @@ def test_helper_threads_stop_spinning_through_long_gaps_and_spin_again_when_traf
     assert all(testing.linger_decisions(pipeline + [150.0] * 30)[-10:])
 
 
-YIELD_VERDICTS = "import os; os.sched_setaffinity(0, {%d}); from torch_chainermn._C import testing; print(testing.yield_verdicts())"
+YIELD_VERDICTS = (
+    "import os; os.sched_setaffinity(0, {%d}); from torch_chainermn._C import testing; print(testing.yield_verdicts())"
+)
 
 
 def test_a_yield_back_late_is_contention_unless_another_thread_of_the_process_worked():
@@ -316,6 +338,7 @@ def test_a_yield_back_late_is_contention_unless_another_thread_of_the_process_wo
 
 
 # ---- store calls on failure paths never hang (runtime/store_courier.h) ----------------------------------
+
 
 def test_a_store_call_that_hangs_costs_its_caller_the_patience_once():
     (quick, q_ms), (hung, h_ms), (behind, b_ms), (after, _), (threw, _), (turn, t_ms) = testing.store_courier(200)
@@ -430,7 +453,7 @@ def test_shared_memory_receives_of_any_size():
             t.send(torch.tensor([1.5, 2.5], dtype=torch.float64), 1, tag=2).wait()
             t.barrier()
             sent = t.send(big, 1, tag=3)  # returns with the first ring-full written (the mailbox
-            big_sent.set()                # progresses at once); the other 11 MB follow as room frees
+            big_sent.set()  # progresses at once); the other 11 MB follow as room frees
             sent.wait()
             t.barrier()
             return True
@@ -442,9 +465,11 @@ def test_shared_memory_receives_of_any_size():
         assert big_sent.wait(30)  # the big message is streaming past the ring now
         got.append(t.recv_any_size(0, tag=3).wait())
         t.barrier()
-        return (torch.equal(got[0], torch.arange(5, dtype=torch.int64))
-                and torch.equal(got[1], torch.tensor([1.5, 2.5], dtype=torch.float64))
-                and torch.equal(got[2], big))
+        return (
+            torch.equal(got[0], torch.arange(5, dtype=torch.int64))
+            and torch.equal(got[1], torch.tensor([1.5, 2.5], dtype=torch.float64))
+            and torch.equal(got[2], big)
+        )
 
     assert testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30) == [True, True]
 
@@ -469,8 +494,9 @@ def test_shared_memory_receive_that_does_not_match_fails_and_the_pair_stays_usab
         return errors
 
     errors = testing.run(["a", "a"], per_rank, shared_memory=True)[1]
-    assert "recv on rank 1 expected 5 torch.float32 elements from rank 0 (tag 0), which sent 10 torch.float32" \
-        in errors[0], errors
+    assert (
+        "recv on rank 1 expected 5 torch.float32 elements from rank 0 (tag 0), which sent 10 torch.float32" in errors[0]
+    ), errors
     assert "expected 4 torch.float32 elements" in errors[1] and "sent 4 torch.float64" in errors[1], errors
 
 
@@ -480,7 +506,7 @@ def test_shared_memory_dropped_requests_never_touch_their_buffers():
         if r.rank == 0:
             x = torch.arange(BIG, dtype=torch.float32)
             t.send(x, 1, tag=1)  # dropped half-way through its ring: the rest is kept aside
-            x.fill_(-1.0)        # so what the receiver gets is the message as it was sent
+            x.fill_(-1.0)  # so what the receiver gets is the message as it was sent
             t.barrier()
             t.send(torch.full((4,), 7.0), 1, tag=2).wait()
             return True
@@ -491,8 +517,11 @@ def test_shared_memory_dropped_requests_never_touch_their_buffers():
         t.recv(whole, 0, tag=1).wait()
         later = torch.zeros(4)
         t.recv(later, 0, tag=2).wait()
-        return (torch.equal(whole, torch.arange(BIG, dtype=torch.float32)), torch.equal(dropped, torch.zeros(4)),
-                torch.equal(later, torch.full((4,), 7.0)))
+        return (
+            torch.equal(whole, torch.arange(BIG, dtype=torch.float32)),
+            torch.equal(dropped, torch.zeros(4)),
+            torch.equal(later, torch.full((4,), 7.0)),
+        )
 
     assert testing.run(["a", "a"], per_rank, shared_memory=True, timeout=30) == [True, (True, True, True)]
 
@@ -511,8 +540,9 @@ def test_send_and_recv_of_different_sizes_fail_both():
 def test_unmatched_recv_times_out():
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError, match="receive from 1 .*tag 5.* not matched within 300 ms"):
-        testing.run(["a", "a"], lambda r: r.world.recv(torch.ones(1), 1, tag=5).wait() if r.rank == 0 else None,
-                    timeout=0.3)
+        testing.run(
+            ["a", "a"], lambda r: r.world.recv(torch.ones(1), 1, tag=5).wait() if r.rank == 0 else None, timeout=0.3
+        )
     assert time.monotonic() - start < 5
 
 

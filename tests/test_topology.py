@@ -1,4 +1,5 @@
 """intra/inter ranks: from host names, simulated nodes, and sub-groups."""
+
 import pytest
 
 import torch_chainermn
@@ -9,7 +10,11 @@ from tests.support.harness import run_mpiexec, run_spawn
 def test_nodes_are_ordered_by_lowest_rank():
     names = ["b", "a", "b", "a", "c"]
     expected = {  # rank: (inter_rank, intra_rank, intra_size)
-        0: (0, 0, 2), 1: (1, 0, 2), 2: (0, 1, 2), 3: (1, 1, 2), 4: (2, 0, 1),
+        0: (0, 0, 2),
+        1: (1, 0, 2),
+        2: (0, 1, 2),
+        3: (1, 1, 2),
+        4: (2, 0, 1),
     }
     for rank, (inter, intra, intra_size) in expected.items():
         t = _C.topology_from_names(names, rank)

@@ -4,6 +4,7 @@ PowerSGD's hooks wait for collectives inside their then() callbacks; those callb
 Work completes (the group's worker), so this also checks that a callback may issue collectives and
 wait for them without deadlock, in the same order on every rank.
 """
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -30,8 +31,13 @@ def hook_and_state(name: str, group, subgroup):
     if name == "fp16_compress_wrapper":
         return default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook), group
     if name in ("powerSGD", "batched_powerSGD"):
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
-                                            start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=0)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.5,
+            random_seed=0,
+        )
         hook = powerSGD_hook.powerSGD_hook if name == "powerSGD" else powerSGD_hook.batched_powerSGD_hook
         return hook, state
     if name == "post_localSGD":
@@ -100,8 +106,10 @@ def powersgd_with_buckets_in_flight():
         ours = train(name, None, None, make=make_model)
         gathered = [torch.empty_like(ours) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, ours)
-        results[name] = (all(torch.equal(g, gathered[0]) for g in gathered),
-                         not torch.allclose(ours, flat(make_model())))
+        results[name] = (
+            all(torch.equal(g, gathered[0]) for g in gathered),
+            not torch.allclose(ours, flat(make_model())),
+        )
     return results
 
 

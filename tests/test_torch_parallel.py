@@ -5,6 +5,7 @@ One 2-rank job trains the same model the same way on a chainermn group and on a 
 processes, same data) and returns both results, so each test compares them. The functions take the
 device the model lives on: tests/test_cuda_torch_parallel.py runs them on CUDA against nccl.
 """
+
 import tempfile
 
 import pytest
@@ -50,10 +51,12 @@ def zero(group, rank, device="cpu"):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     device_ids = [torch.cuda.current_device()] if torch.device(device).type == "cuda" else None
-    model = torch.nn.parallel.DistributedDataParallel(make_model().to(device), process_group=group,
-                                                      device_ids=device_ids)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01,
-                                        process_group=group)
+    model = torch.nn.parallel.DistributedDataParallel(
+        make_model().to(device), process_group=group, device_ids=device_ids
+    )
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01, process_group=group
+    )
     train(model, optimizer, rank, device)
     return [p.detach().cpu().clone() for p in model.parameters()]
 

@@ -2,6 +2,7 @@
 layouts other than the contiguous one (channels_last), integer AVG as NCCL computes it, the Python
 API through torch's debug wrapper, Communicator.split and ProcessGroup.split_group keeping every option, and the "chainermn" name
 registered at `import torch` (the torch.backends entry point)."""
+
 import copy
 import os
 import subprocess
@@ -48,16 +49,16 @@ def parity_cases():
     dist.all_reduce(mine)
     dist.all_reduce(theirs, group=gloo)
     expected = sum(sparse_of(r).to_dense() for r in range(size))
-    outcome["sparse"] = mine.is_sparse and torch.equal(mine.to_dense(), expected) and torch.equal(
-        mine.to_dense(), theirs.to_dense())
+    outcome["sparse"] = (
+        mine.is_sparse and torch.equal(mine.to_dense(), expected) and torch.equal(mine.to_dense(), theirs.to_dense())
+    )
     outcome["sparse ddp"] = all(torch.equal(a, b) for a, b in zip(ddp_embedding_step(None), ddp_embedding_step(gloo)))
     # PyTorch's own sparse test (distributed_test.py's _test_sparse_all_reduce_sum): its cases, its check.
     for inputs, outputs in simple_sparse_reduce_tests(rank, size, num_inputs=1):
         dist.all_reduce(inputs[0], dist.ReduceOp.SUM)
         torch.testing.assert_close(inputs[0], outputs[0])
     outcome["upstream sparse"] = True
-    outcome["sparse max"] = refused(lambda: dist.all_reduce(sparse_of(rank), op=dist.ReduceOp.MAX),
-                                    "all_reduce", "SUM")
+    outcome["sparse max"] = refused(lambda: dist.all_reduce(sparse_of(rank), op=dist.ReduceOp.MAX), "all_reduce", "SUM")
 
     # channels_last: elementwise ops and gathers' inputs take it; the result keeps its layout.
     base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5) + rank
@@ -72,9 +73,12 @@ def parity_cases():
     dist.all_gather(listed, base.to(memory_format=layout))
     every = [torch.arange(120, dtype=torch.float32).reshape(2, 3, 4, 5) + r for r in range(size)]
     outcome["channels_last"] = (
-        summed.is_contiguous(memory_format=layout) and torch.equal(summed, sum(every))
-        and torch.equal(root, every[1]) and torch.equal(gathered, torch.cat(every))
-        and all(torch.equal(a, b) for a, b in zip(listed, every)))
+        summed.is_contiguous(memory_format=layout)
+        and torch.equal(summed, sum(every))
+        and torch.equal(root, every[1])
+        and torch.equal(gathered, torch.cat(every))
+        and all(torch.equal(a, b) for a, b in zip(listed, every))
+    )
     # Two ranks laying the same tensor out differently would sum unrelated elements: refused.
     mixed = base.to(memory_format=layout) if rank == 0 else base.clone()
     outcome["mixed layouts"] = refused(lambda: dist.all_reduce(mixed), "all_reduce", "layout")
@@ -103,12 +107,17 @@ def parity_cases():
     copied = copy.deepcopy(backend.options)
     alone = parent.group.split_group([0], timeout=None, opts=copied, group_name="alone", group_desc=None)
     outcome["split_group"] = (
-        backend.supports_splitting and torch_chainermn.get_options(both) == options
-        and (both.rank(), both.size()) == (rank, size) and torch.equal(summed, torch.full((3,), 3.0))
-        and (alone is None if rank else torch_chainermn.get_options(alone) == options and alone.size() == 1))
+        backend.supports_splitting
+        and torch_chainermn.get_options(both) == options
+        and (both.rank(), both.size()) == (rank, size)
+        and torch.equal(summed, torch.full((3,), 3.0))
+        and (alone is None if rank else torch_chainermn.get_options(alone) == options and alone.size() == 1)
+    )
     outcome["split_group bad rank"] = refused(
         lambda: parent.group.split_group([0, 5], timeout=None, opts=None, group_name="bad", group_desc=None),
-        "split_group", "5")
+        "split_group",
+        "5",
+    )
     return outcome
 
 
@@ -120,8 +129,7 @@ def test_torch_parity_two_ranks():
 def debug_wrapper_cases():
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps the backend in its checker; the API finds it."""
     rank = dist.get_rank()
-    results = {"options": torch_chainermn.get_options().communicator,
-               "topology": torch_chainermn.topology().size}
+    results = {"options": torch_chainermn.get_options().communicator, "topology": torch_chainermn.topology().size}
     grads = [torch.full((3,), float(rank))]
     torch_chainermn.mean_coalesced(grads)
     results["mean"] = grads[0].tolist()
@@ -137,8 +145,13 @@ def debug_wrapper_cases():
 
 def test_the_api_finds_its_backend_through_the_debug_wrapper():
     for results in run_spawn(debug_wrapper_cases, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120):
-        assert results == {"options": "hierarchical", "topology": 2, "mean": [0.5] * 3, "communicator": "flat",
-                           "hook": True}
+        assert results == {
+            "options": "hierarchical",
+            "topology": 2,
+            "mean": [0.5] * 3,
+            "communicator": "flat",
+            "hook": True,
+        }
 
 
 AUTOLOAD = """
@@ -156,8 +169,14 @@ def test_import_torch_registers_the_backend_without_loading_it():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     on = subprocess.run([sys.executable, "-c", AUTOLOAD], cwd="/", env=env, capture_output=True, text=True, timeout=120)
     assert on.stdout.split() == ["True", "False"], on.stdout + on.stderr
-    off = subprocess.run([sys.executable, "-c", AUTOLOAD], cwd="/", env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
-                         capture_output=True, text=True, timeout=120)
+    off = subprocess.run(
+        [sys.executable, "-c", AUTOLOAD],
+        cwd="/",
+        env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert off.stdout.split() == ["False", "False"], off.stdout + off.stderr
     assert REPO.exists()
 
@@ -165,8 +184,15 @@ def test_import_torch_registers_the_backend_without_loading_it():
 def test_memory_soak_gives_every_result_right(tmp_path):
     # benchmarks/soak.py, briefly: every op at random sizes and dtypes, groups made and destroyed; it
     # checks each result and exits 1 on a wrong one (its RSS figures are for docs/benchmarks.md, not asserted).
-    command = torchrun(2) + [str(REPO / "benchmarks" / "soak.py"), "--ops", "1500", "--group-every", "250",
-                             "--out", str(tmp_path / "soak.md")]
+    command = torchrun(2) + [
+        str(REPO / "benchmarks" / "soak.py"),
+        "--ops",
+        "1500",
+        "--group-every",
+        "250",
+        "--out",
+        str(tmp_path / "soak.md"),
+    ]
     code, output = run_job(command, job_environment(), timeout=180, what="the soak")
     assert code == 0, output[-3000:]
     assert "| 1 |" in (tmp_path / "soak.md").read_text()

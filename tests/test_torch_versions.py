@@ -1,6 +1,7 @@
 """The torch releases the build supports (tools/torch_support.py), through setup.py's own code: the C++
 standard each gets, the clear stop for any other, the CUDA architectures without a GPU, and the version
 a wheel's name carries. No compiling: the torch is faked where it is not the installed one."""
+
 import os
 import re
 
@@ -76,11 +77,14 @@ def test_a_toolkit_without_cuda_runtime_h_is_named_before_compiling(monkeypatch,
         setup_py_extension(monkeypatch, tmp_path, cuda=True, mpi=False, cuda_home="/usr/local")
 
 
-@pytest.mark.parametrize("version, cuda, label", [
-    ("2.14.1+cu130", True, "torch2.14.cu130"),
-    ("2.14.1+cu130", False, "torch2.14"),       # CHAINERMN_NO_CUDA=1: a CPU build of a CUDA torch
-    ("2.12.1", False, "torch2.12"),
-])
+@pytest.mark.parametrize(
+    "version, cuda, label",
+    [
+        ("2.14.1+cu130", True, "torch2.14.cu130"),
+        ("2.14.1+cu130", False, "torch2.14"),  # CHAINERMN_NO_CUDA=1: a CPU build of a CUDA torch
+        ("2.12.1", False, "torch2.12"),
+    ],
+)
 def test_the_distribution_version_names_the_torch_and_cuda(monkeypatch, tmp_path, version, cuda, label):
     monkeypatch.setattr(torch, "__version__", version)
     arguments = setup_py_arguments(monkeypatch, tmp_path, cuda=cuda)

@@ -3,6 +3,7 @@ for the tests by `make install`): a quorum's group works, a new quorum rebuilds 
 torchft aborts is named on its peers at once, and a replica SIGKILLed under torchft's Manager and
 restarted rejoins with the survivor's weights. torchft's own tests (its Manager's DDP, LocalSGD,
 DiLoCo, the baby groups) run on chainermn in tests/test_torchft_upstream.py."""
+
 import os
 import time
 from datetime import timedelta
@@ -78,14 +79,18 @@ def test_torchft_replica_killed_and_restarted_on_chainermn(tmp_path):
     from tests.support.torchft_replicas import MODEL, ReplicaGroups, replay
 
     started = time.monotonic()
-    groups = ReplicaGroups(tmp_path, "chainermn", replicas=2, ranks=2, heartbeat_timeout_ms=2000, timeout_s=10,
-                           deadline_s=150)
+    groups = ReplicaGroups(
+        tmp_path, "chainermn", replicas=2, ranks=2, heartbeat_timeout_ms=2000, timeout_s=10, deadline_s=150
+    )
     try:
         groups.start(0)
         groups.start(1)
         # Both replicas in one quorum for a few steps; then kill replica 1 in the middle of a step.
-        groups.wait_for(lambda: groups.step(1) >= 3 and groups.commits(1)[-1]["participants"] == 2, 90,
-                        "both replicas training in one quorum")
+        groups.wait_for(
+            lambda: groups.step(1) >= 3 and groups.commits(1)[-1]["participants"] == 2,
+            90,
+            "both replicas training in one quorum",
+        )
         held = groups.hold(1)
         groups.in_backward(0, held)  # replica 0 is in that step's exchange, which waits for replica 1
         killed_at = groups.kill(1)
@@ -137,7 +142,9 @@ def test_torchft_replica_killed_and_restarted_on_chainermn(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(reference, expected)), "not the replay of the committed steps"
     initial = replay(MODEL, 0, 2)
     assert max((a - b).abs().max().item() for a, b in zip(reference, initial)) > 1e-3
-    print(f"kill test: {time.monotonic() - started:.1f} s; killed at step {step_at_kill}, "
-          f"its step failed {failed[0]['t'] - killed_at:.2f} s after the kill, {len(during)} solo steps, the first "
-          f"{solo[0]['t'] - killed_at:.2f} s after the kill, restarted "
-          f"replica's first commit (step {first['step']}) {first['t'] - restarted_at:.2f} s after its start")
+    print(
+        f"kill test: {time.monotonic() - started:.1f} s; killed at step {step_at_kill}, "
+        f"its step failed {failed[0]['t'] - killed_at:.2f} s after the kill, {len(during)} solo steps, the first "
+        f"{solo[0]['t'] - killed_at:.2f} s after the kill, restarted "
+        f"replica's first commit (step {first['step']}) {first['t'] - restarted_at:.2f} s after its start"
+    )

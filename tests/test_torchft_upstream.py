@@ -32,6 +32,7 @@ test_ddp_skip_init_sync (test_ddp_healthy's ops), test_streaming_diloco_upscale 
 joining: its quorum times out now and then on this machine on gloo too) and the other
 commit-failure configurations (the same ops with other fragment settings).
 """
+
 import pytest
 
 # torchft's test modules, from the installed package (they need `parameterized`, torchft's test
@@ -71,8 +72,12 @@ class TestChainerMNBabyMultiPg(upstream.ChainerMNFailureTexts, process_group_tes
     all_reduce must fail within their 1 s timeout."""
 
 
-@upstream.only("test_ddp_healthy", r"test_ddp_recovery_\d+_(async|sync)_quorum", "test_ddp_recovery_multi_rank",
-               "test_manager_allreduce_1")
+@upstream.only(
+    "test_ddp_healthy",
+    r"test_ddp_recovery_\d+_(async|sync)_quorum",
+    "test_ddp_recovery_multi_rank",
+    "test_manager_allreduce_1",
+)
 class TestChainerMNManagerInteg(manager_integ_test.ManagerIntegTest):
     """torchft's ManagerIntegTest on ProcessGroupChainerMN: replicas that train torchft's DDP under its
     Manager and lighthouse end with the same model and optimizer state, also when one replica (of one
@@ -80,8 +85,13 @@ class TestChainerMNManagerInteg(manager_integ_test.ManagerIntegTest):
     all_reduce of two replicas gives the same result on both."""
 
 
-@upstream.only("test_local_sgd_recovery_0", "test_diloco_healthy_0", "test_diloco_recovery_0",
-               "test_streaming_diloco_recovery_0", "test_streaming_diloco_commit_failure_11")
+@upstream.only(
+    "test_local_sgd_recovery_0",
+    "test_diloco_healthy_0",
+    "test_diloco_recovery_0",
+    "test_streaming_diloco_recovery_0",
+    "test_streaming_diloco_commit_failure_11",
+)
 class TestChainerMNLocalSGDInteg(local_sgd_integ_test.LocalSGDIntegTest):
     """torchft's LocalSGDIntegTest on ProcessGroupChainerMN: under LocalSGD, a replica that fails at
     step 2 and recovers ends with the other's model; under DiLoCo (one fragment, or two streamed),

@@ -1,5 +1,6 @@
 """The transport plan (csrc/backend/transport_plan.h): which library carries each level of a group,
 decided once from its options and topology, in-process and without a GPU."""
+
 import pytest
 
 import torch_chainermn
@@ -18,8 +19,10 @@ def test_the_cuda_transports_a_user_can_name_are_the_plans_rows():
     assert torch_chainermn.options.CUDA_TRANSPORTS == ("nccl", "nccl_intra", "staged")
 
 
-@pytest.mark.parametrize("names, asked, expected", [
-    (ONE_NODE, True, True), (TWO_NODES, True, True), (ONE_RANK_A_NODE, True, False), (TWO_NODES, False, False)])
+@pytest.mark.parametrize(
+    "names, asked, expected",
+    [(ONE_NODE, True, True), (TWO_NODES, True, True), (ONE_RANK_A_NODE, True, False), (TWO_NODES, False, False)],
+)
 def test_shared_memory_serves_a_node_of_several_ranks_when_asked(names, asked, expected):
     assert plan(names, shared_memory=asked)["shared_memory"] is expected
 
@@ -62,5 +65,7 @@ def test_a_library_other_than_the_one_asked_for_is_refused():
 def test_an_unknown_cuda_transport_is_refused_naming_the_choices():
     options = torch_chainermn.Options().to_cpp()
     options.cuda_transport = "carrier_pigeon"
-    with pytest.raises(ValueError, match=r"unknown CUDA transport 'carrier_pigeon' \(choose from nccl, nccl_intra, staged\)"):
+    with pytest.raises(
+        ValueError, match=r"unknown CUDA transport 'carrier_pigeon' \(choose from nccl, nccl_intra, staged\)"
+    ):
         _C.plan_transports(options, _C.topology_from_names(ONE_NODE, 0), "gloo")

@@ -1,5 +1,6 @@
 """torch_chainermn.__version__: written once (torch_chainermn/_version.py), the version setup.py builds
 and the installed distribution's metadata carry."""
+
 import importlib.metadata
 import re
 import runpy

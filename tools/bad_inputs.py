@@ -8,6 +8,7 @@ process. Each cell says what the ranks got: "error" (every rank raised), "error 
 ranks raised; the others returned), "silent" (no rank raised), "timeout", or "crash", and marks
 outputs that were written and a next all_reduce that was wrong.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ from tests.support.mismatch_cases import CASES, POINT_TO_POINT, run_battery  # n
 
 def gloo_case(name: str):
     import torch.distributed as dist
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
     return run_battery([name])[name]
 
@@ -67,14 +69,16 @@ def main() -> None:
         rows.append(f"| {index} | {name} | {mine} | {theirs} |")
         print(rows[-1], flush=True)
     errors = sum(1 for row in rows if row.split("|")[3].strip().startswith("error"))
-    table = "\n".join([
-        f"{len(rows)} bad inputs, {args.ranks} ranks on one machine, {datetime.date.today()}: chainermn raised on "
-        f"every rank concerned in {errors} of {len(rows)}.",
-        "",
-        "| # | call (rank 1 differs) | chainermn | gloo |",
-        "| ---: | --- | --- | --- |",
-        *rows,
-    ])
+    table = "\n".join(
+        [
+            f"{len(rows)} bad inputs, {args.ranks} ranks on one machine, {datetime.date.today()}: chainermn raised on "
+            f"every rank concerned in {errors} of {len(rows)}.",
+            "",
+            "| # | call (rank 1 differs) | chainermn | gloo |",
+            "| ---: | --- | --- | --- |",
+            *rows,
+        ]
+    )
     print(table)
     if args.out:
         args.out.write_text(table + "\n")

@@ -20,6 +20,7 @@ two sources map to the same object (csrc/kernels/pack.cpp and pack.cu were both 
     python3 tools/build_sources.py --format cmake                 # a CMake list (a;b;c)
     python3 tools/build_sources.py --cuda --mpi --objects         # source -> object, checked
 """
+
 import argparse
 import fnmatch
 import os
@@ -28,7 +29,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = "csrc"
-CUDA_ONLY = "csrc/cuda/*"        # fnmatch: "*" matches "/" too, so this is the whole subtree
+CUDA_ONLY = "csrc/cuda/*"  # fnmatch: "*" matches "/" too, so this is the whole subtree
 MPI_ONLY = "csrc/comm/mpi*.cpp"
 TESTING_ONLY = ("csrc/testing/*",)
 SOURCE_SUFFIXES = (".cpp", ".cu")
@@ -46,8 +47,9 @@ class BuildSourceError(ValueError):
 def all_sources(root=ROOT):
     """Every .cpp and .cu under csrc/, as sorted root-relative POSIX paths."""
     base = pathlib.Path(root)
-    return sorted(p.relative_to(base).as_posix()
-                  for p in (base / CSRC).rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
+    return sorted(
+        p.relative_to(base).as_posix() for p in (base / CSRC).rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()
+    )
 
 
 def is_cuda_only(path):
@@ -65,10 +67,12 @@ def is_testing_only(path):
 def selected(path, cuda, mpi, testing=False):
     """Whether the build with (cuda, mpi, testing) compiles `path` (a root-relative POSIX path)."""
     if path.endswith(".cu") and not is_cuda_only(path):
-        raise BuildSourceError(f"{path}: CUDA sources belong in csrc/cuda/ (the CPU build "
-                               "compiles everything outside it)")
-    return ((cuda or not is_cuda_only(path)) and (mpi or not is_mpi_only(path))
-            and (testing or not is_testing_only(path)))
+        raise BuildSourceError(
+            f"{path}: CUDA sources belong in csrc/cuda/ (the CPU build compiles everything outside it)"
+        )
+    return (
+        (cuda or not is_cuda_only(path)) and (mpi or not is_mpi_only(path)) and (testing or not is_testing_only(path))
+    )
 
 
 def sources(cuda, mpi, testing=False, root=ROOT):
@@ -108,7 +112,8 @@ def object_names(srcs, build_temp=""):
         if key in owner:
             raise BuildSourceError(
                 f"{owner[key]} and {src} would both compile to {obj}; "
-                "give one of them another name (every source needs an object of its own)")
+                "give one of them another name (every source needs an object of its own)"
+            )
         owner[key] = src
     return objects
 
@@ -118,11 +123,13 @@ def _main(argv=None):
     parser.add_argument("--cuda", action="store_true", help="the CUDA build's sources")
     parser.add_argument("--mpi", action="store_true", help="the MPI build's sources")
     parser.add_argument("--testing", action="store_true", help="the test build's sources (the harnesses too)")
-    parser.add_argument("--format", choices=("lines", "cmake"), default="lines",
-                        help="one path per line, or a CMake list (a;b;c)")
+    parser.add_argument(
+        "--format", choices=("lines", "cmake"), default="lines", help="one path per line, or a CMake list (a;b;c)"
+    )
     parser.add_argument("--absolute", action="store_true", help="absolute paths")
-    parser.add_argument("--objects", action="store_true",
-                        help="print 'source object' pairs (objects relative to the build directory)")
+    parser.add_argument(
+        "--objects", action="store_true", help="print 'source object' pairs (objects relative to the build directory)"
+    )
     args = parser.parse_args(argv)
     try:
         srcs = sources(cuda=args.cuda, mpi=args.mpi, testing=args.testing)

@@ -17,6 +17,7 @@ and check it in a fresh environment with that torch.
    installed into it, and a 2-rank torchrun job in a directory outside the checkout, so the module
    is the installed one: init_process_group("chainermn"), an all_reduce, and no test harness.
 """
+
 import argparse
 import os
 import pathlib
@@ -76,8 +77,10 @@ def build(out):
     with tempfile.TemporaryDirectory() as raw:
         # A user's build: no test harnesses, whatever the calling environment says.
         env = {k: v for k, v in os.environ.items() if k != "CHAINERMN_TESTING"}
-        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", raw, str(ROOT)],
-            env=env)
+        run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", raw, str(ROOT)],
+            env=env,
+        )
         (built,) = pathlib.Path(raw).glob("torch_chainermn-*.whl")
         # auditwheel follows the extension's dependencies as the loader would: torch's libraries
         # are found beside torch (excluded all the same, but they must resolve to be judged).
@@ -107,9 +110,20 @@ def check(wheel):
         run([str(python), "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}", str(wheel)])
         script = pathlib.Path(work) / "job.py"
         script.write_text(JOB)
-        run([str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             str(script)],
-            cwd=work, timeout=180)
+        run(
+            [
+                str(python),
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(script),
+            ],
+            cwd=work,
+            timeout=180,
+        )
 
 
 def main():

@@ -11,6 +11,7 @@ so ninja in DEST recompiles exactly what changed (copying the checkout's older t
 keep objects of other contents). Files copied by an earlier run that the checkout no longer has are
 removed (a deleted test must not run on); DEST's builds and environments are left alone.
 """
+
 import filecmp
 import pathlib
 import shutil
@@ -22,8 +23,9 @@ MANIFEST = ".mirrored-files"
 
 
 def sources():
-    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                            capture_output=True).stdout.decode()
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True
+    ).stdout.decode()
     return sorted(path for path in listed.split("\0") if path and (ROOT / path).is_file())
 
 

@@ -17,6 +17,7 @@ so it can answer before torch is imported, and about a torch that is not install
     python3 tools/torch_support.py cxx-standard 2.14.1+cu130     # 20
     python3 tools/torch_support.py check 2.11.0                  # exits 2 with the message
 """
+
 import os
 import re
 import sys
@@ -53,7 +54,8 @@ def check(version, environ=os.environ):
     raise UnsupportedTorch(
         f"torch-chainermn builds against torch {supported}; the installed torch is {version}. "
         f"Install one of those (pip install 'torch=={_name(SUPPORTED[-1])}.*'), or set {OVERRIDE}=1 "
-        f"to build against torch {version} anyway (untested: its C++ API may differ).")
+        f"to build against torch {version} anyway (untested: its C++ API may differ)."
+    )
 
 
 def cxx_standard(version):

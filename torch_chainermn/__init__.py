@@ -6,6 +6,7 @@ Importing this package registers the torch.distributed backend "chainermn":
     import torch_chainermn
     dist.init_process_group("chainermn")   # under torchrun, or mpiexec with no extra environment
 """
+
 import atexit
 import importlib
 
@@ -27,25 +28,52 @@ _FROM_MODULE = {
     "codes": ("CompressionSpec",),
     "communicator": ("Communicator", "create_communicator"),
     "datasets": ("create_empty_dataset", "scatter_dataset"),
-    "extensions": ("AllreducePersistent", "create_multi_node_checkpoint", "create_multi_node_checkpointer",
-                   "create_multi_node_evaluator"),
+    "extensions": (
+        "AllreducePersistent",
+        "create_multi_node_checkpoint",
+        "create_multi_node_checkpointer",
+        "create_multi_node_evaluator",
+    ),
     "gradients": ("mean_coalesced",),
     "iterators": ("create_multi_node_iterator", "create_synchronized_iterator"),
     "local_sgd": ("DiLoCo", "LocalSGD"),
     "links": ("MultiNodeChainList", "create_multi_node_n_step_rnn"),
     "monitoring": ("monitored_barrier",),
     "observability": ("counters", "reset_counters", "stragglers"),
-    "nn": ("MultiNodeBatchNorm1d", "MultiNodeBatchNorm2d", "MultiNodeBatchNorm3d", "convert_mnbn_model",
-           "create_mnbn_model"),
+    "nn": (
+        "MultiNodeBatchNorm1d",
+        "MultiNodeBatchNorm2d",
+        "MultiNodeBatchNorm3d",
+        "convert_mnbn_model",
+        "create_mnbn_model",
+    ),
     "optimizers": ("create_multi_node_optimizer",),
     "overlap": ("OverlapNextForward",),
 }
 _MODULE_OF = {name: module for module, names in _FROM_MODULE.items() for name in names}
-_SUBMODULES = ("communicator", "datasets", "extensions", "functions", "global_except_hook", "hooks", "iterators",
-               "links", "nn")
+_SUBMODULES = (
+    "communicator",
+    "datasets",
+    "extensions",
+    "functions",
+    "global_except_hook",
+    "hooks",
+    "iterators",
+    "links",
+    "nn",
+)
 
-__all__ = ["Options", "Topology", "__version__", "get_options", "node_group", "topology", "transport",
-           *_SUBMODULES, *_MODULE_OF]
+__all__ = [
+    "Options",
+    "Topology",
+    "__version__",
+    "get_options",
+    "node_group",
+    "topology",
+    "transport",
+    *_SUBMODULES,
+    *_MODULE_OF,
+]
 
 
 def __getattr__(name):

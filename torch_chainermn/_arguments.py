@@ -1,4 +1,5 @@
 """Argument checks shared by the model-parallel functions and links: communicators, ranks, tensors."""
+
 from __future__ import annotations
 
 import weakref
@@ -24,8 +25,10 @@ def as_communicator(op: str, comm, usage: str) -> Communicator:
             _wrapped[group] = Communicator(group)
         return _wrapped[group]
     swapped = ": the arguments are swapped" if isinstance(comm, torch.Tensor) else ""
-    raise ValueError(f"{op}: communicator must be a torch_chainermn Communicator, a chainermn ProcessGroup or "
-                     f"None, got {type(comm).__name__}{swapped} (ChainerMN's order is {usage})")
+    raise ValueError(
+        f"{op}: communicator must be a torch_chainermn Communicator, a chainermn ProcessGroup or "
+        f"None, got {type(comm).__name__}{swapped} (ChainerMN's order is {usage})"
+    )
 
 
 def is_communicator(x) -> bool:
@@ -37,16 +40,23 @@ def check_tensor(op: str, name: str, x, usage: str, rank: int | None = None) -> 
         return x
     where = f" on rank {rank}" if rank is not None else ""
     if is_communicator(x):
-        raise ValueError(f"{op}: {name} must be a torch.Tensor{where}, got a communicator: the arguments "
-                         f"are swapped (ChainerMN's order is {usage})")
+        raise ValueError(
+            f"{op}: {name} must be a torch.Tensor{where}, got a communicator: the arguments "
+            f"are swapped (ChainerMN's order is {usage})"
+        )
     raise ValueError(f"{op}: {name} must be a torch.Tensor{where}, got {type(x).__name__}")
 
 
 def check_peer(op: str, name: str, peer, comm: Communicator) -> int:
-    if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < comm.size \
-            or peer == comm.rank:
-        raise ValueError(f"{op}: {name} must be a rank in [0, {comm.size}) other than this one, got {peer!r} "
-                         f"(on rank {comm.rank})")
+    if (
+        isinstance(peer, bool)
+        or not isinstance(peer, (int, np.integer))
+        or not 0 <= peer < comm.size
+        or peer == comm.rank
+    ):
+        raise ValueError(
+            f"{op}: {name} must be a rank in [0, {comm.size}) other than this one, got {peer!r} (on rank {comm.rank})"
+        )
     return int(peer)
 
 

@@ -1,4 +1,5 @@
 """The `chainermn` backend's creator, called by torch.distributed for every group that uses it."""
+
 import functools
 import types
 
@@ -63,8 +64,11 @@ def create_backend(dist_options, pg_options=None):
         setup.use_mpi(global_ranks)
     else:
         # Called by the backend for each level it needs (world, this node, this intra rank across nodes).
-        setup.use_gloo(lambda key, level_rank, level_size: dist.ProcessGroupGloo(
-            dist.PrefixStore(f"chainermn/gloo/{key}/", store), level_rank, level_size, timeout))
+        setup.use_gloo(
+            lambda key, level_rank, level_size: dist.ProcessGroupGloo(
+                dist.PrefixStore(f"chainermn/gloo/{key}/", store), level_rank, level_size, timeout
+            )
+        )
     backend = _C.ProcessGroupChainerMN(setup, pg_options.to_cpp())
     backend._set_splitter(_splitter(global_ranks))
     return backend
@@ -73,11 +77,18 @@ def create_backend(dist_options, pg_options=None):
 def _splitter(global_ranks: list[int]):
     """What the backend calls for torch's split_group: a child group over some of this group's ranks,
     created as torch creates any group (a new key space in `store`, the host library agreed on)."""
+
     def split(store, rank, ranks, timeout, name, options):
-        child = types.SimpleNamespace(store=store, group_rank=rank, group_size=len(ranks),
-                                      global_ranks_in_group=[global_ranks[r] for r in ranks],
-                                      timeout=timeout, group_id=name)
+        child = types.SimpleNamespace(
+            store=store,
+            group_rank=rank,
+            group_size=len(ranks),
+            global_ranks_in_group=[global_ranks[r] for r in ranks],
+            timeout=timeout,
+            group_id=name,
+        )
         return create_backend(child, Options.from_cpp(options))
+
     return split
 
 
@@ -100,6 +111,7 @@ def _serving_every_device(create_shrunk):
     CUDA tensors alike, as the group it was shrunk from did. Wraps torch's `_create_shrunk_process_group`
     so that a chainermn backend is registered for both; other backends' groups are left as torch made
     them."""
+
     @functools.wraps(create_shrunk)
     def create(new_backend, *args, **kwargs):
         group = create_shrunk(new_backend, *args, **kwargs)
@@ -110,6 +122,7 @@ def _serving_every_device(create_shrunk):
                 except RuntimeError:  # not registered for this device type
                     group._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, new_backend)
         return group
+
     create.serves_every_device = True
     return create
 
@@ -160,5 +173,6 @@ def group_of(comm=None, op: str = "chainermn"):
     group = getattr(comm, "group", None)
     if isinstance(group, dist.ProcessGroup):
         return group
-    raise ValueError(f"{op}: comm must be None, a ProcessGroup or a torch_chainermn communicator, "
-                     f"got {type(comm).__name__}")
+    raise ValueError(
+        f"{op}: comm must be None, a ProcessGroup or a torch_chainermn communicator, got {type(comm).__name__}"
+    )

@@ -8,6 +8,7 @@ The mean is whatever the caller's `compression=` resolved to (_means.py): the ba
 `mean_coalesced` in a wire dtype (the cast and the 1/world_size scale in its packing pass, the bits a
 synchronous mean_coalesced of the same gradients gives), or a compressed mean with its residuals.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ class BackgroundMean:
 
     def read(self, offset: int, out: torch.Tensor) -> None:
         """Write the mean of the buffer's elements from `offset` on into `out`, in out's shape and dtype."""
-        mean = self.wait()[offset:offset + out.numel()]
+        mean = self.wait()[offset : offset + out.numel()]
         out.copy_(mean.view(out.shape))
 
     def unpack(self, tensors) -> None:
@@ -69,6 +70,6 @@ def start_mean(tensors, mean, reuse: torch.Tensor | None = None, params=(), last
         buffer = torch.empty(total, dtype=dtype, device=device)
     offset = 0
     for tensor in tensors:
-        buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        buffer[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor)
         offset += tensor.numel()
     return BackgroundMean(buffer, mean.start([buffer], params, last))

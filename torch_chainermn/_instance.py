@@ -17,6 +17,7 @@ asks for it under a key of its own making that no earlier instance can have writ
 then confirms under <n>. Rank 0 answers each request it sees, old ones included (harmless: nobody
 waits for those answers), until every rank has confirmed.
 """
+
 import datetime
 import time
 import uuid
@@ -58,7 +59,8 @@ def _serve(store, size: int, instance: str, timeout: datetime.timedelta) -> None
         if pending and time.monotonic() > deadline:
             raise dist.DistStoreError(
                 f"chainermn: creating a group (instance {instance}): ranks {sorted(pending)} of {size} did not "
-                f"join within {timeout.total_seconds():.0f} s")
+                f"join within {timeout.total_seconds():.0f} s"
+            )
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
 
@@ -78,7 +80,8 @@ def instance_store(store, rank: int, size: int, timeout: datetime.timedelta):
         except dist.DistStoreError as error:
             raise dist.DistStoreError(
                 f"chainermn: creating a group: rank {rank} of {size} got no answer from rank 0 within "
-                f"{timeout.total_seconds():.0f} s ({error})") from error
+                f"{timeout.total_seconds():.0f} s ({error})"
+            ) from error
         instance = store.get(_answer_key(nonce)).decode()
         store.delete_key(_answer_key(nonce))
         store.set(_joined_key(instance, rank), b"")

@@ -10,6 +10,7 @@ launcher, the rank, the world size and this rank's place on its node. Everything
 started us?" (the communicator, the global except hook, the backend's choice of MPI, the benchmarks)
 asks it; nothing else reads a launcher's variables.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,23 +23,26 @@ from . import _C, _slurm
 # What mpiexec/mpirun leaves in its ranks' environment: Open MPI, PMIx, and PMI (MPICH, Intel MPI).
 _MPI_LAUNCH_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 # Each MPI launcher's own names of (rank, size), for a process that cannot ask MPI (built without it).
-_MPI_RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", "PMIX_SIZE"),
-                       ("PMI_RANK", "PMI_SIZE"))
+_MPI_RANK_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMIX_RANK", "PMIX_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+)
 
 
 class Launch(NamedTuple):
     """How this process was started."""
-    launcher: str                 # "env" (env:// variables set: torchrun, or by hand), "mpiexec", "srun", "none"
-    rendezvous: bool              # env://'s RANK/WORLD_SIZE are set: init_process_group needs nothing more
-    rank: int | None              # global rank, where known
+
+    launcher: str  # "env" (env:// variables set: torchrun, or by hand), "mpiexec", "srun", "none"
+    rendezvous: bool  # env://'s RANK/WORLD_SIZE are set: init_process_group needs nothing more
+    rank: int | None  # global rank, where known
     world_size: int | None
-    local_rank: int | None        # place on this node, where the launcher says it
+    local_rank: int | None  # place on this node, where the launcher says it
     local_world_size: int | None
 
     def describe(self) -> tuple[str, str]:
         """(rank, size) as text for messages, "?" where unknown."""
-        return ("?" if self.rank is None else str(self.rank),
-                "?" if self.world_size is None else str(self.world_size))
+        return ("?" if self.rank is None else str(self.rank), "?" if self.world_size is None else str(self.world_size))
 
 
 _record: Launch | None = None
@@ -71,8 +75,14 @@ def _read(launcher: str, environ) -> Launch:
             if rank_name in environ:
                 rank, size = environ[rank_name], environ.get(size_name)
                 break
-    return Launch(launcher, "RANK" in environ or "WORLD_SIZE" in environ, _int(rank), _int(size),
-                  _int(environ.get("LOCAL_RANK")), _int(environ.get("LOCAL_WORLD_SIZE")))
+    return Launch(
+        launcher,
+        "RANK" in environ or "WORLD_SIZE" in environ,
+        _int(rank),
+        _int(size),
+        _int(environ.get("LOCAL_RANK")),
+        _int(environ.get("LOCAL_WORLD_SIZE")),
+    )
 
 
 def prepare_environment() -> Launch:

@@ -7,6 +7,7 @@ into the new buckets), the compressed mean's residuals (what a node owes each pa
 overlap (which parameters a bucket's mean updates) all go by layouts, and by_parameter() is the one
 way to follow values from old layouts into new ones.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -27,8 +28,10 @@ def bucket_layout(bucket: dist.GradBucket) -> tuple:
     """The layout of a DDP bucket's parameters in its flat buffer (bucket views may leave gaps)."""
     grads = bucket.buffer()
     base = grads.data_ptr()
-    return tuple((id(p), (g.data_ptr() - base) // grads.element_size(), g.numel())
-                 for p, g in zip(bucket.parameters(), bucket.gradients()))
+    return tuple(
+        (id(p), (g.data_ptr() - base) // grads.element_size(), g.numel())
+        for p, g in zip(bucket.parameters(), bucket.gradients())
+    )
 
 
 def by_parameter(laid_out, into: dict | None = None) -> dict:
@@ -38,7 +41,7 @@ def by_parameter(laid_out, into: dict | None = None) -> dict:
     for layout, flat in laid_out:
         if flat.numel():
             for param_id, offset, numel in layout:
-                found[param_id] = flat[offset:offset + numel]
+                found[param_id] = flat[offset : offset + numel]
     return found
 
 
@@ -51,4 +54,3 @@ def read_into(found: dict, layout: tuple, views) -> None:
             view.zero_()
         else:
             view.copy_(values.view(view.shape))
-

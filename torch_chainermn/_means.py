@@ -14,6 +14,7 @@ start_from(source, buffer, params, last), end_step(), reserve(params, device), f
 saved_state() and load_state() carry its residuals in a checkpoint. Nothing outside this module tests
 for a compression type (tests/test_layering.py checks it).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -27,8 +28,17 @@ from .compression import GradientCompression
 from .gradients import mean_coalesced
 from .options import WIRE_DTYPES, wire_dtype
 
-__all__ = ["DdpMean", "KeepsMean", "WireMean", "compressed", "compression_settings", "deprecated_spelling",
-           "load_state", "resolve", "saved_state"]
+__all__ = [
+    "DdpMean",
+    "KeepsMean",
+    "WireMean",
+    "compressed",
+    "compression_settings",
+    "deprecated_spelling",
+    "load_state",
+    "resolve",
+    "saved_state",
+]
 
 
 class WireMean:
@@ -85,8 +95,16 @@ class DdpMean(WireMean):
         return dist.all_reduce(buffer, group=self.process_group, async_op=True)
 
 
-def resolve(value, group, op: str, *, argument: str = "compression", plain=WireMean, own_dtype: bool = False,
-            dtypes: bool = True):
+def resolve(
+    value,
+    group,
+    op: str,
+    *,
+    argument: str = "compression",
+    plain=WireMean,
+    own_dtype: bool = False,
+    dtypes: bool = True,
+):
     """(the mean `value` asks for, the group it runs on); see the module docstring.
 
     group: the caller's group (None: the default group), used unless `value` is a GradientCompression,
@@ -108,19 +126,24 @@ def resolve(value, group, op: str, *, argument: str = "compression", plain=WireM
     if value is None:
         return plain(group, own_dtype=own_dtype), group
     if not dtypes:
-        raise ValueError(f"{op}: {argument} must be None or a hooks.GradientCompressionState (or a dict of its "
-                         f"settings), got {value!r}")
+        raise ValueError(
+            f"{op}: {argument} must be None or a hooks.GradientCompressionState (or a dict of its "
+            f"settings), got {value!r}"
+        )
     if isinstance(value, torch.dtype) and value in WIRE_DTYPES.values():
         return WireMean(group, wire_dtype(value, f"{op}: {argument}")), group
-    raise ValueError(f"{op}: {argument} must be None, torch.float16, torch.bfloat16 or a GradientCompression(State) "
-                     f"(also torch.float32, torch.float64, or a dict of its settings), got {value!r}")
+    raise ValueError(
+        f"{op}: {argument} must be None, torch.float16, torch.bfloat16 or a GradientCompression(State) "
+        f"(also torch.float32, torch.float64, or a dict of its settings), got {value!r}"
+    )
 
 
 def _known_settings(value: dict, op: str, argument: str) -> None:
     unknown = sorted(set(value) - set(GradientCompression.SETTINGS))
     if unknown:
-        raise ValueError(f"{op}: {argument} has unknown settings {unknown} "
-                         f"(known: {list(GradientCompression.SETTINGS)})")
+        raise ValueError(
+            f"{op}: {argument} has unknown settings {unknown} (known: {list(GradientCompression.SETTINGS)})"
+        )
 
 
 def compression_settings(value, op: str, *, argument: str = "compression", defaults: dict | None = None):
@@ -141,8 +164,10 @@ def compression_settings(value, op: str, *, argument: str = "compression", defau
         settings = {**GradientCompression.DEFAULTS, **(defaults or {}), **value}
         GradientCompression.check(op, **settings)
         return settings
-    raise ValueError(f"{op}: {argument} must be None, a dict of GradientCompression's settings or a "
-                     f"GradientCompression(State), got {value!r}")
+    raise ValueError(
+        f"{op}: {argument} must be None, a dict of GradientCompression's settings or a "
+        f"GradientCompression(State), got {value!r}"
+    )
 
 
 class KeepsMean:
@@ -157,8 +182,11 @@ class KeepsMean:
     @property
     def gradient_compression(self) -> GradientCompression | None:
         """compression's old name."""
-        warnings.warn(f"{type(self).__name__}.gradient_compression is deprecated, use .compression",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{type(self).__name__}.gradient_compression is deprecated, use .compression",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.compression
 
 
@@ -176,14 +204,17 @@ def saved_state(mean):
 def load_state(mean, state, op: str) -> None:
     """Take saved_state()'s output back; a clear ValueError where it was saved with another kind of mean."""
     if isinstance(mean, GradientCompression) != (state is not None):
-        raise ValueError(f"{op}: the state was saved {'with' if state is not None else 'without'} a "
-                         f"GradientCompression, this one sends {mean!r}")
+        raise ValueError(
+            f"{op}: the state was saved {'with' if state is not None else 'without'} a "
+            f"GradientCompression, this one sends {mean!r}"
+        )
     if state is not None:
         mean.load_state_dict(state)
 
 
-def deprecated_spelling(op: str, new: str, old: str, new_value, old_value, unset=None,
-                        how: str = "it takes the same values") -> tuple:
+def deprecated_spelling(
+    op: str, new: str, old: str, new_value, old_value, unset=None, how: str = "it takes the same values"
+) -> tuple:
     """(the value given as `new=` or under its old spelling `old=`, the spelling used: what an error
     about it names). The old spelling warns (a DeprecationWarning naming the new one, and `how` to
     write it); both: ValueError."""

@@ -13,6 +13,7 @@ Variables already set win (MASTER_PORT, or all of them under a torchrun started 
 of a step count: the batch script itself (sbatch) also has SLURM_PROCID and SLURM_NTASKS, but it is one
 process, not a job of SLURM_NTASKS ranks; it has no SLURM_STEP_NUM_TASKS.
 """
+
 import os
 import re
 
@@ -56,7 +57,7 @@ def expand_hostlist(hostlist: str) -> list:
         if match is None:
             hosts.append(item)
             continue
-        head, tail = item[:match.start()], item[match.end():]
+        head, tail = item[: match.start()], item[match.end() :]
         for value in _expand_ranges(match.group(1)):
             hosts.extend(expand_hostlist(head + value + tail))  # further brackets in the tail
     return hosts
@@ -92,8 +93,9 @@ def store_host(environ=os.environ) -> str:
     if environ.get("SLURM_STEP_NUM_NODES", str(len(hosts))) == "1":
         return "127.0.0.1"  # every task is on this host: loopback always works
     if not hosts:
-        raise RuntimeError("chainermn: srun set no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST; "
-                           "set MASTER_ADDR to the host of task 0")
+        raise RuntimeError(
+            "chainermn: srun set no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST; set MASTER_ADDR to the host of task 0"
+        )
     return hosts[0]
 
 

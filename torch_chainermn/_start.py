@@ -8,6 +8,7 @@ rank instead adds a checksum of every trainable parameter and floating buffer to
 constructor runs anyway (the shapes and settings: one small all-gather), and a replica that differs
 is a ValueError on every rank naming the first tensor that differs, not a silent divergence.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """Where this rank sits: which ranks share its node, which node it is on, and its node's group."""
+
 import torch.distributed as dist
 
 from . import _C

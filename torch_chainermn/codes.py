@@ -17,6 +17,7 @@ values each, into and out of buffers the caller keeps (nothing allocated):
 (The code's name with its settings as keywords, `encode(values, wire, residual, code="int8", block=256)`,
 is the same call.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,9 @@ def describe(code: str) -> dict:
     return dict(_REGISTERED[code])
 
 
-def check_settings(op: str, code: str, threshold: float = 0.5, block: int = 256, *, argument: str = "code",
-                   keep: int = 8) -> None:
+def check_settings(
+    op: str, code: str, threshold: float = 0.5, block: int = 256, *, argument: str = "code", keep: int = 8
+) -> None:
     """A ValueError naming `op` and the argument unless `code` is a registered code and the settings
     it reads follow its rules: the backend's one check (kernels/codes.h's checkCodeSettings)."""
     if not isinstance(code, str):
@@ -81,8 +83,15 @@ def wire_row_bytes(spec: CompressionSpec | str, count: int, block: int | None = 
     return torch.ops.torch_chainermn.wire_row_bytes(spec.code, count, spec.block, spec.keep)
 
 
-def encode(values: torch.Tensor, wire: torch.Tensor, residual: torch.Tensor | None = None,
-           spec: CompressionSpec | None = None, *, code: str | None = None, **settings) -> None:
+def encode(
+    values: torch.Tensor,
+    wire: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    spec: CompressionSpec | None = None,
+    *,
+    code: str | None = None,
+    **settings,
+) -> None:
     """Each row of `values` (+ `residual`) into its row of `wire` ([rows, wire_row_bytes] uint8, the
     device's current stream), as `spec` (or `code=` with its settings) says; the residual, when
     given, keeps what the codes did not carry."""
@@ -90,8 +99,15 @@ def encode(values: torch.Tensor, wire: torch.Tensor, residual: torch.Tensor | No
     torch.ops.torch_chainermn.encode(values, wire, residual, spec.code, spec.block, spec.threshold, spec.keep)
 
 
-def decode(wire: torch.Tensor, out: torch.Tensor, spec: CompressionSpec | None = None, *, code: str | None = None,
-           sum: bool = False, **settings) -> None:  # noqa: A002  (the operator's name for it)
+def decode(
+    wire: torch.Tensor,
+    out: torch.Tensor,
+    spec: CompressionSpec | None = None,
+    *,
+    code: str | None = None,
+    sum: bool = False,
+    **settings,
+) -> None:  # noqa: A002  (the operator's name for it)
     """The rows of `wire` back into `out` ([rows, count] float32), or with sum=True their sum ([count])."""
     spec = _spec_of(spec if spec is not None else code, settings, "torch_chainermn.decode")
     torch.ops.torch_chainermn.decode(wire, out, spec.code, spec.block, spec.threshold, sum, spec.keep)

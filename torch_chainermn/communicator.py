@@ -14,6 +14,7 @@ and every rank must call them in the same order.
 
 How tensors and objects travel between ranks: see messages/ (objects.py, exchange.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,17 +32,35 @@ from .gradients import mean_coalesced
 from .options import Options
 from ._topology import topology
 
-from .messages.arrays import (array_spec, as_plain, check_alike, describe, nbytes, plain_array, scatter_pieces,
-                              spec_of, torch_dtype_of)
+from .messages.arrays import (
+    array_spec,
+    as_plain,
+    check_alike,
+    describe,
+    nbytes,
+    plain_array,
+    scatter_pieces,
+    spec_of,
+    torch_dtype_of,
+)
 from .messages.exchange import exchange
-from .messages.framing import (DEFAULT_MAX_BUF_LEN, TAG_GATHER_OBJ, bcast_bytes, check_max_buf_len, check_rank,
-                               check_tag, chunks, wait_all)
+from .messages.framing import (
+    DEFAULT_MAX_BUF_LEN,
+    TAG_GATHER_OBJ,
+    bcast_bytes,
+    check_max_buf_len,
+    check_rank,
+    check_tag,
+    chunks,
+    wait_all,
+)
 from .messages.objects import agree, allgather_small, bcast_object, recv_object, send_object
 
 __all__ = ["Communicator", "create_communicator"]
 
 
 # ---- the communicator -----------------------------------------------------------------------------
+
 
 class Communicator(KeepsMean):
     """ChainerMN's communicator: a chainermn process group plus ChainerMN's methods on it.
@@ -65,8 +84,10 @@ class Communicator(KeepsMean):
         self.mean = WireMean(self.group)
 
     def __repr__(self):
-        return (f"Communicator(rank={self.rank}, size={self.size}, communicator_name={self.communicator_name!r}, "
-                f"allreduce_grad_dtype={self.allreduce_grad_dtype})")
+        return (
+            f"Communicator(rank={self.rank}, size={self.size}, communicator_name={self.communicator_name!r}, "
+            f"allreduce_grad_dtype={self.allreduce_grad_dtype})"
+        )
 
     # ---- where this rank is
     @property
@@ -168,10 +189,14 @@ class Communicator(KeepsMean):
         specs = agree(self.group, lambda: array_spec(op, "data", data))
         check_alike(op, specs)
         received = exchange(
-            lambda mine, landings: dist.gather(mine[0], landings if self.rank == root else None, group=self.group,
-                                               group_dst=root, async_op=True),
-            [plain_array(op, "data", data)], specs if self.rank == root else [], _widest(specs),
-            _device_type(specs[root]))
+            lambda mine, landings: dist.gather(
+                mine[0], landings if self.rank == root else None, group=self.group, group_dst=root, async_op=True
+            ),
+            [plain_array(op, "data", data)],
+            specs if self.rank == root else [],
+            _widest(specs),
+            _device_type(specs[root]),
+        )
         return tuple(received) if self.rank == root else None
 
     def allgather(self, data):
@@ -179,9 +204,15 @@ class Communicator(KeepsMean):
         op = "allgather"
         specs = agree(self.group, lambda: array_spec(op, "data", data))
         check_alike(op, specs)
-        return tuple(exchange(
-            lambda mine, landings: dist.all_gather(landings, mine[0], group=self.group, async_op=True),
-            [plain_array(op, "data", data)], specs, _widest(specs), _device_type(specs[self.rank])))
+        return tuple(
+            exchange(
+                lambda mine, landings: dist.all_gather(landings, mine[0], group=self.group, async_op=True),
+                [plain_array(op, "data", data)],
+                specs,
+                _widest(specs),
+                _device_type(specs[self.rank]),
+            )
+        )
 
     def scatter(self, xs, root: int = 0):
         """Rank `root` gives rank i its xs[i] (a sequence of `size` arrays of one dtype, or one array
@@ -199,7 +230,10 @@ class Communicator(KeepsMean):
         specs = bcast_object(self.group, specs, root, DEFAULT_MAX_BUF_LEN, op, refusal)
         received = exchange(
             lambda sends, mine: dist.scatter(mine[0], sends or None, group=self.group, group_src=root, async_op=True),
-            pieces, [specs[self.rank]], _widest(specs))
+            pieces,
+            [specs[self.rank]],
+            _widest(specs),
+        )
         return received[0]
 
     def alltoall(self, xs):
@@ -213,10 +247,15 @@ class Communicator(KeepsMean):
 
         rows = agree(self.group, describe_xs)  # rows[source][dest]
         check_alike(op, [spec for row in rows for spec in row])
-        return tuple(exchange(
-            lambda sends, landings: dist.all_to_all(landings, sends, group=self.group, async_op=True),
-            [plain_array(op, "xs", x) for x in xs], [rows[source][self.rank] for source in range(self.size)],
-            _widest([spec for row in rows for spec in row]), _device_type(rows[self.rank][0])))
+        return tuple(
+            exchange(
+                lambda sends, landings: dist.all_to_all(landings, sends, group=self.group, async_op=True),
+                [plain_array(op, "xs", x) for x in xs],
+                [rows[source][self.rank] for source in range(self.size)],
+                _widest([spec for row in rows for spec in row]),
+                _device_type(rows[self.rank][0]),
+            )
+        )
 
     def allreduce(self, data):
         """The element-wise sum of every rank's array (same shape and dtype everywhere), as a new
@@ -236,8 +275,12 @@ class Communicator(KeepsMean):
             result = np.array(array, order="C", copy=True)
             flat = torch.from_numpy(result.reshape(-1))
         per_chunk = max(1, DEFAULT_MAX_BUF_LEN // max(1, flat.element_size()))
-        wait_all([dist.all_reduce(flat[b:e], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                  for b, e in chunks(flat.numel(), per_chunk)])
+        wait_all(
+            [
+                dist.all_reduce(flat[b:e], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                for b, e in chunks(flat.numel(), per_chunk)
+            ]
+        )
         return result
 
     # ---- Python objects
@@ -387,8 +430,13 @@ class Communicator(KeepsMean):
                 group = dist.new_group(global_ranks, backend="chainermn", pg_options=options, sort_ranks=False)
             elif this_color == color:
                 # Ranks outside this communicator never get here: synchronise among the members only.
-                group = dist.new_group(global_ranks, backend="chainermn", pg_options=options, sort_ranks=False,
-                                       use_local_synchronization=True)
+                group = dist.new_group(
+                    global_ranks,
+                    backend="chainermn",
+                    pg_options=options,
+                    sort_ranks=False,
+                    use_local_synchronization=True,
+                )
             else:
                 continue
             if this_color == color:
@@ -423,8 +471,11 @@ def _named_parameters(op: str, model):
     """(name, parameter) in sorted-name order, without lazy (uninitialised) parameters."""
     if not hasattr(model, "named_parameters"):
         raise ValueError(f"{op}: model must be a torch.nn.Module, got {type(model).__name__}")
-    return [(name, param) for name, param in sorted(model.named_parameters(), key=lambda item: item[0])
-            if not isinstance(param, torch.nn.parameter.UninitializedParameter)]
+    return [
+        (name, param)
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0])
+        if not isinstance(param, torch.nn.parameter.UninitializedParameter)
+    ]
 
 
 def _grad_dtype_option(value):
@@ -434,8 +485,9 @@ def _grad_dtype_option(value):
     return value
 
 
-def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_dtype=None,
-                        compression=None, *, gradient_compression=None) -> Communicator:
+def create_communicator(
+    communicator_name: str = "hierarchical", allreduce_grad_dtype=None, compression=None, *, gradient_compression=None
+) -> Communicator:
     """Create a ChainerMN communicator: a chainermn process group with these options.
 
     communicator_name: "naive", "flat", "hierarchical", "two_dimensional", "single_node" or "pure_nccl".
@@ -452,8 +504,9 @@ def create_communicator(communicator_name: str = "hierarchical", allreduce_grad_
     collectively (every rank must call it), which `finalize()` destroys.
     """
     op = "create_communicator"
-    compression, argument = deprecated_spelling(op, "compression", "gradient_compression", compression,
-                                                gradient_compression)
+    compression, argument = deprecated_spelling(
+        op, "compression", "gradient_compression", compression, gradient_compression
+    )
     if not isinstance(communicator_name, str):
         raise ValueError(f"{op}: communicator_name must be a str, got {type(communicator_name).__name__}")
     try:

@@ -19,6 +19,7 @@ go through this class (their `compression=` is resolved in _means.py), so the re
 parameters wherever the gradients are laid out: when DDP rebuilds its buckets (after its first step)
 they are carried over parameter by parameter (_layouts.py).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -46,7 +47,7 @@ class _Residual:
         self.second_offset = second_offset
         self.second_count = second_count
         self.params = params  # ((id(param), offset, numel), ...) in the flat layout
-        self.work = None      # the last mean that updates these residuals (double buffering: in flight)
+        self.work = None  # the last mean that updates these residuals (double buffering: in flight)
 
     def folded(self) -> torch.Tensor:
         """What the node still owes, as one vector over the layout: the second residual's chunk
@@ -57,7 +58,7 @@ class _Residual:
         first = self.first
         if self.second.numel():
             first = first.clone()
-            first[self.second_offset:self.second_offset + self.second_count] += self.second[:self.second_count]
+            first[self.second_offset : self.second_offset + self.second_count] += self.second[: self.second_count]
         return first
 
 
@@ -84,24 +85,48 @@ class GradientCompression:
 
     SETTINGS = ("type", "threshold", "block", "keep", "compress_result", "result_dtype")  # what settings() holds
 
-    def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
-                 compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *,
-                 block: int = 256, keep: int = 8, op: str = "GradientCompression",
-                 compression: codes.CompressionSpec | None = None):
+    def __init__(
+        self,
+        process_group=None,
+        type: str = "2bit",
+        threshold: float = 0.5,
+        compress_result: bool | str = False,
+        result_dtype: torch.dtype = torch.float32,
+        *,
+        block: int = 256,
+        keep: int = 8,
+        op: str = "GradientCompression",
+        compression: codes.CompressionSpec | None = None,
+    ):
         if compression is not None:  # the code and its settings as one value
-            given = {"type": type, "threshold": threshold, "compress_result": compress_result,
-                     "result_dtype": result_dtype, "block": block, "keep": keep}
+            given = {
+                "type": type,
+                "threshold": threshold,
+                "compress_result": compress_result,
+                "result_dtype": result_dtype,
+                "block": block,
+                "keep": keep,
+            }
             changed = sorted(name for name, value in given.items() if value != GradientCompression.DEFAULTS[name])
             if not isinstance(compression, codes.CompressionSpec) or changed:
-                raise ValueError(f"{op}: compression= takes a torch_chainermn.CompressionSpec, which holds every "
-                                 f"setting (got {compression!r}" + (f" and {changed}" if changed else "") + ")")
+                raise ValueError(
+                    f"{op}: compression= takes a torch_chainermn.CompressionSpec, which holds every "
+                    f"setting (got {compression!r}" + (f" and {changed}" if changed else "") + ")"
+                )
             settings = compression.settings()
             type, threshold, block, keep = settings["code"], settings["threshold"], settings["block"], settings["keep"]
             compress_result, result_dtype = settings["compress_result"], settings["result_dtype"]
         # The code and every setting, checked once by the backend (one rule: kernels/codes.h), and
         # passed whole to every mean.
-        self.spec = self.check(op, type=type, threshold=threshold, compress_result=compress_result,
-                               result_dtype=result_dtype, block=block, keep=keep)
+        self.spec = self.check(
+            op,
+            type=type,
+            threshold=threshold,
+            compress_result=compress_result,
+            result_dtype=result_dtype,
+            block=block,
+            keep=keep,
+        )
         self.process_group = group_of(process_group, op)
         self._backend = backend_of(self.process_group, op)
         self.type = type
@@ -112,31 +137,48 @@ class GradientCompression:
         self.result_dtype = result_dtype
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
         self._carried: dict[int, torch.Tensor] | None = None  # id(param) -> residual, while relaid out
-        self._index: dict[int, int] = {}   # id(param) -> order of first sight (the state dict's keys)
-        self._numel: dict[int, int] = {}   # id(param) -> values
+        self._index: dict[int, int] = {}  # id(param) -> order of first sight (the state dict's keys)
+        self._numel: dict[int, int] = {}  # id(param) -> values
         self._loaded: dict[int, torch.Tensor] = {}  # index -> residual from load_state_dict, not yet placed
 
     @staticmethod
-    def check(op: str, *, type: str, threshold: float, compress_result, result_dtype: torch.dtype, block: int,
-              keep: int) -> codes.CompressionSpec:
+    def check(
+        op: str, *, type: str, threshold: float, compress_result, result_dtype: torch.dtype, block: int, keep: int
+    ) -> codes.CompressionSpec:
         """The CompressionSpec of these settings (every one: SETTINGS), or a ValueError naming `op`;
         the rule the constructor applies, for a caller that takes the settings without a group (FSDP2's)."""
         if not isinstance(type, str):
             raise ValueError(f"{op}: type must be one of {codes.CODES}, got {type!r}")
         if not isinstance(result_dtype, torch.dtype):
-            raise ValueError(f"{op}: result_dtype must be torch.float32, torch.float16 or torch.bfloat16, "
-                             f"got {result_dtype!r}")
-        return codes.CompressionSpec(type, threshold=threshold, block=block, keep=keep,
-                                     compress_result=compress_result, result_dtype=result_dtype, op=op,
-                                     argument="type")
+            raise ValueError(
+                f"{op}: result_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {result_dtype!r}"
+            )
+        return codes.CompressionSpec(
+            type,
+            threshold=threshold,
+            block=block,
+            keep=keep,
+            compress_result=compress_result,
+            result_dtype=result_dtype,
+            op=op,
+            argument="type",
+        )
 
     def __repr__(self):
-        return (f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
-                f"keep={self.keep}, compress_result={self.compress_result!r}, result_dtype={self.result_dtype})")
+        return (
+            f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
+            f"keep={self.keep}, compress_result={self.compress_result!r}, result_dtype={self.result_dtype})"
+        )
 
     def settings(self) -> dict:
-        return {"type": self.type, "threshold": self.threshold, "block": self.block, "keep": self.keep,
-                "compress_result": self.compress_result, "result_dtype": self.result_dtype}
+        return {
+            "type": self.type,
+            "threshold": self.threshold,
+            "block": self.block,
+            "keep": self.keep,
+            "compress_result": self.compress_result,
+            "result_dtype": self.result_dtype,
+        }
 
     def for_group(self, group) -> "GradientCompression":
         """The same settings on another group of the same ranks, with residuals of its own."""
@@ -208,7 +250,7 @@ class GradientCompression:
                 if owed is None and self.process_group.rank() == 0:
                     owed = self._loaded.get(self._index[param_id])
                 if owed is not None:
-                    first[offset:offset + numel] = owed.reshape(-1).to(device)
+                    first[offset : offset + numel] = owed.reshape(-1).to(device)
         for param_id, _, _ in params:
             self._loaded.pop(self._index[param_id], None)  # placed (or, off the first rank, owed by it)
         return _Residual(first, second, second_offset, second_count, params)
@@ -236,13 +278,13 @@ class GradientCompression:
             values = residual.folded().cpu()
             for param_id, start, count in residual.params:
                 if values.numel():
-                    owed[where[self._index[param_id]]:][:count] += values[start:start + count]
+                    owed[where[self._index[param_id]] :][:count] += values[start : start + count]
         if self.process_group.rank() == 0:  # loaded and not placed yet: the first rank owes it
             for index, values in self._loaded.items():
-                owed[where[index]:][:values.numel()] += values.reshape(-1).cpu()
+                owed[where[index] :][: values.numel()] += values.reshape(-1).cpu()
         if owed.numel():
             dist.all_reduce(owed, group=self.process_group)
-        residuals = {index: owed[where[index]:][:numel[index]].clone() for index in sorted(numel)}
+        residuals = {index: owed[where[index] :][: numel[index]].clone() for index in sorted(numel)}
         state = {"settings": self._saved_settings(), "residuals": residuals}
         if by_rank:
             mine = []
@@ -261,8 +303,9 @@ class GradientCompression:
         settings = {"keep": 8, **state.get("settings", {})}  # saved before top-k's keep: the default
         mine = self._saved_settings()
         if settings != mine:
-            raise ValueError(f"GradientCompression.load_state_dict: the state was saved with {settings}, "
-                             f"this compression has {mine}")
+            raise ValueError(
+                f"GradientCompression.load_state_dict: the state was saved with {settings}, this compression has {mine}"
+            )
         exact = state.get("by_rank")
         if exact is not None and len(exact) == self.process_group.size() and self._fits(exact):
             # The same ranks and layouts: each rank takes its own residuals back, as they were.
@@ -275,8 +318,9 @@ class GradientCompression:
         self._carried = None
         # Every rank keeps the values so that every rank lays out state_dict() alike; only the first
         # rank places them into its residuals (_residual_for).
-        self._loaded = {int(k): v.detach().reshape(-1).to(torch.float32, copy=True) for k, v in state["residuals"].items()}
-
+        self._loaded = {
+            int(k): v.detach().reshape(-1).to(torch.float32, copy=True) for k, v in state["residuals"].items()
+        }
 
     def _fits(self, by_rank) -> bool:
         """Whether every rank holds layouts of the sizes saved for it (checked on every rank alike,
@@ -290,5 +334,7 @@ class GradientCompression:
 
 # The constructor's defaults of SETTINGS, read from it (one place says them).
 GradientCompression.DEFAULTS = {
-    name: parameter.default for name, parameter in inspect.signature(GradientCompression.__init__).parameters.items()
-    if name in GradientCompression.SETTINGS}
+    name: parameter.default
+    for name, parameter in inspect.signature(GradientCompression.__init__).parameters.items()
+    if name in GradientCompression.SETTINGS
+}

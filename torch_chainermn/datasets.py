@@ -7,6 +7,7 @@ Unlike ChainerMN, which pickled and broadcast the whole dataset to every rank, t
 rank only its own shard, point to point, in chunks of `max_buf_len` bytes: a rank never holds more
 than its share, and shards over 2 GiB work.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -99,8 +100,15 @@ def _order(n: int, shuffle: bool, seed) -> np.ndarray:
     return np.arange(n, dtype=np.int64)
 
 
-def scatter_dataset(dataset, comm=None, root: int = 0, shuffle: bool = False, seed=None,
-                    max_buf_len: int = DEFAULT_MAX_BUF_LEN, force_equal_length: bool = True) -> ScatteredDataset:
+def scatter_dataset(
+    dataset,
+    comm=None,
+    root: int = 0,
+    shuffle: bool = False,
+    seed=None,
+    max_buf_len: int = DEFAULT_MAX_BUF_LEN,
+    force_equal_length: bool = True,
+) -> ScatteredDataset:
     """Deal the root's dataset out to the ranks of `comm`; every rank returns its shard.
 
     dataset: on `root`, anything with len() and integer indexing (a list, a numpy array, a tensor, a
@@ -138,8 +146,7 @@ def _deal(op, group, dataset, root, size, shuffle, seed, chunk, force_equal_leng
     shard, failure, pending = None, None, [r for r in range(size) if r != root]
     try:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise ValueError(f"{op}: the root's dataset must support len() and indexing, got "
-                             f"{type(dataset).__name__}")
+            raise ValueError(f"{op}: the root's dataset must support len() and indexing, got {type(dataset).__name__}")
         n = len(dataset)
         order = _order(n, shuffle, seed)
         for r, (begin, end) in enumerate(shard_bounds(n, size, force_equal_length)):

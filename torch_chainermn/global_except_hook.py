@@ -18,6 +18,7 @@ On an uncaught exception (in the main thread or any other thread) the hook print
   waiting for the group timeout; with the hook installed on every rank, those errors end them too.
   torchrun's agent also sees the failed worker and stops the rest.
 """
+
 from __future__ import annotations
 
 import io
@@ -139,8 +140,11 @@ def _global_threading_excepthook(args) -> None:
 
     thread_name = getattr(args.thread, "name", None)
     try:
-        _report(print_traceback, (args.exc_type, args.exc_value, args.exc_traceback),
-                f" (thread {thread_name})" if thread_name else " (a thread)")
+        _report(
+            print_traceback,
+            (args.exc_type, args.exc_value, args.exc_traceback),
+            f" (thread {thread_name})" if thread_name else " (a thread)",
+        )
     finally:
         _end_job()
 

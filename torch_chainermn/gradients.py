@@ -1,4 +1,5 @@
 """The mean of many tensors across a group in one packed call: what gradient averaging needs."""
+
 from __future__ import annotations
 
 import torch

@@ -19,11 +19,11 @@ The averaging goes through the group's allreduce strategy (Options.communicator)
 dtype and the 1/world_size scaling are fused into the backend's packing pass (`mean_coalesced`), and
 16-bit wire dtypes are scaled before the sum so it cannot overflow where the mean fits.
 """
+
 # No `from __future__ import annotations` here: DDP checks the hooks' annotations as objects.
 import torch
 import torch.distributed as dist
 
-from ._backend import backend_of, group_of
 from ._double_buffering import BackgroundMean, start_mean
 from ._layouts import bucket_layout, by_parameter, read_into
 from ._means import KeepsMean, compressed, deprecated_spelling, resolve
@@ -39,6 +39,7 @@ __all__ = [
     "GradientCompressionState",
     "gradient_compression_hook",
 ]
+
 
 def _mean_bucket(process_group, bucket: dist.GradBucket, dtype) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's buffer in place over the group, travelling as `dtype` (None: the group's
@@ -109,9 +110,9 @@ class DoubleBufferingState(KeepsMean):
         self.ready = False
         self.steps = 0
         self._previous: dict[int, _Snapshot] = {}  # bucket index -> last step's snapshot
-        self._current: dict[int, _Snapshot] = {}   # bucket index -> this step's snapshot
+        self._current: dict[int, _Snapshot] = {}  # bucket index -> this step's snapshot
         self._spare: dict[int, torch.Tensor] = {}  # bucket index -> a read mean's buffer, for reuse
-        self._by_param = None                      # id(param) -> last step's mean of it, after a regrouping
+        self._by_param = None  # id(param) -> last step's mean of it, after a regrouping
 
     def flush(self) -> None:
         """Wait for every allreduce in flight (before saving a checkpoint, or at the end of training).
@@ -126,8 +127,13 @@ class DoubleBufferingState(KeepsMean):
     def _launch(self, bucket: dist.GradBucket) -> _Snapshot:
         """Copy this step's gradients aside and start their mean in the background."""
         layout = bucket_layout(bucket)
-        mean = start_mean([bucket.buffer()], self.mean, reuse=self._spare.pop(bucket.index(), None), params=layout,
-                          last=bucket.is_last())
+        mean = start_mean(
+            [bucket.buffer()],
+            self.mean,
+            reuse=self._spare.pop(bucket.index(), None),
+            params=layout,
+            last=bucket.is_last(),
+        )
         return _Snapshot(layout, mean)
 
     def _apply_previous(self, bucket: dist.GradBucket, launched: _Snapshot) -> None:
@@ -159,8 +165,10 @@ def double_buffering_hook(state: DoubleBufferingState, bucket: dist.GradBucket) 
     Register with `model.register_comm_hook(DoubleBufferingState(...), double_buffering_hook)`.
     """
     if not isinstance(state, DoubleBufferingState):
-        raise ValueError("double_buffering_hook: state must be a torch_chainermn.hooks.DoubleBufferingState, "
-                         f"got {type(state).__name__}")
+        raise ValueError(
+            "double_buffering_hook: state must be a torch_chainermn.hooks.DoubleBufferingState, "
+            f"got {type(state).__name__}"
+        )
     # The snapshot is taken before the bucket is overwritten: with gradient_as_bucket_view the bucket
     # is the parameters' .grad itself.
     launched = state._launch(bucket)
@@ -189,21 +197,42 @@ class GradientCompressionState(GradientCompression):
     nothing owed is dropped.
     """
 
-    def __init__(self, process_group=None, type: str = "2bit", threshold: float = 0.5,
-                 compress_result: bool | str = False, result_dtype: torch.dtype = torch.float32, *, block: int = 256,
-                 keep: int = 8, compression=None):
-        super().__init__(process_group, type, threshold, compress_result, result_dtype, block=block, keep=keep,
-                         op="GradientCompressionState", compression=compression)
+    def __init__(
+        self,
+        process_group=None,
+        type: str = "2bit",
+        threshold: float = 0.5,
+        compress_result: bool | str = False,
+        result_dtype: torch.dtype = torch.float32,
+        *,
+        block: int = 256,
+        keep: int = 8,
+        compression=None,
+    ):
+        super().__init__(
+            process_group,
+            type,
+            threshold,
+            compress_result,
+            result_dtype,
+            block=block,
+            keep=keep,
+            op="GradientCompressionState",
+            compression=compression,
+        )
 
 
-def gradient_compression_hook(state: GradientCompressionState,
-                              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def gradient_compression_hook(
+    state: GradientCompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """The bucket's mean over the group, compressed between nodes (see GradientCompressionState).
 
     Register with `model.register_comm_hook(GradientCompressionState(...), gradient_compression_hook)`.
     """
     if compressed(state) is None:
-        raise ValueError("gradient_compression_hook: state must be a torch_chainermn.hooks.GradientCompressionState, "
-                         f"got {type(state).__name__}")
+        raise ValueError(
+            "gradient_compression_hook: state must be a torch_chainermn.hooks.GradientCompressionState, "
+            f"got {type(state).__name__}"
+        )
     work = state.start([bucket.buffer()], bucket_layout(bucket), last=bucket.is_last())
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -7,6 +7,7 @@ Two ways, as in ChainerMN:
   once on a seed so that they shuffle (and augment, in DataLoader workers) the same way. Costs one
   collective, then nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -111,6 +112,7 @@ def create_multi_node_iterator(iterable, comm=None, rank_master: int = 0) -> Mul
 
 # ---- synchronized shuffling -----------------------------------------------------------------------
 
+
 def _check_seed(op: str, seed):
     if seed is None:
         return None
@@ -171,11 +173,15 @@ def create_synchronized_iterator(iterable_or_dataset, comm=None, *, seed=None, r
         target = iterable_or_dataset
         if isinstance(target, (DataLoader, Sampler)):
             if loader_kwargs:
-                raise ValueError(f"{op}: DataLoader arguments {sorted(loader_kwargs)} only apply to a dataset, "
-                                 f"not to a {type(target).__name__}")
+                raise ValueError(
+                    f"{op}: DataLoader arguments {sorted(loader_kwargs)} only apply to a dataset, "
+                    f"not to a {type(target).__name__}"
+                )
         elif isinstance(target, IterableDataset) or not (hasattr(target, "__len__") and hasattr(target, "__getitem__")):
-            raise ValueError(f"{op}: expected a DataLoader, a Sampler or a map-style dataset (len() and indexing), "
-                             f"got {type(target).__name__}")
+            raise ValueError(
+                f"{op}: expected a DataLoader, a Sampler or a map-style dataset (len() and indexing), "
+                f"got {type(target).__name__}"
+            )
         elif "generator" in loader_kwargs:
             raise ValueError(f"{op}: generator is set from the agreed seed; do not pass one")
         mine = _check_seed(op, seed)

@@ -30,6 +30,7 @@ same outer gradient, the backend sums them in the node and one copy per node cro
 Floating buffers (BatchNorm's statistics) are averaged at every sync (with the first fragment), in
 full precision; integer buffers are left alone (every replica counts the same steps).
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,7 +72,7 @@ def _float_buffers(model) -> list:
 def _flat_views(flat: torch.Tensor, tensors) -> list:
     views, offset = [], 0
     for tensor in tensors:
-        views.append(flat[offset:offset + tensor.numel()].view(tensor.shape))
+        views.append(flat[offset : offset + tensor.numel()].view(tensor.shape))
         offset += tensor.numel()
     return views
 
@@ -108,8 +109,9 @@ class _EveryHSteps:
 
     _op = "LocalSGD"
 
-    def __init__(self, model, optimizer, sync_every: int, process_group, settings: dict, check=None,
-                 start: str = "broadcast"):
+    def __init__(
+        self, model, optimizer, sync_every: int, process_group, settings: dict, check=None, start: str = "broadcast"
+    ):
         """Check the arguments on every rank at once: a bad argument on any rank (`check` raising
         ValueError), or ranks that differ in settings or in the model's shapes, raise the same
         ValueError on every rank, before any rank waits for a sync that would never come. With
@@ -129,9 +131,11 @@ class _EveryHSteps:
             if check is not None:
                 check(params)
             names = {id(p): name for name, p in model.named_parameters()}
-            described = {"settings": {**settings, "start": start},
-                         "params": [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params],
-                         "buffers": [(tuple(b.shape), str(b.dtype)) for b in _float_buffers(model)]}
+            described = {
+                "settings": {**settings, "start": start},
+                "params": [(names.get(id(p), "?"), tuple(p.shape), str(p.dtype)) for p in params],
+                "buffers": [(tuple(b.shape), str(b.dtype)) for b in _float_buffers(model)],
+            }
             if start == "same":
                 described["values"] = checksums(model, params, _float_buffers(model))
             return described
@@ -141,9 +145,11 @@ class _EveryHSteps:
             for field in ("settings", "params", "buffers", "values"):
                 if theirs.get(field) != everyone[0].get(field):
                     what = "values (start='same': they must start equal)" if field == "values" else field
-                    raise ValueError(f"{op}: ranks disagree on the model's {what}: "
-                                     f"{_first_difference(everyone[0][field], theirs[field])} "
-                                     f"on rank 0, {_first_difference(theirs[field], everyone[0][field])} on rank {rank}")
+                    raise ValueError(
+                        f"{op}: ranks disagree on the model's {what}: "
+                        f"{_first_difference(everyone[0][field], theirs[field])} "
+                        f"on rank 0, {_first_difference(theirs[field], everyone[0][field])} on rank {rank}"
+                    )
         self._broadcast_start = start == "broadcast"
         self.sync_every = sync_every
         self.model = model
@@ -250,9 +256,11 @@ def _check_outer(op: str, outer, params, model) -> None:
     ours = {id(p) for p in params}
     everything = {id(p) for p in model.parameters()}
     if ours - theirs or theirs - everything:
-        raise ValueError(f"{op}: outer_optimizer must hold the model's trainable parameters and no others: "
-                         f"{len(ours - theirs)} of the model's are missing, {len(theirs - everything)} are not "
-                         f"the model's")
+        raise ValueError(
+            f"{op}: outer_optimizer must hold the model's trainable parameters and no others: "
+            f"{len(ours - theirs)} of the model's are missing, {len(theirs - everything)} are not "
+            f"the model's"
+        )
 
 
 class _Fragment:
@@ -266,8 +274,7 @@ class _Fragment:
     outer gradient, its buffers), and scratch/buffer_scratch, where the applied values are formed.
     """
 
-    def __init__(self, index: int, params: list, offset: int, buffers: list, keep_local: bool,
-                 eager: bool = False):
+    def __init__(self, index: int, params: list, offset: int, buffers: list, keep_local: bool, eager: bool = False):
         self.index = index
         self.params = params
         self.offset = offset  # the fragment is synced at steps offset, offset + H, offset + 2H, ...
@@ -282,9 +289,9 @@ class _Fragment:
         self.own_buffers, _ = _flat_like(buffers) if eager and buffers else nothing
         self.buffer_scratch, self.buffer_scratch_views = _flat_like(buffers) if eager and buffers else nothing
         self.layout = layout_of(params, params)  # the compression's residuals follow these parameters
-        self.work = None          # the outer gradient's mean in flight
-        self.buffer_work = None   # the buffers' mean in flight
-        self.apply_at = None      # the inner step at which the mean is applied (None: nothing pending)
+        self.work = None  # the outer gradient's mean in flight
+        self.buffer_work = None  # the buffers' mean in flight
+        self.apply_at = None  # the inner step at which the mean is applied (None: nothing pending)
 
     def wait(self) -> None:
         for name in ("work", "buffer_work"):
@@ -346,10 +353,22 @@ class DiLoCo(KeepsMean, _EveryHSteps):
 
     _op = "DiLoCo"
 
-    def __init__(self, model, inner_optimizer, outer_optimizer, sync_every: int, process_group=None,
-                 fragments: int = 1, fragment_delay: int = 0, compression=None,
-                 fragment_update_alpha: float = 0.5, warmup_steps: int = 0, *, start: str = "broadcast",
-                 eager: bool = False):
+    def __init__(
+        self,
+        model,
+        inner_optimizer,
+        outer_optimizer,
+        sync_every: int,
+        process_group=None,
+        fragments: int = 1,
+        fragment_delay: int = 0,
+        compression=None,
+        fragment_update_alpha: float = 0.5,
+        warmup_steps: int = 0,
+        *,
+        start: str = "broadcast",
+        eager: bool = False,
+    ):
         op = self._op
         resolved = None
         try:  # the outer gradients' own dtype (float32) unless a wire dtype is given
@@ -365,28 +384,44 @@ class DiLoCo(KeepsMean, _EveryHSteps):
             _check_count(op, "warmup_steps", warmup_steps, 0)
             _check_count(op, "fragments", fragments, 1)
             if fragments > len(params):
-                raise ValueError(f"{op}: fragments must be at most the number of trainable parameters "
-                                 f"({len(params)}), got {fragments}")
+                raise ValueError(
+                    f"{op}: fragments must be at most the number of trainable parameters "
+                    f"({len(params)}), got {fragments}"
+                )
             _check_count(op, "fragment_delay", fragment_delay, 0)
             if not isinstance(eager, bool):
                 raise ValueError(f"{op}: eager must be True or False, got {eager!r}")
             if eager and fragment_delay:
                 # The eager exchange is in flight for a whole round already; a delayed mean and its
                 # merge on top would be a second, different overlap.
-                raise ValueError(f"{op}: eager=True keeps each exchange in flight for a whole round "
-                                 f"(sync_every steps): fragment_delay must be 0, got {fragment_delay}")
+                raise ValueError(
+                    f"{op}: eager=True keeps each exchange in flight for a whole round "
+                    f"(sync_every steps): fragment_delay must be 0, got {fragment_delay}"
+                )
             if isinstance(sync_every, int) and fragment_delay >= sync_every / fragments:
-                raise ValueError(f"{op}: fragment_delay must be below sync_every / fragments "
-                                 f"({sync_every} / {fragments}), got {fragment_delay}")
-            if isinstance(fragment_update_alpha, bool) or not isinstance(fragment_update_alpha, (int, float)) \
-                    or not 0 <= fragment_update_alpha <= 1:
-                raise ValueError(f"{op}: fragment_update_alpha must be a number in [0, 1], "
-                                 f"got {fragment_update_alpha!r}")
+                raise ValueError(
+                    f"{op}: fragment_delay must be below sync_every / fragments "
+                    f"({sync_every} / {fragments}), got {fragment_delay}"
+                )
+            if (
+                isinstance(fragment_update_alpha, bool)
+                or not isinstance(fragment_update_alpha, (int, float))
+                or not 0 <= fragment_update_alpha <= 1
+            ):
+                raise ValueError(
+                    f"{op}: fragment_update_alpha must be a number in [0, 1], got {fragment_update_alpha!r}"
+                )
             _check_outer(op, outer_optimizer, params, model)
 
-        settings = {"sync_every": sync_every, "fragments": fragments, "fragment_delay": fragment_delay,
-                    "fragment_update_alpha": fragment_update_alpha, "compression": repr(compression),
-                    "warmup_steps": warmup_steps, "eager": eager}
+        settings = {
+            "sync_every": sync_every,
+            "fragments": fragments,
+            "fragment_delay": fragment_delay,
+            "fragment_update_alpha": fragment_update_alpha,
+            "compression": repr(compression),
+            "warmup_steps": warmup_steps,
+            "eager": eager,
+        }
         super().__init__(model, inner_optimizer, sync_every, process_group, settings, check, start=start)
         self.outer_optimizer = outer_optimizer
         self.fragment_delay = fragment_delay
@@ -395,13 +430,14 @@ class DiLoCo(KeepsMean, _EveryHSteps):
         self.warmup_steps = warmup_steps
         self.eager = eager
         # This replica's share of the group's mean: a DDP replica (one per node) spans its group's ranks.
-        ranks = self.model.process_group.size() \
-            if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else 1
+        ranks = (
+            self.model.process_group.size() if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else 1
+        )
         self._share = min(1.0, ranks / self.process_group.size())
         self.fragments = [
-            _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0,
-                      eager)
-            for i, run in enumerate(_split_runs(self.params, fragments))]
+            _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0, eager)
+            for i, run in enumerate(_split_runs(self.params, fragments))
+        ]
         for fragment in self.fragments:  # residuals in fragment order: a checkpoint's fixed structure
             mean.reserve(fragment.layout, fragment.outer.device)
         with torch.no_grad():
@@ -466,10 +502,11 @@ class DiLoCo(KeepsMean, _EveryHSteps):
     def _start(self, fragment: _Fragment) -> None:
         """Start the mean of the fragment's outer gradient (and of the buffers) in the background."""
         if fragment.apply_at is not None:  # cannot happen with tau < H / F; a clear error if it does
-            raise RuntimeError(f"{self._op}: fragment {fragment.index} is synced again before its last "
-                               f"sync was applied")
+            raise RuntimeError(
+                f"{self._op}: fragment {fragment.index} is synced again before its last sync was applied"
+            )
         torch._foreach_copy_(fragment.outer_views, fragment.params)
-        torch.sub(fragment.global_flat, fragment.outer, out=fragment.outer)   # global - local
+        torch.sub(fragment.global_flat, fragment.outer, out=fragment.outer)  # global - local
         fragment.work = self.mean.start([fragment.outer], fragment.layout)
         if fragment.buffers:
             self._start_buffer_mean(fragment)
@@ -478,8 +515,9 @@ class DiLoCo(KeepsMean, _EveryHSteps):
     def _start_buffer_mean(self, fragment: _Fragment) -> None:
         """The mean of the replica's floating buffers now, in flight in fragment.buffer_mean."""
         torch._foreach_copy_(fragment.buffer_views, fragment.buffers)
-        fragment.buffer_work = mean_coalesced([fragment.buffer_mean], group=self.process_group,
-                                              dtype=fragment.buffer_mean.dtype, async_op=True)
+        fragment.buffer_work = mean_coalesced(
+            [fragment.buffer_mean], group=self.process_group, dtype=fragment.buffer_mean.dtype, async_op=True
+        )
 
     @torch.no_grad()
     def _eager_sync(self, fragment: _Fragment) -> None:
@@ -489,22 +527,31 @@ class DiLoCo(KeepsMean, _EveryHSteps):
         fragment.wait()
         fresh, fresh_views = fragment.scratch, fragment.scratch_views
         torch._foreach_copy_(fresh_views, fragment.params)
-        torch.sub(fragment.global_flat, fresh, out=fresh)   # global - local: this round's outer gradient
+        torch.sub(fragment.global_flat, fresh, out=fresh)  # global - local: this round's outer gradient
         self._eager_mix(fragment.outer, fragment.own, fresh)
         # The fresh outer gradient goes out; the mixed one, now in the other buffer, is stepped on.
         stepped = fragment.outer_views
-        fragment.outer, fragment.outer_views, fragment.scratch, fragment.scratch_views = \
-            fresh, fresh_views, fragment.outer, stepped
+        fragment.outer, fragment.outer_views, fragment.scratch, fragment.scratch_views = (
+            fresh,
+            fresh_views,
+            fragment.outer,
+            stepped,
+        )
         fragment.work = self.mean.start([fragment.outer], fragment.layout)
         if fragment.buffers:
             now, now_views = fragment.buffer_scratch, fragment.buffer_scratch_views
             torch._foreach_copy_(now_views, fragment.buffers)
             self._eager_mix(fragment.buffer_mean, fragment.own_buffers, now)
             mixed = fragment.buffer_views
-            fragment.buffer_mean, fragment.buffer_views, fragment.buffer_scratch, fragment.buffer_scratch_views = \
-                now, now_views, fragment.buffer_mean, mixed
-            fragment.buffer_work = mean_coalesced([fragment.buffer_mean], group=self.process_group,
-                                                  dtype=fragment.buffer_mean.dtype, async_op=True)
+            fragment.buffer_mean, fragment.buffer_views, fragment.buffer_scratch, fragment.buffer_scratch_views = (
+                now,
+                now_views,
+                fragment.buffer_mean,
+                mixed,
+            )
+            fragment.buffer_work = mean_coalesced(
+                [fragment.buffer_mean], group=self.process_group, dtype=fragment.buffer_mean.dtype, async_op=True
+            )
             torch._foreach_copy_(fragment.buffers, mixed)
         torch._foreach_copy_(fragment.params, fragment.global_views)
         self._outer_step(fragment, stepped)
@@ -575,15 +622,23 @@ class DiLoCo(KeepsMean, _EveryHSteps):
         fragments = []
         for fragment in self.fragments:
             fragment.wait()
-            fragments.append({"global": fragment.global_flat.clone(), "outer_gradient": fragment.outer.clone(),
-                              "buffers": fragment.buffer_mean.clone() if fragment.buffers else torch.zeros(0),
-                              "apply_at": -1 if fragment.apply_at is None else fragment.apply_at})
+            fragments.append(
+                {
+                    "global": fragment.global_flat.clone(),
+                    "outer_gradient": fragment.outer.clone(),
+                    "buffers": fragment.buffer_mean.clone() if fragment.buffers else torch.zeros(0),
+                    "apply_at": -1 if fragment.apply_at is None else fragment.apply_at,
+                }
+            )
             if self.eager:  # what this replica sent at the last sync: the next sync's correction
                 fragments[-1]["own_outer_gradient"] = fragment.own.clone()
                 fragments[-1]["own_buffers"] = fragment.own_buffers.clone() if fragment.buffers else torch.zeros(0)
-        return {"step": self.step, "fragments": fragments,
-                "outer_optimizer": get_optimizer_state_dict(self._module, self.outer_optimizer),
-                "compression": saved_state(self.mean)}
+        return {
+            "step": self.step,
+            "fragments": fragments,
+            "outer_optimizer": get_optimizer_state_dict(self._module, self.outer_optimizer),
+            "compression": saved_state(self.mean),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Take a state_dict() of a DiLoCo of the same model and settings (after constructing this
@@ -597,11 +652,14 @@ class DiLoCo(KeepsMean, _EveryHSteps):
             raise ValueError(f"{op}: the state has {len(saved)} fragments, this DiLoCo {len(self.fragments)}")
         for fragment, values in zip(self.fragments, saved):
             if values["global"].numel() != fragment.global_flat.numel():
-                raise ValueError(f"{op}: fragment {fragment.index} holds {values['global'].numel()} values "
-                                 f"in the state, {fragment.global_flat.numel()} here")
+                raise ValueError(
+                    f"{op}: fragment {fragment.index} holds {values['global'].numel()} values "
+                    f"in the state, {fragment.global_flat.numel()} here"
+                )
             if ("own_outer_gradient" in values) != self.eager:
-                raise ValueError(f"{op}: the state was saved with eager={not self.eager}, this DiLoCo has "
-                                 f"eager={self.eager}")
+                raise ValueError(
+                    f"{op}: the state was saved with eager={not self.eager}, this DiLoCo has eager={self.eager}"
+                )
         if (compressed(self.mean) is None) != (state.get("compression") is None):
             load_state(self.mean, state.get("compression"), op)  # raises: saved with another kind of mean
         for fragment, values in zip(self.fragments, saved):

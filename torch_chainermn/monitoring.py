@@ -5,6 +5,7 @@ any group whose backend is chainermn: rank 0 waits for every rank to arrive with
 does not, every rank raises, and rank 0's error names the ranks that did not come ("Rank 1 failed to
 pass monitoredBarrier in 1000 ms"; with wait_all_ranks=True, all of them).
 """
+
 from __future__ import annotations
 
 import datetime

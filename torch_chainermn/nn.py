@@ -14,6 +14,7 @@ on CPU tensors as well as CUDA ones, and it takes a ChainerMN communicator.
 
     model = torch_chainermn.convert_mnbn_model(model, comm)   # every BatchNorm{1,2,3}d replaced
 """
+
 from __future__ import annotations
 
 import torch
@@ -76,18 +77,20 @@ class _MultiNodeBatchNormFunction(torch.autograd.Function):
             local_var, local_mean = torch.var_mean(x_compute, dim=dims, unbiased=False)
             local_mean = local_mean.to(_STATISTICS_DTYPE)
             local_var = local_var.to(_STATISTICS_DTYPE)
-            packed[1:channels + 1] = local_mean * local_count
-            packed[channels + 1:] = (local_var + local_mean * local_mean) * local_count
+            packed[1 : channels + 1] = local_mean * local_count
+            packed[channels + 1 :] = (local_var + local_mean * local_mean) * local_count
         dist.all_reduce(packed, group=group)
 
         global_count = int(packed[0].item())
         if global_count <= 1:
             # Same condition as nn.BatchNorm, on the global batch: every rank sees the same count,
             # so every rank raises and none is left waiting in the next collective.
-            raise ValueError(f"{module_name}: expected more than 1 value per channel when training, got "
-                             f"{global_count} across all ranks (local input size {list(x.shape)})")
-        mean = packed[1:channels + 1] / global_count
-        var = (packed[channels + 1:] / global_count - mean * mean).clamp_min_(0)
+            raise ValueError(
+                f"{module_name}: expected more than 1 value per channel when training, got "
+                f"{global_count} across all ranks (local input size {list(x.shape)})"
+            )
+        mean = packed[1 : channels + 1] / global_count
+        var = (packed[channels + 1 :] / global_count - mean * mean).clamp_min_(0)
 
         if running_mean is not None:
             with torch.no_grad():
@@ -134,7 +137,7 @@ class _MultiNodeBatchNormFunction(torch.autograd.Function):
             mean_grad_y = (packed[:channels] / ctx.global_count).to(compute_dtype)
             mean_grad_y_x_hat = (packed[channels:] / ctx.global_count).to(compute_dtype)
             scale = invstd if weight is None else invstd * weight.to(compute_dtype)
-            grad_x = (grad_y - _per_channel(mean_grad_y, x) - x_hat * _per_channel(mean_grad_y_x_hat, x))
+            grad_x = grad_y - _per_channel(mean_grad_y, x) - x_hat * _per_channel(mean_grad_y_x_hat, x)
             grad_x = (grad_x * _per_channel(scale, x)).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = sum_grad_y_x_hat.to(weight.dtype)
@@ -166,8 +169,18 @@ class _MultiNodeBatchNorm(_BatchNorm):
 
     _input_dims: tuple[int, ...] = ()
 
-    def __init__(self, num_features: int, comm=None, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None, **kwargs):
+    def __init__(
+        self,
+        num_features: int,
+        comm=None,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        **kwargs,
+    ):
         name = type(self).__name__
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
@@ -176,8 +189,7 @@ class _MultiNodeBatchNorm(_BatchNorm):
         if momentum is not None and not 0 <= momentum <= 1:
             raise ValueError(f"{name}: momentum must be None or in [0, 1], got {momentum!r}")
         # kwargs: keyword-only options of the installed torch's BatchNorm (torch 2.13: bias=False).
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         **kwargs)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **kwargs)
         self._comm = _Shared(comm)
 
     @property
@@ -192,11 +204,14 @@ class _MultiNodeBatchNorm(_BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() not in self._input_dims:
             wanted = " or ".join(f"{d}D" for d in self._input_dims)
-            raise ValueError(f"{type(self).__name__}: expected {wanted} input, got {input.dim()}D input "
-                             f"of shape {list(input.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected {wanted} input, got {input.dim()}D input of shape {list(input.shape)}"
+            )
         if input.shape[1] != self.num_features:
-            raise ValueError(f"{type(self).__name__}: expected {self.num_features} channels (dimension 1), "
-                             f"got input of shape {list(input.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: expected {self.num_features} channels (dimension 1), "
+                f"got input of shape {list(input.shape)}"
+            )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -220,11 +235,27 @@ class _MultiNodeBatchNorm(_BatchNorm):
             if dist.get_world_size(group) == 1:
                 group = None
         if group is None:
-            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
-                                uses_batch_statistics, exponential_average_factor, self.eps)
+            return F.batch_norm(
+                input,
+                running_mean,
+                running_var,
+                self.weight,
+                self.bias,
+                uses_batch_statistics,
+                exponential_average_factor,
+                self.eps,
+            )
         return _MultiNodeBatchNormFunction.apply(
-            input, self.weight, self.bias, running_mean, running_var, self.eps, exponential_average_factor,
-            group, type(self).__name__)
+            input,
+            self.weight,
+            self.bias,
+            running_mean,
+            running_var,
+            self.eps,
+            exponential_average_factor,
+            group,
+            type(self).__name__,
+        )
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", comm={type(self.comm).__name__ if self.comm is not None else None}"
@@ -278,8 +309,9 @@ def convert_mnbn_model(module: nn.Module, comm=None) -> nn.Module:
     if replacement is not None:
         # Newer torch lets an affine BatchNorm go without bias; keep that choice where it exists.
         options = {"bias": False} if module.affine and module.bias is None else {}
-        converted = replacement(module.num_features, comm, module.eps, module.momentum, module.affine,
-                                module.track_running_stats, **options)
+        converted = replacement(
+            module.num_features, comm, module.eps, module.momentum, module.affine, module.track_running_stats, **options
+        )
         if module.affine:
             converted.weight = module.weight
             converted.bias = module.bias

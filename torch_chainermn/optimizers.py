@@ -13,6 +13,7 @@ next step broadcasts again. With double_buffering=True, step k hands step k-1's 
 the optimizer while step k's own allreduce runs in the background, overlapping the next forward and
 backward: the second step does not update, and step k >= 3 applies the mean of step k-1's gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ from ._layouts import layout_of
 __all__ = ["create_multi_node_optimizer", "MultiNodeOptimizer"]
 
 
-def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=False, zero_fill=True,
-                                compression=None, *, gradient_compression=None):
+def create_multi_node_optimizer(
+    optimizer, communicator=None, double_buffering=False, zero_fill=True, compression=None, *, gradient_compression=None
+):
     """Wrap a torch optimizer so that its step() averages gradients over `communicator`.
 
     communicator: a torch_chainermn communicator, a chainermn process group, or None for the
@@ -41,10 +43,12 @@ def create_multi_node_optimizer(optimizer, communicator=None, double_buffering=F
         `gradient_compression=` is its old spelling.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError("create_multi_node_optimizer: optimizer must be a torch.optim.Optimizer, "
-                         f"got {type(optimizer).__name__}")
-    compression, argument = deprecated_spelling("create_multi_node_optimizer", "compression", "gradient_compression",
-                                                compression, gradient_compression)
+        raise ValueError(
+            f"create_multi_node_optimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    compression, argument = deprecated_spelling(
+        "create_multi_node_optimizer", "compression", "gradient_compression", compression, gradient_compression
+    )
     return MultiNodeOptimizer(optimizer, communicator, double_buffering, zero_fill, compression, argument=argument)
 
 
@@ -71,8 +75,16 @@ class MultiNodeOptimizer(KeepsMean, torch.optim.Optimizer):
 
     # Optimizer.__init__ is not called on purpose: parameters, groups and state belong to the
     # wrapped optimizer and are shared by reference, so there is one truth for schedulers and saving.
-    def __init__(self, optimizer, communicator=None, double_buffering=False, zero_fill=True,  # noqa: D107
-                 compression=None, *, argument: str = "compression"):
+    def __init__(
+        self,
+        optimizer,
+        communicator=None,
+        double_buffering=False,
+        zero_fill=True,  # noqa: D107
+        compression=None,
+        *,
+        argument: str = "compression",
+    ):
         op = "create_multi_node_optimizer"
         self.actual_optimizer = optimizer
         if compression is None and isinstance(communicator, Communicator):
@@ -84,8 +96,8 @@ class MultiNodeOptimizer(KeepsMean, torch.optim.Optimizer):
         self.zero_fill = bool(zero_fill)
         self.world_size = self.group.size()
         self._broadcast_ids = None  # ids of the parameters as last broadcast
-        self._in_flight = None      # double buffering: the previous step's allreduce
-        self._spare = None          # double buffering: a read mean's buffer, for reuse
+        self._in_flight = None  # double buffering: the previous step's allreduce
+        self._spare = None  # double buffering: a read mean's buffer, for reuse
 
     # ---- what an Optimizer shares with the wrapped one -------------------------------------------
 
@@ -108,12 +120,15 @@ class MultiNodeOptimizer(KeepsMean, torch.optim.Optimizer):
         return getattr(self.actual_optimizer, name)
 
     def __getstate__(self):
-        raise TypeError("MultiNodeOptimizer cannot be pickled (it holds a process group); "
-                        "save optimizer.state_dict() instead")
+        raise TypeError(
+            "MultiNodeOptimizer cannot be pickled (it holds a process group); save optimizer.state_dict() instead"
+        )
 
     def __repr__(self):
-        return (f"MultiNodeOptimizer(double_buffering={self.double_buffering}, zero_fill={self.zero_fill}, "
-                f"wire_dtype={wire_dtype_of(self.group)}, {self.actual_optimizer!r})")
+        return (
+            f"MultiNodeOptimizer(double_buffering={self.double_buffering}, zero_fill={self.zero_fill}, "
+            f"wire_dtype={wire_dtype_of(self.group)}, {self.actual_optimizer!r})"
+        )
 
     def state_dict(self):
         return self.actual_optimizer.state_dict()

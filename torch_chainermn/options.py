@@ -7,6 +7,7 @@ Every per-group setting is here, and `environment_defaults()` is the one place t
 read: a setting left as None takes its CHAINERMN_* variable, so a launch can switch strategy or
 transport with no code change. The C++ backend holds the same fields (`_C.GroupOptions`).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,13 @@ CUDA_TRANSPORTS: tuple[str, ...] = tuple(_C.cuda_transports)
 
 # Wire dtypes for gradients, by the names torch gives them.
 WIRE_DTYPES = {
-    "float16": torch.float16, "half": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
     "bfloat16": torch.bfloat16,
-    "float32": torch.float32, "float": torch.float32,
-    "float64": torch.float64, "double": torch.float64,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 
 # field -> (environment variable, default when it is unset): from the one table of variables.
@@ -86,13 +90,26 @@ class Options:
         number), "detail" (also every tensor's shape) or "off". $TORCH_DISTRIBUTED_DEBUG, else "info".
     """
 
-    __slots__ = ("_communicator", "_allreduce_grad_dtype", "_transport", "_shared_memory", "_cuda_transport",
-                 "_checks")
+    __slots__ = ("_communicator", "_allreduce_grad_dtype", "_transport", "_shared_memory", "_cuda_transport", "_checks")
 
-    def __init__(self, communicator: str | None = None, allreduce_grad_dtype=None, *, transport: str | None = None,
-                 shared_memory: bool | None = None, cuda_transport: str | None = None, checks: str | None = None):
-        given = {"communicator": communicator, "allreduce_grad_dtype": allreduce_grad_dtype, "transport": transport,
-                 "shared_memory": shared_memory, "cuda_transport": cuda_transport, "checks": checks}
+    def __init__(
+        self,
+        communicator: str | None = None,
+        allreduce_grad_dtype=None,
+        *,
+        transport: str | None = None,
+        shared_memory: bool | None = None,
+        cuda_transport: str | None = None,
+        checks: str | None = None,
+    ):
+        given = {
+            "communicator": communicator,
+            "allreduce_grad_dtype": allreduce_grad_dtype,
+            "transport": transport,
+            "shared_memory": shared_memory,
+            "cuda_transport": cuda_transport,
+            "checks": checks,
+        }
         if any(value is None for value in given.values()):
             defaults = environment_defaults()
             given = {field: defaults[field] if value is None else value for field, value in given.items()}
@@ -100,8 +117,9 @@ class Options:
 
     def _set(self, given: dict) -> None:
         if given["communicator"] not in COMMUNICATORS:
-            raise ValueError(f"unknown chainermn communicator {given['communicator']!r}; "
-                             f"choose from {', '.join(COMMUNICATORS)}")
+            raise ValueError(
+                f"unknown chainermn communicator {given['communicator']!r}; choose from {', '.join(COMMUNICATORS)}"
+            )
         self._communicator = given["communicator"]
         self._allreduce_grad_dtype = wire_dtype(given["allreduce_grad_dtype"])
         self._transport = _choice("transport", given["transport"], TRANSPORTS)
@@ -117,14 +135,26 @@ class Options:
     checks = property(lambda self: self._checks)
 
     def _fields(self) -> tuple:
-        return (self.communicator, self.allreduce_grad_dtype, self.transport, self.shared_memory, self.cuda_transport,
-                self.checks)
+        return (
+            self.communicator,
+            self.allreduce_grad_dtype,
+            self.transport,
+            self.shared_memory,
+            self.cuda_transport,
+            self.checks,
+        )
 
     def to_cpp(self) -> _C.GroupOptions:
         """The same settings as the C++ backend holds them."""
         held = _C.GroupOptions()
-        (held.communicator, held.allreduce_grad_dtype, held.transport, held.shared_memory,
-         held.cuda_transport, held.checks) = self._fields()
+        (
+            held.communicator,
+            held.allreduce_grad_dtype,
+            held.transport,
+            held.shared_memory,
+            held.cuda_transport,
+            held.checks,
+        ) = self._fields()
         return held
 
     @classmethod
@@ -141,6 +171,8 @@ class Options:
         return hash(self._fields())
 
     def __repr__(self):
-        return (f"Options(communicator={self.communicator!r}, allreduce_grad_dtype={self.allreduce_grad_dtype}, "
-                f"transport={self.transport!r}, shared_memory={self.shared_memory}, "
-                f"cuda_transport={self.cuda_transport!r}, checks={self.checks!r})")
+        return (
+            f"Options(communicator={self.communicator!r}, allreduce_grad_dtype={self.allreduce_grad_dtype}, "
+            f"transport={self.transport!r}, shared_memory={self.shared_memory}, "
+            f"cuda_transport={self.cuda_transport!r}, checks={self.checks!r})"
+        )

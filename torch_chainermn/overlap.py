@@ -35,6 +35,7 @@ other groups). With `compression`, each lane keeps the residuals of the paramete
 parameter that changes lanes when DDP rebuilds its buckets (once, after the first step) leaves what
 its old lane still owed behind.
 """
+
 # No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 import torch
 import torch.distributed as dist
@@ -88,9 +89,11 @@ class OverlapNextForward:
         self._pending = {}  # id(param) -> its bucket's _InFlight mean
         self._buffers = {}  # bucket index -> the buffer its means land in (reused every step)
         ddp.register_comm_hook(self, OverlapNextForward._hook)
-        self._handles = [module.register_forward_pre_hook(self._before_module)
-                         for module in ddp.module.modules()
-                         if any(p.requires_grad for p in module.parameters(recurse=False))]
+        self._handles = [
+            module.register_forward_pre_hook(self._before_module)
+            for module in ddp.module.modules()
+            if any(p.requires_grad for p in module.parameters(recurse=False))
+        ]
 
     # ---- the exchange, started in backward --------------------------------------------------------
 
@@ -134,7 +137,7 @@ class OverlapNextForward:
                 p = self._params[index]
                 if self._pending.pop(param_id, None) is None or p.grad is None:
                     continue  # stepped already, or without a gradient in DDP (unused on every rank)
-                p.grad.copy_(in_flight.buffer[offset:offset + numel].view_as(p))
+                p.grad.copy_(in_flight.buffer[offset : offset + numel].view_as(p))
                 optimizer = self.optimizers[index]
                 group = optimizer.param_groups[0]
                 now = None
@@ -154,8 +157,10 @@ class OverlapNextForward:
     def step(self) -> None:
         """Ask for the update of the gradients of the backward just run, with the hyperparameters the
         groups hold now; it is applied module by module in the next forward (or by finish())."""
-        settings = {index: {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-                    for index, optimizer in enumerate(self.optimizers)}
+        settings = {
+            index: {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+            for index, optimizer in enumerate(self.optimizers)
+        }
         for in_flight in dict.fromkeys(self._pending.values()):
             if in_flight.settings is None:
                 in_flight.settings = settings
@@ -178,8 +183,10 @@ class OverlapNextForward:
     def load_state_dict(self, state: dict) -> None:
         saved = state["optimizers"]
         if len(saved) != len(self.optimizers):
-            raise ValueError(f"OverlapNextForward.load_state_dict: the state holds {len(saved)} parameters' "
-                             f"optimizers, this model has {len(self.optimizers)}")
+            raise ValueError(
+                f"OverlapNextForward.load_state_dict: the state holds {len(saved)} parameters' "
+                f"optimizers, this model has {len(self.optimizers)}"
+            )
         self.finish()
         for optimizer, one in zip(self.optimizers, saved):
             optimizer.load_state_dict(one)

@@ -12,6 +12,7 @@ A failed replica's group is aborted by torchft (`pg.abort()`): on chainermn the 
 then fail at once, naming it (docs/reliability.md). Importing this module needs torchft installed
 (`pip install torchft`); `import torch_chainermn` does not import it.
 """
+
 from __future__ import annotations
 
 import types
@@ -27,11 +28,18 @@ from .options import Options
 __all__ = ["ProcessGroupBabyChainerMN", "ProcessGroupChainerMN"]
 
 
-def _chainermn_process_group(store, rank: int, world_size: int, timeout: timedelta, options: Options,
-                             name: str) -> BaseProcessGroup:
+def _chainermn_process_group(
+    store, rank: int, world_size: int, timeout: timedelta, options: Options, name: str
+) -> BaseProcessGroup:
     """A torch ProcessGroup whose CPU (and CUDA) backend is a chainermn group on `store`."""
-    group = types.SimpleNamespace(store=store, group_rank=rank, group_size=world_size,
-                                  global_ranks_in_group=list(range(world_size)), timeout=timeout, group_id=name)
+    group = types.SimpleNamespace(
+        store=store,
+        group_rank=rank,
+        group_size=world_size,
+        global_ranks_in_group=list(range(world_size)),
+        timeout=timeout,
+        group_id=name,
+    )
     backend = create_backend(group, options)
     pg = BaseProcessGroup(store, rank, world_size)
     pg._set_default_backend(BaseProcessGroup.BackendType.CUSTOM)
@@ -55,13 +63,15 @@ class ProcessGroupChainerMN(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60), options: Options | None = None) -> None:
         super().__init__(timeout)
         if options is not None and not isinstance(options, Options):
-            raise ValueError(f"ProcessGroupChainerMN: options must be torch_chainermn.Options, "
-                             f"got {type(options).__name__}")
+            raise ValueError(
+                f"ProcessGroupChainerMN: options must be torch_chainermn.Options, got {type(options).__name__}"
+            )
         self._options = options
 
     def _create_pg(self, store, rank: int, world_size: int) -> BaseProcessGroup:
-        return _chainermn_process_group(store, rank, world_size, self._timeout, self._options or Options(),
-                                        f"torchft_quorum_{self._quorum_id}")
+        return _chainermn_process_group(
+            store, rank, world_size, self._timeout, self._options or Options(), f"torchft_quorum_{self._quorum_id}"
+        )
 
     def errored(self) -> Exception | None:
         """The group's failure (a timeout, a dead or aborting peer), which torchft's Manager checks

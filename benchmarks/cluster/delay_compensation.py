@@ -10,7 +10,7 @@ the Hessian approximated by the gradient's outer product's diagonal:
 The hook wraps hooks.double_buffering_hook: it keeps each parameter's value from the step before and
 corrects the stale mean the wrapped hook hands DDP.
 """
-import torch
+
 import torch.distributed as dist
 
 from torch_chainermn import hooks
@@ -27,7 +27,9 @@ def delay_compensated_hook(dc: DelayCompensation, bucket: dist.GradBucket):
     stale = hooks.double_buffering_hook(dc.state, bucket)
     grads = bucket.buffer()
     base = grads.data_ptr()
-    places = [(p, (g.data_ptr() - base) // grads.element_size()) for p, g in zip(bucket.parameters(), bucket.gradients())]
+    places = [
+        (p, (g.data_ptr() - base) // grads.element_size()) for p, g in zip(bucket.parameters(), bucket.gradients())
+    ]
     changes = []
     for p, offset in places:
         now = p.detach().reshape(-1)
@@ -39,7 +41,7 @@ def delay_compensated_hook(dc: DelayCompensation, bucket: dist.GradBucket):
     def compensate(fut):
         mean = fut.value()
         for offset, change in changes:
-            g = mean[offset:offset + change.numel()]
+            g = mean[offset : offset + change.numel()]
             g.add_(g * g * change, alpha=dc.lam)
         return mean
 

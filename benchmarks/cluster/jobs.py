@@ -11,6 +11,7 @@ up, runs one job per (mode, rate) (mode by mode, each mode at every rate back to
 --repeats times: a change of the machine's load falls between modes rather than between one
 mode's rates), and removes the namespaces at the end, on errors, Ctrl-C and SIGTERM.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,23 +30,38 @@ import netns  # noqa: E402
 
 TORCHRUN = REPO / ".venv" / "bin" / "torchrun"
 # Variables that would steer the children somewhere else than the simulated node they run on.
-SCRUB = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-         "CHAINERMN_HOSTNAME", "CHAINERMN_RANKS_PER_NODE", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
+SCRUB = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "CHAINERMN_HOSTNAME",
+    "CHAINERMN_RANKS_PER_NODE",
+    "GLOO_SOCKET_IFNAME",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 class Interrupted(Exception):
     pass
 
 
-def add_cluster_args(p: argparse.ArgumentParser, *, modes: str, rates: str, run_timeout: float,
-                     name: str) -> None:
+def add_cluster_args(p: argparse.ArgumentParser, *, modes: str, rates: str, run_timeout: float, name: str) -> None:
     """The options of the cluster and the sweep, the same for every task (defaults per task)."""
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rates", default=rates, help="comma-separated tc rates; none = no shaping")
     p.add_argument("--modes", default=modes, help="comma-separated modes of the task's worker")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra environment for every rank (repeatable), e.g. CHAINERMN_SHM_CHUNK_BYTES=16777216")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for every rank (repeatable), e.g. CHAINERMN_SHM_CHUNK_BYTES=16777216",
+    )
     p.add_argument("--repeats", type=int, default=1, help="runs per (mode, rate)")
     p.add_argument("--run-timeout", type=float, default=run_timeout, help="seconds before a run is killed")
     p.add_argument("--port", type=int, default=29500, help="first master port (one per run)")
@@ -56,11 +72,20 @@ def add_cluster_args(p: argparse.ArgumentParser, *, modes: str, rates: str, run_
 
 # ---------------------------------------------------------------------------------------- one job
 
+
 def child_env(node: int, extra=()) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in SCRUB and not k.startswith(("OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_"))}
-    env.update(CHAINERMN_HOSTNAME=f"node{node}", GLOO_SOCKET_IFNAME=netns.IFNAME, OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in SCRUB and not k.startswith(("OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_"))
+    }
+    env.update(
+        CHAINERMN_HOSTNAME=f"node{node}",
+        GLOO_SOCKET_IFNAME=netns.IFNAME,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     for item in extra:
         key, _, value = item.partition("=")
         env[key] = value
@@ -87,8 +112,7 @@ def kill_job(procs) -> None:
             p.wait()
 
 
-def run_job(args, worker: Path, worker_args: list, mode: str, rate: str, port: int, log_dir: Path,
-            live: list) -> dict:
+def run_job(args, worker: Path, worker_args: list, mode: str, rate: str, port: int, log_dir: Path, live: list) -> dict:
     """One job of `worker` on the cluster as it is shaped now; its result with rate and elapsed_s
     added, or {"mode", "rate", "error", "elapsed_s", "log_tail"} if it failed."""
     tag = f"{mode.replace('+', '_')}-{netns.rate_label(rate)}-p{port}"
@@ -100,13 +124,30 @@ def run_job(args, worker: Path, worker_args: list, mode: str, rate: str, port: i
         for i in range(args.nodes):
             log = open(log_dir / f"{tag}-node{i}.log", "w")
             logs.append(log)
-            cmd = ["ip", "netns", "exec", netns.node_ns(i), str(TORCHRUN),
-                   "--nnodes", str(args.nodes), "--node-rank", str(i),
-                   "--nproc-per-node", str(args.ranks_per_node),
-                   "--master-addr", netns.node_addr(0), "--master-port", str(port),
-                   str(worker), *worker_args, "--json", str(result_path)]
-            p = subprocess.Popen(cmd, cwd=REPO, env=child_env(i, args.env), stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                netns.node_ns(i),
+                str(TORCHRUN),
+                "--nnodes",
+                str(args.nodes),
+                "--node-rank",
+                str(i),
+                "--nproc-per-node",
+                str(args.ranks_per_node),
+                "--master-addr",
+                netns.node_addr(0),
+                "--master-port",
+                str(port),
+                str(worker),
+                *worker_args,
+                "--json",
+                str(result_path),
+            ]
+            p = subprocess.Popen(
+                cmd, cwd=REPO, env=child_env(i, args.env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             procs.append(p)
             live.append(p)
         failed = None
@@ -137,14 +178,20 @@ def run_job(args, worker: Path, worker_args: list, mode: str, rate: str, port: i
         for i in range(args.nodes):
             text = (log_dir / f"{tag}-node{i}.log").read_text(errors="replace").strip().splitlines()
             tails.append(f"--- node{i} ---\n" + "\n".join(text[-15:]))
-        return {"mode": mode, "rate": netns.rate_label(rate), "error": failed, "elapsed_s": elapsed,
-                "log_tail": "\n".join(tails)}
+        return {
+            "mode": mode,
+            "rate": netns.rate_label(rate),
+            "error": failed,
+            "elapsed_s": elapsed,
+            "log_tail": "\n".join(tails),
+        }
     res = json.loads(result_path.read_text())
     res.update(rate=netns.rate_label(rate), elapsed_s=elapsed)
     return res
 
 
 # ---------------------------------------------------------------------------------------- a sweep
+
 
 def sweep(args, modes: list, rates: list, worker: Path, worker_args, describe) -> tuple[list, int]:
     """Run `worker` for every mode at every rate (see the module docstring).
@@ -160,6 +207,7 @@ def sweep(args, modes: list, rates: list, worker: Path, worker_args, describe) -
 
     def on_term(signum, frame):
         raise Interrupted(f"signal {signum}")
+
     signal.signal(signal.SIGTERM, on_term)
 
     live: list = []
@@ -168,8 +216,7 @@ def sweep(args, modes: list, rates: list, worker: Path, worker_args, describe) -
     status = 0
     try:
         netns.up(args.nodes, None)
-        print(f"cluster up: {args.nodes} nodes x {args.ranks_per_node} ranks; rates {rates}; modes {modes}",
-              flush=True)
+        print(f"cluster up: {args.nodes} nodes x {args.ranks_per_node} ranks; rates {rates}; modes {modes}", flush=True)
         for rep in range(args.repeats):
             for mode in modes:
                 for rate in rates:
@@ -178,12 +225,14 @@ def sweep(args, modes: list, rates: list, worker: Path, worker_args, describe) -
                     port += 1
                     runs.append(res)
                     if "error" in res:
-                        print(f"[{rep}] {mode:>28} @ {rate:>7}: FAILED ({res['error']}) after "
-                              f"{res['elapsed_s']:.0f} s\n{res['log_tail']}", flush=True)
+                        print(
+                            f"[{rep}] {mode:>28} @ {rate:>7}: FAILED ({res['error']}) after "
+                            f"{res['elapsed_s']:.0f} s\n{res['log_tail']}",
+                            flush=True,
+                        )
                         status = 1
                     else:
-                        print(f"[{rep}] {mode:>28} @ {rate:>7}: {describe(res)} [{res['elapsed_s']:.0f} s]",
-                              flush=True)
+                        print(f"[{rep}] {mode:>28} @ {rate:>7}: {describe(res)} [{res['elapsed_s']:.0f} s]", flush=True)
     except (KeyboardInterrupt, Interrupted) as e:
         print(f"\ninterrupted ({str(e) or 'Ctrl-C'}): stopping the jobs and removing the namespaces", flush=True)
         status = 130

@@ -14,11 +14,11 @@ gradients and of DiLoCo's outer gradients (what the 2-bit thresholds are chosen 
 
     .venv/bin/python benchmarks/cluster/lm.py --steps 300
 """
+
 from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
 import random
 import statistics
@@ -37,17 +37,20 @@ SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 
 # ---------------------------------------------------------------------------------------- data
 
+
 @dataclass
 class Corpus:
-    train: torch.Tensor     # uint8, the training files end to end
-    val: torch.Tensor       # uint8, the validation files end to end
+    train: torch.Tensor  # uint8, the training files end to end
+    val: torch.Tensor  # uint8, the validation files end to end
     files: int
     val_files: int
-    digest: str             # sha256 of both parts, first 12 hex digits
+    digest: str  # sha256 of both parts, first 12 hex digits
 
     def describe(self) -> str:
-        return (f"corpus: {self.files} stdlib .py files ({self.val_files} for validation), "
-                f"{len(self.train) / 1e6:.2f} MB train + {len(self.val) / 1e6:.2f} MB val, sha256 {self.digest}")
+        return (
+            f"corpus: {self.files} stdlib .py files ({self.val_files} for validation), "
+            f"{len(self.train) / 1e6:.2f} MB train + {len(self.val) / 1e6:.2f} MB val, sha256 {self.digest}"
+        )
 
 
 def stdlib_files(root: str | None = None) -> list[Path]:
@@ -102,6 +105,7 @@ def validation_windows(val: torch.Tensor, count: int, context: int) -> torch.Ten
 
 # ---------------------------------------------------------------------------------------- model
 
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention, then a 4x MLP, each on a residual."""
 
@@ -130,7 +134,7 @@ class ByteLM(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, 256)
-        for name, p in self.named_parameters():      # GPT-2's initialisation
+        for name, p in self.named_parameters():  # GPT-2's initialisation
             if p.dim() >= 2 or name == "pos":
                 nn.init.normal_(p, std=0.02)
             elif name.endswith("bias"):
@@ -156,7 +160,7 @@ def validation_loss_sum(model, windows: torch.Tensor, chunk: int = 32) -> tuple[
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(windows), chunk):
-        w = windows[i:i + chunk]
+        w = windows[i : i + chunk]
         logits = model(w[:, :-1])
         total += F.cross_entropy(logits.reshape(-1, 256), w[:, 1:].reshape(-1), reduction="sum").item()
         count += w[:, 1:].numel()
@@ -185,11 +189,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build(args) -> ByteLM:
-    torch.manual_seed(0)                    # every rank builds the same parameters
+    torch.manual_seed(0)  # every rank builds the same parameters
     return ByteLM(args.dim, args.layers, args.heads, args.context)
 
 
 # ---------------------------------------------------------------------------------------- sizing
+
 
 def percentiles(t: torch.Tensor) -> str:
     a = t.abs().flatten()
@@ -213,8 +218,10 @@ def main(argv=None) -> int:
     print(f"{corpus.describe()} (loaded in {time.perf_counter() - t0:.2f} s)")
     model = build(args)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: dim {args.dim}, {args.layers} layers, {args.heads} heads, context {args.context}: "
-          f"{n_params / 1e6:.3f}M parameters, {n_params * 4 / 1e6:.2f} MB fp32 gradient")
+    print(
+        f"model: dim {args.dim}, {args.layers} layers, {args.heads} heads, context {args.context}: "
+        f"{n_params / 1e6:.3f}M parameters, {n_params * 4 / 1e6:.2f} MB fp32 gradient"
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     data = batches(corpus.train, args.batch, args.context, seed=0)
     windows = validation_windows(corpus.val, args.val_windows, args.context)
@@ -230,23 +237,31 @@ def main(argv=None) -> int:
         if step in (0, 50, args.steps // 2):
             # 2-bit compresses a node's SUM of its ranks' gradients: with M ranks a node, about M x
             # these per-rank values (less when the ranks' gradients disagree).
-            print(f"  step {step}: |gradient| per rank {percentiles(torch.cat([q.grad.flatten() for q in model.parameters()]))}")
+            print(
+                f"  step {step}: |gradient| per rank {percentiles(torch.cat([q.grad.flatten() for q in model.parameters()]))}"
+            )
         opt.step()
         times.append(time.perf_counter() - t)
         if (step + 1) % args.sync_every == 0:
             if (step + 1) // args.sync_every in (1, 3, args.steps // (2 * args.sync_every)):
                 # DiLoCo's outer gradient: the parameters H steps ago minus now (one replica's)
                 delta = torch.cat([(a - q).flatten() for a, q in zip(start, model.parameters())])
-                print(f"  steps {step + 2 - args.sync_every}..{step + 1}: |outer gradient| over "
-                      f"H={args.sync_every} {percentiles(delta)}")
+                print(
+                    f"  steps {step + 2 - args.sync_every}..{step + 1}: |outer gradient| over "
+                    f"H={args.sync_every} {percentiles(delta)}"
+                )
             start = [q.detach().clone() for q in model.parameters()]
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             t = time.perf_counter()
             total, count = validation_loss_sum(model, windows)
-            print(f"step {step + 1:4d}: train {loss.item():.3f}, val {total / count:.3f} "
-                  f"(eval {time.perf_counter() - t:.2f} s), step {statistics.median(times[-args.eval_every:]):.4f} s")
-    print(f"median step {statistics.median(times[5:]):.4f} s on {args.threads} thread(s); "
-          f"{args.batch * args.context} tokens per step")
+            print(
+                f"step {step + 1:4d}: train {loss.item():.3f}, val {total / count:.3f} "
+                f"(eval {time.perf_counter() - t:.2f} s), step {statistics.median(times[-args.eval_every :]):.4f} s"
+            )
+    print(
+        f"median step {statistics.median(times[5:]):.4f} s on {args.threads} thread(s); "
+        f"{args.batch * args.context} tokens per step"
+    )
     return 0
 
 

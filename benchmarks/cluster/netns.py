@@ -21,6 +21,7 @@ ranks of one real host; only traffic between nodes crosses the shaped links.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`). The same functions are used by run.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,12 @@ import sys
 PREFIX = "cmn"
 BRIDGE_NS = PREFIX + "br"
 BRIDGE = "br0"
-IFNAME = "eth0"                  # the node's link, as seen inside its namespace (GLOO_SOCKET_IFNAME)
-SUBNET = "10.77.0"               # 10.77.0.0/24, node I is 10.77.0.{I+1}
+IFNAME = "eth0"  # the node's link, as seen inside its namespace (GLOO_SOCKET_IFNAME)
+SUBNET = "10.77.0"  # 10.77.0.0/24, node I is 10.77.0.{I+1}
 MAX_NODES = 200
 _NODE_NS = re.compile(rf"^{PREFIX}(\d+|br)$")
 
-ETC_NETNS = "/etc/netns"          # `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts
+ETC_NETNS = "/etc/netns"  # `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts
 UNLIMITED = ("", "none", "0", "unlimited", "inf")
 
 
@@ -80,7 +81,7 @@ def parse_rate(rate: str | None) -> int | None:
     if not m:
         raise ValueError(f"cannot read rate {rate!r}: use e.g. 100mbit, 1gbit, 10gbit or none")
     value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    if m.group(3) == "bps":      # tc's bps means bytes per second
+    if m.group(3) == "bps":  # tc's bps means bytes per second
         value *= 8
     if value <= 0:
         return None
@@ -105,8 +106,22 @@ def _shape(ns: str, dev: str, bits: int | None) -> None:
     # whole) and a queue of at most 50 ms: a few packets burst at line speed, anything longer is
     # held to the rate.
     burst = max(int(bits / 8 * 0.004), 128 * 1024)
-    _ns(ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-        "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms")
+    _ns(
+        ns,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{bits}bit",
+        "burst",
+        str(burst),
+        "latency",
+        "50ms",
+    )
 
 
 def set_rate(rate: str | None) -> None:
@@ -138,7 +153,7 @@ def down() -> None:
             if _NODE_NS.match(name):
                 shutil.rmtree(os.path.join(ETC_NETNS, name), ignore_errors=True)
         try:
-            os.rmdir(ETC_NETNS)            # only if nothing else lives there
+            os.rmdir(ETC_NETNS)  # only if nothing else lives there
         except OSError:
             pass
 
@@ -196,8 +211,11 @@ def check_connectivity(k: int, port: int = 29399) -> None:
     listeners = []
     try:
         for j in range(k):
-            p = subprocess.Popen(["ip", "netns", "exec", node_ns(j), sys.executable, "-c", _LISTEN,
-                                  node_addr(j), str(port), str(k - 1)], stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen(
+                ["ip", "netns", "exec", node_ns(j), sys.executable, "-c", _LISTEN, node_addr(j), str(port), str(k - 1)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             listeners.append(p)
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"listener in {node_ns(j)} did not start")
@@ -241,8 +259,11 @@ c.close()
 
 def measure_bandwidth(src: int = 1, dst: int = 0, seconds: float = 2.0, port: int = 29398) -> float:
     """TCP throughput of one stream from node src to node dst, in bits per second."""
-    sink = subprocess.Popen(["ip", "netns", "exec", node_ns(dst), sys.executable, "-c", _SINK,
-                             node_addr(dst), str(port)], stdout=subprocess.PIPE, text=True)
+    sink = subprocess.Popen(
+        ["ip", "netns", "exec", node_ns(dst), sys.executable, "-c", _SINK, node_addr(dst), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         if sink.stdout.readline().strip() != "ready":
             raise RuntimeError("bandwidth sink did not start")
@@ -281,8 +302,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "up":
         up(args.nodes, args.rate)
-        print(f"up: {args.nodes} nodes ({', '.join(f'{node_ns(i)}={node_addr(i)}' for i in range(args.nodes))}), "
-              f"link {rate_label(args.rate)}")
+        print(
+            f"up: {args.nodes} nodes ({', '.join(f'{node_ns(i)}={node_addr(i)}' for i in range(args.nodes))}), "
+            f"link {rate_label(args.rate)}"
+        )
     elif args.cmd == "rate":
         set_rate(args.rate)
         print(f"rate: {rate_label(args.rate)} on {nodes()} nodes")

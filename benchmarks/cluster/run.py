@@ -26,6 +26,7 @@ cluster.json (every run and the table), cluster.md and cluster.png.
 The namespaces are created at the start and removed at the end, on errors and on Ctrl-C too
 (--keep-up leaves them). Needs root.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,10 @@ import netns  # noqa: E402
 
 TRAIN = HERE / "train.py"
 TASKS = ("synthetic", "lm")
-DEFAULT_MODES = ("gloo,flat,hierarchical,two_dimensional,flat+fp16,flat+db,flat+fp16+db,two_dimensional+fp16+db,"
-                 "flat+2bit,flat+2bit+db,flat+2bit+cr+db,flat+1bit+cr+db,flat+2bit+fp16+db")
+DEFAULT_MODES = (
+    "gloo,flat,hierarchical,two_dimensional,flat+fp16,flat+db,flat+fp16+db,two_dimensional+fp16+db,"
+    "flat+2bit,flat+2bit+db,flat+2bit+cr+db,flat+1bit+cr+db,flat+2bit+fp16+db"
+)
 DEFAULT_RATES = "none,1gbit,500mbit,100mbit"
 HOOK_FLAGS = ("fp16", "bf16", "db", "2bit", "1bit", "cr")  # modes that need torch_chainermn.hooks
 COMPRESSED = ("2bit", "1bit")  # the flags of gradient compression
@@ -66,8 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     p.add_argument("--threshold", type=float, default=0.5, help="2-bit compression's threshold (+2bit modes)")
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: one table from earlier results "
-                   "(their runs pooled, medians per cell), written as --name")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: one table from earlier results (their runs pooled, medians per cell), written as --name",
+    )
     return p.parse_args(argv)
 
 
@@ -77,23 +84,44 @@ def hooks_available() -> bool:
 
 # ---------------------------------------------------------------------------------------- one run
 
+
 def train_args(args, mode: str, rate: str) -> list:
     """train.py's arguments for one run (the same at every rate)."""
-    return ["--mode", mode, "--params", str(args.params), "--layers", str(args.layers),
-            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--threshold", str(args.threshold),
-            "--compute-steps", str(args.compute_steps), "--comm-steps", str(args.comm_steps),
-            "--timeout", str(int(args.run_timeout))]
+    return [
+        "--mode",
+        mode,
+        "--params",
+        str(args.params),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threshold",
+        str(args.threshold),
+        "--compute-steps",
+        str(args.compute_steps),
+        "--comm-steps",
+        str(args.comm_steps),
+        "--timeout",
+        str(int(args.run_timeout)),
+    ]
 
 
 def describe(res: dict) -> str:
     fmt = lambda v: f"{v:.3f} s" if v is not None else "-"  # noqa: E731
-    return (f"step {res['step_s']:.3f} s (min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute only "
-            f"{fmt(res.get('compute_s'))}, comm only {fmt(res.get('comm_s'))}, "
-            f"{res['cpu_per_step_s'] / res['step_s']:.2f} cores busy, {res['samples_per_s']:.1f} samples/s")
+    return (
+        f"step {res['step_s']:.3f} s (min {res['step_min_s']:.3f}, max {res['step_max_s']:.3f}), compute only "
+        f"{fmt(res.get('compute_s'))}, comm only {fmt(res.get('comm_s'))}, "
+        f"{res['cpu_per_step_s'] / res['step_s']:.2f} cores busy, {res['samples_per_s']:.1f} samples/s"
+    )
 
 
 # ---------------------------------------------------------------------------------------- table
+
 
 def summarise(runs: list, modes: list, rates: list) -> list:
     cells = {}
@@ -109,8 +137,11 @@ def summarise(runs: list, modes: list, rates: list) -> list:
             row = {"mode": mode, "rate": rate, "runs": len(got), "errors": errs}
             if got:
                 row["step_s"] = statistics.median(r["step_s"] for r in got)
-                row["compute_s"] = statistics.median(r["compute_s"] for r in got if r.get("compute_s") is not None) \
-                    if any(r.get("compute_s") is not None for r in got) else None
+                row["compute_s"] = (
+                    statistics.median(r["compute_s"] for r in got if r.get("compute_s") is not None)
+                    if any(r.get("compute_s") is not None for r in got)
+                    else None
+                )
                 row["samples_per_s"] = got[0]["world_size"] * got[0]["batch"] / row["step_s"]
                 for key in ("comm_s", "cpu_per_step_s"):
                     vals = [r[key] for r in got if r.get(key) is not None]
@@ -131,16 +162,21 @@ def summarise(runs: list, modes: list, rates: list) -> list:
 
 
 def markdown(rows, base_rate, best_base, best_mode, meta) -> str:
-    out = [f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.1f}M parameters "
-           f"({meta['grad_mb']:.0f} MB fp32 gradient), batch {meta['batch']} per rank, median of "
-           f"{meta['repeats']} run(s) x {meta['steps']} steps"
-           f"{'; environment ' + ' '.join(meta['env']) if meta.get('env') else ''}"
-           f"{'; 2-bit threshold ' + str(meta.get('threshold', 0.5)) if any(is_compressed(m) for m in meta['modes']) else ''}"
-           f"; best with no limit ({base_rate}): "
-           f"{best_mode} {best_base:.3f} s" if best_base else "no successful baseline run", "",
-           f"| mode | link | step (s) | samples/s | efficiency vs same mode at {base_rate} "
-           f"| x best at {base_rate} | compute only (s) | comm only (s) | CPU cores busy |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.1f}M parameters "
+        f"({meta['grad_mb']:.0f} MB fp32 gradient), batch {meta['batch']} per rank, median of "
+        f"{meta['repeats']} run(s) x {meta['steps']} steps"
+        f"{'; environment ' + ' '.join(meta['env']) if meta.get('env') else ''}"
+        f"{'; 2-bit threshold ' + str(meta.get('threshold', 0.5)) if any(is_compressed(m) for m in meta['modes']) else ''}"
+        f"; best with no limit ({base_rate}): "
+        f"{best_mode} {best_base:.3f} s"
+        if best_base
+        else "no successful baseline run",
+        "",
+        f"| mode | link | step (s) | samples/s | efficiency vs same mode at {base_rate} "
+        f"| x best at {base_rate} | compute only (s) | comm only (s) | CPU cores busy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if "step_s" not in r:
             out.append(f"| {r['mode']} | {r['rate']} | FAILED: {'; '.join(r['errors']) or 'not run'} | | | | | | |")
@@ -150,8 +186,10 @@ def markdown(rows, base_rate, best_base, best_mode, meta) -> str:
         vs = f"{r['vs_best_unlimited']:.2f}x" if r.get("vs_best_unlimited") else "-"
         comm = f"{r['comm_s']:.3f}" if r.get("comm_s") is not None else "-"
         cores = f"{r['cpu_per_step_s'] / r['step_s']:.2f}" if r.get("cpu_per_step_s") is not None else "-"
-        out.append(f"| {r['mode']} | {r['rate']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {eff} | {vs} "
-                   f"| {comp} | {comm} | {cores} |")
+        out.append(
+            f"| {r['mode']} | {r['rate']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {eff} | {vs} "
+            f"| {comp} | {comm} | {cores} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -183,18 +221,21 @@ def verdict(rows, base_rate) -> list:
         gloo_text = f"gloo {gloo_ratio:.2f}x its unlimited time" if gloo_ratio else "gloo not measured"
         own = f", {vs_own:.3f}x its own unlimited time" if vs_own else ""
         target = TARGETS.get(rate)
-        outcome = (f"target {target}x {'MET' if vs_best <= target else 'not met'}" if target
-                   else "no target at this rate")
+        outcome = (
+            f"target {target}x {'MET' if vs_best <= target else 'not met'}" if target else "no target at this rate"
+        )
         lines.append(
             f"- {rate} ({gloo_text}): best compressed mode {best['mode']} {best['step_s']:.3f} s = "
             f"{vs_best:.3f}x the best unlimited time ({best_base_mode} {base[best_base_mode]:.3f} s){own} "
-            f"-> {outcome}")
+            f"-> {outcome}"
+        )
     return lines
 
 
 def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -209,7 +250,9 @@ def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
     if best_base:
         ax.axhline(best_base, color="k", lw=0.8, ls="--", label="best, no limit")
         for (rate, factor), style in zip(TARGETS.items(), (":", "-.")):
-            ax.axhline(factor * best_base, color="gray", lw=0.8, ls=style, label=f"{factor} x best, no limit ({rate} target)")
+            ax.axhline(
+                factor * best_base, color="gray", lw=0.8, ls=style, label=f"{factor} x best, no limit ({rate} target)"
+            )
     ax.set_xticks(range(len(modes)))
     ax.set_xticklabels(modes, rotation=20, ha="right")
     steps = [r["step_s"] for r in rows if "step_s" in r]
@@ -227,6 +270,7 @@ def plot(rows, modes, rates, best_base, path: Path, title: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------- main
 
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     task = argparse.ArgumentParser(add_help=False)
@@ -234,6 +278,7 @@ def main(argv=None) -> int:
     known, rest = task.parse_known_args(argv)
     if known.task == "lm":
         import lm_task
+
         return lm_task.main(rest)
     args = parse_args(argv)
     if args.merge:
@@ -250,14 +295,24 @@ def main(argv=None) -> int:
     if not runs:
         return status or 1
     ok = [r for r in runs if "error" not in r]
-    meta = {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "batch": args.batch, "env": args.env,
-            "threshold": args.threshold,
-            "params_m": (ok[0]["params"] / 1e6) if ok else args.params,
-            "grad_mb": (ok[0]["grad_mb"]) if ok else args.params * 4,
-            "layers": args.layers, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "rates": rates, "modes": modes, "command": " ".join(["benchmarks/cluster/run.py"] + argv),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "total_s": time.time() - started}
+    meta = {
+        "nodes": args.nodes,
+        "ranks_per_node": args.ranks_per_node,
+        "batch": args.batch,
+        "env": args.env,
+        "threshold": args.threshold,
+        "params_m": (ok[0]["params"] / 1e6) if ok else args.params,
+        "grad_mb": (ok[0]["grad_mb"]) if ok else args.params * 4,
+        "layers": args.layers,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rates": rates,
+        "modes": modes,
+        "command": " ".join(["benchmarks/cluster/run.py"] + argv),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "total_s": time.time() - started,
+    }
     report(runs, meta, out_dir=Path(args.out_dir), name=args.name)
     return status
 
@@ -269,15 +324,21 @@ def report(runs: list, meta: dict, out_dir: Path, name: str) -> None:
     table = markdown(rows, base_rate, best_base, best_mode, meta)
     checks = verdict(rows, base_rate)
     if checks:
-        table += "\nTarget (issue 22; the best compressed mode's step time within " + \
-                 ", ".join(f"{f}x at {r}" for r, f in TARGETS.items()) + \
-                 " of the best unlimited mode's):\n" + "\n".join(checks) + "\n"
+        table += (
+            "\nTarget (issue 22; the best compressed mode's step time within "
+            + ", ".join(f"{f}x at {r}" for r, f in TARGETS.items())
+            + " of the best unlimited mode's):\n"
+            + "\n".join(checks)
+            + "\n"
+        )
     print("\n" + table)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": runs}, indent=1))
     (out_dir / f"{name}.md").write_text(f"`{meta['command']}`\n\n{table}")
-    title = (f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.0f}M params, "
-             f"batch {meta['batch']}/rank (simulated cluster, 2-core host)")
+    title = (
+        f"{meta['nodes']} nodes x {meta['ranks_per_node']} ranks, {meta['params_m']:.0f}M params, "
+        f"batch {meta['batch']}/rank (simulated cluster, 2-core host)"
+    )
     note = plot(rows, modes, rates, best_base, out_dir / f"{name}.png", title)
     print(note or f"wrote {out_dir}/{name}.{{json,md,png}} ({meta.get('total_s', 0):.0f} s of runs)")
 
@@ -291,10 +352,16 @@ def merge(paths: list, out_dir: Path, name: str) -> int:
         metas.append(data["meta"])
     meta = dict(metas[0])
     key = ("nodes", "ranks_per_node", "batch", "params_m", "layers", "env")
-    if any(tuple(m.get(k) for k in key) != tuple(meta.get(k) for k in key)
-           or m.get("threshold", 0.5) != meta.get("threshold", 0.5) for m in metas):
-        print("merge: the files were measured with different --nodes/--ranks-per-node/--batch/--params/--layers"
-              "/--threshold", file=sys.stderr)
+    if any(
+        tuple(m.get(k) for k in key) != tuple(meta.get(k) for k in key)
+        or m.get("threshold", 0.5) != meta.get("threshold", 0.5)
+        for m in metas
+    ):
+        print(
+            "merge: the files were measured with different --nodes/--ranks-per-node/--batch/--params/--layers"
+            "/--threshold",
+            file=sys.stderr,
+        )
         return 2
     meta["modes"] = list(dict.fromkeys(mo for m in metas for mo in m["modes"]))
     meta["rates"] = list(dict.fromkeys(r for m in metas for r in m["rates"]))

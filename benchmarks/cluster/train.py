@@ -39,6 +39,7 @@ allocates its residuals) measure the communication alone; the CPU time
 of every rank process during the timed steps is reported too (cpu_per_step_s, summed over ranks).
 Rank 0 prints one JSON line and, with --json, writes it to that file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compute-steps", type=int, default=3, help="steps without communication (0: skip)")
-    p.add_argument("--comm-steps", type=int, default=1,
-                   help="rounds of allreduce alone (the gradient's buckets, wire dtype; 0: skip)")
+    p.add_argument(
+        "--comm-steps",
+        type=int,
+        default=1,
+        help="rounds of allreduce alone (the gradient's buckets, wire dtype; 0: skip)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threshold", type=float, default=0.5, help="2-bit compression's threshold (+2bit modes)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
@@ -123,11 +128,13 @@ def install_hook(model, base: str, flags: set, threshold: float = 0.5):
     if base == "gloo":
         if "fp16" in flags:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
     if not flags - {"noshm"}:
-        return None                                  # DDP's own allreduce on the chainermn group
+        return None  # DDP's own allreduce on the chainermn group
     import torch_chainermn.hooks as hooks
+
     compression = compression_settings(flags, threshold)
     if compression is not None:
         state = hooks.GradientCompressionState(process_group=None, **compression)
@@ -155,15 +162,16 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
 
     from datetime import timedelta
+
     timeout = timedelta(seconds=args.timeout)
     if base == "gloo":
         dist.init_process_group("gloo", timeout=timeout)
     else:
         if "noshm" in flags:
-            os.environ["CHAINERMN_SHM"] = "0"        # the node's ranks meet over Gloo, not shared memory
+            os.environ["CHAINERMN_SHM"] = "0"  # the node's ranks meet over Gloo, not shared memory
         import torch_chainermn
-        dist.init_process_group("chainermn", timeout=timeout,
-                                pg_options=torch_chainermn.Options(communicator=base))
+
+        dist.init_process_group("chainermn", timeout=timeout, pg_options=torch_chainermn.Options(communicator=base))
     rank, world = dist.get_rank(), dist.get_world_size()
     phases = {"import": T_IMPORTED - T_START, "init": time.time() - T_IMPORTED}
     t_phase = time.time()
@@ -200,7 +208,7 @@ def main(argv=None) -> int:
     phases["warmup"] = time.time() - t_phase
     times = []
     t_start = time.perf_counter()
-    cpu_start = time.process_time()          # this process, every thread (the backend's workers too)
+    cpu_start = time.process_time()  # this process, every thread (the backend's workers too)
     for _ in range(args.steps):
         t0 = time.perf_counter()
         loss = step()
@@ -228,11 +236,12 @@ def main(argv=None) -> int:
     compression = compression_settings(flags, args.threshold)
     wire = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else torch.float32
     if compression is not None:
-        wire = torch.float32                  # compressed modes: float32 gradients, compressed in the backend
+        wire = torch.float32  # compressed modes: float32 gradients, compressed in the backend
     per_bucket = int(args.bucket_cap_mb * 2**20 / 4)
     bufs = [torch.zeros(min(per_bucket, n_params - i), dtype=wire) for i in range(0, n_params, per_bucket)]
 
     if compression is None:
+
         def comm_round():
             for w in [dist.all_reduce(b, async_op=True) for b in bufs]:
                 w.wait()
@@ -240,17 +249,19 @@ def main(argv=None) -> int:
         # The compressed mean of each bucket, as the hook runs it (one GradientCompression per buffer,
         # so each keeps one layout and its own residual; the training state's residuals stay untouched).
         from torch_chainermn.compression import GradientCompression
+
         compressors = [GradientCompression(None, **compression) for _ in bufs]
 
         def comm_round():
             works = [c.start([b], ((id(b), 0, b.numel()),)) for c, b in zip(compressors, bufs)]
             for w in works:
                 w.wait()
+
         if args.comm_steps:
-            comm_round()                      # allocates the residuals (a first step's cost, not a step's)
+            comm_round()  # allocates the residuals (a first step's cost, not a step's)
     comm = []
     comm_cpu = 0.0
-    dist.barrier()                            # the connections and buffers are warm from training
+    dist.barrier()  # the connections and buffers are warm from training
     for i in range(args.comm_steps):
         t0 = time.perf_counter()
         c0 = time.process_time()
@@ -260,36 +271,62 @@ def main(argv=None) -> int:
     dist.barrier()
     phases["comm"] = time.time() - t_phase
 
-    mine = {"rank": rank, "host": os.environ.get("CHAINERMN_HOSTNAME", socket.gethostname()),
-            "times": times, "wall": wall, "cpu": cpu, "compute": compute, "comm": comm,
-            "compute_cpu": compute_cpu, "comm_cpu": comm_cpu, "loss": float(loss.detach())}
+    mine = {
+        "rank": rank,
+        "host": os.environ.get("CHAINERMN_HOSTNAME", socket.gethostname()),
+        "times": times,
+        "wall": wall,
+        "cpu": cpu,
+        "compute": compute,
+        "comm": comm,
+        "compute_cpu": compute_cpu,
+        "comm_cpu": comm_cpu,
+        "loss": float(loss.detach()),
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
         slowest = [max(r["times"][i] for r in everyone) for i in range(args.steps)]
         step_s = statistics.median(slowest)
-        compute_s = (statistics.median([max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)])
-                     if args.compute_steps else None)
-        comm_s = (statistics.median([max(r["comm"][i] for r in everyone) for i in range(args.comm_steps)])
-                  if args.comm_steps else None)
+        compute_s = (
+            statistics.median([max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)])
+            if args.compute_steps
+            else None
+        )
+        comm_s = (
+            statistics.median([max(r["comm"][i] for r in everyone) for i in range(args.comm_steps)])
+            if args.comm_steps
+            else None
+        )
         transport = None
         if base != "gloo":
             import torch_chainermn
+
             transport = torch_chainermn.transport()
         result = {
-            "mode": args.mode, "world_size": world,
+            "mode": args.mode,
+            "world_size": world,
             "nodes": len({r["host"] for r in everyone}),
-            "params": n_params, "grad_mb": n_params * 4 / 1e6, "width": width, "layers": args.layers,
-            "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "transport": transport,
-            "compression": ({**compression, "result_dtype": str(compression["result_dtype"])}
-                            if compression else None),
-            "step_s": step_s, "step_min_s": min(slowest), "step_max_s": max(slowest),
+            "params": n_params,
+            "grad_mb": n_params * 4 / 1e6,
+            "width": width,
+            "layers": args.layers,
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "transport": transport,
+            "compression": ({**compression, "result_dtype": str(compression["result_dtype"])} if compression else None),
+            "step_s": step_s,
+            "step_min_s": min(slowest),
+            "step_max_s": max(slowest),
             "wall_per_step_s": max(r["wall"] for r in everyone) / args.steps,
-            "compute_s": compute_s, "comm_s": comm_s,
+            "compute_s": compute_s,
+            "comm_s": comm_s,
             # CPU seconds per step, summed over the ranks: how many cores the job kept busy
             "cpu_per_step_s": sum(r["cpu"] for r in everyone) / args.steps,
-            "compute_cpu_per_step_s": (sum(r["compute_cpu"] for r in everyone) / args.compute_steps
-                                       if args.compute_steps else None),
+            "compute_cpu_per_step_s": (
+                sum(r["compute_cpu"] for r in everyone) / args.compute_steps if args.compute_steps else None
+            ),
             "comm_cpu_per_round_s": sum(r["comm_cpu"] for r in everyone) / args.comm_steps if args.comm_steps else None,
             "step_times_s": [round(t, 3) for t in slowest],
             "samples_per_s": world * args.batch / step_s,

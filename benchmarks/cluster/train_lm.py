@@ -72,6 +72,7 @@ torch.profiler and writes its Chrome trace to DIR/rank<R>.json (`python -m torch
 DIR` draws them, docs/observability.md). Writing the traces takes time on the training clock: a
 profiled run's times are not for the tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,15 +92,53 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lm  # noqa: E402
 
-DDP_MODES = ("gloo", "chainermn", "db", "fp16+db", "fp16+db+dc", "2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr",
-             "4bit+cr", "4bit+int8", "powersgd", "overlap", "overlap+int8", "overlap+4bit")
+DDP_MODES = (
+    "gloo",
+    "chainermn",
+    "db",
+    "fp16+db",
+    "fp16+db+dc",
+    "2bit",
+    "1bit",
+    "2bit+cr",
+    "1bit+cr",
+    "int8",
+    "4bit",
+    "int8+cr",
+    "4bit+cr",
+    "4bit+int8",
+    "powersgd",
+    "overlap",
+    "overlap+int8",
+    "overlap+4bit",
+)
 CODE_MODES = ("2bit", "1bit", "2bit+cr", "1bit+cr", "int8", "4bit", "int8+cr", "4bit+cr", "4bit+int8")
 # Replicas synced every H steps; "+topk": that code for the outer gradients (else streaming's --outer-code).
 # "+eager": DiLoCo's eager outer updates (each exchange in flight for the next round).
-LOCAL_MODES = ("localsgd", "diloco", "streaming", "streaming-ranks", "diloco+topk", "streaming+topk", "diloco+4bit",
-               "streaming+4bit", "diloco+eager", "diloco+4bit+eager", "diloco+topk+eager")
-FSDP_MODES = ("fsdp-gloo", "fsdp", "fsdp-2hop", "fsdp-int8", "fsdp-int8-hpz", "fsdp-2bit", "fsdp-2bit-int8",
-              "fsdp-2bit-int8-hpz", "fsdp-1bit-int8-hpz")  # sharded, no compute-alone phase
+LOCAL_MODES = (
+    "localsgd",
+    "diloco",
+    "streaming",
+    "streaming-ranks",
+    "diloco+topk",
+    "streaming+topk",
+    "diloco+4bit",
+    "streaming+4bit",
+    "diloco+eager",
+    "diloco+4bit+eager",
+    "diloco+topk+eager",
+)
+FSDP_MODES = (
+    "fsdp-gloo",
+    "fsdp",
+    "fsdp-2hop",
+    "fsdp-int8",
+    "fsdp-int8-hpz",
+    "fsdp-2bit",
+    "fsdp-2bit-int8",
+    "fsdp-2bit-int8-hpz",
+    "fsdp-1bit-int8-hpz",
+)  # sharded, no compute-alone phase
 MODES = DDP_MODES + LOCAL_MODES + FSDP_MODES
 TX_BYTES = Path("/sys/class/net/eth0/statistics/tx_bytes")
 
@@ -122,40 +161,67 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     # median 1e-3, 90th percentile 5e-3 (lm.py); each node's two ranks hold the same one, so the
     # node sum that is compressed is twice that: 5e-3, about its mean. At H=8 (smaller outer
     # gradients: more is held back a round) streaming still reached 2.58 after 160 steps.
-    p.add_argument("--outer-threshold", type=float, default=5e-3, help="2-bit threshold for streaming's outer gradients")
-    p.add_argument("--outer-code", default="2bit", help="streaming's code for the outer gradients: 2bit, topk, int8, 4bit")
+    p.add_argument(
+        "--outer-threshold", type=float, default=5e-3, help="2-bit threshold for streaming's outer gradients"
+    )
+    p.add_argument(
+        "--outer-code", default="2bit", help="streaming's code for the outer gradients: 2bit, topk, int8, 4bit"
+    )
     p.add_argument("--outer-block", type=int, default=256, help="values per block of streaming's topk/int8/4bit code")
     p.add_argument("--outer-keep", type=int, default=8, help="values kept per block by streaming's topk code")
     # H=8: a budget of 160 steps leaves DiLoCo 10 outer steps at H=16 (with a 4-layer model it was
     # at 2.75 after 200 steps where DDP was at 2.44); H=8 gives 20 and still sends 1/4 of DDP's
     # bytes per step.
-    p.add_argument("--sync-every", type=int, default=8, help="H: inner steps between syncs (localsgd, diloco, streaming)")
+    p.add_argument(
+        "--sync-every", type=int, default=8, help="H: inner steps between syncs (localsgd, diloco, streaming)"
+    )
     p.add_argument("--fragments", type=int, default=2, help="F: streaming's fragments")
-    p.add_argument("--fragment-delay", type=int, default=2, help="tau: steps a fragment's exchange is in flight (< H/F)")
-    p.add_argument("--fragment-alpha", type=float, default=0.5,
-                   help="streaming: the share of its own value a fragment keeps at the merge (fragment_update_alpha)")
-    p.add_argument("--buckets", type=int, default=0,
-                   help="DDP's buckets, about this many (bucket_cap_mb = the gradient's size / this); 0: DDP's "
-                        "default 25 MB (one bucket here), 8 for the overlap modes")
+    p.add_argument(
+        "--fragment-delay", type=int, default=2, help="tau: steps a fragment's exchange is in flight (< H/F)"
+    )
+    p.add_argument(
+        "--fragment-alpha",
+        type=float,
+        default=0.5,
+        help="streaming: the share of its own value a fragment keeps at the merge (fragment_update_alpha)",
+    )
+    p.add_argument(
+        "--buckets",
+        type=int,
+        default=0,
+        help="DDP's buckets, about this many (bucket_cap_mb = the gradient's size / this); 0: DDP's "
+        "default 25 MB (one bucket here), 8 for the overlap modes",
+    )
     p.add_argument("--outer-lr", type=float, default=0.8)
     # Plain SGD (no momentum) at 0.8: the paper's Nesterov 0.9 is for H=500 and thousands of steps;
     # with H=8 and 20 outer steps any momentum overshoots (2026-11-28, 160 steps: Nesterov 0.7/0.9
     # 2.92, 0.7/0.5 2.61, SGD 1.0 2.53 = LocalSGD, SGD 0.8 2.41; at H=1 Nesterov 0.7/0.5 gave 2.63
     # where SGD 1.0 gives DDP's 2.44). docs/low-communication.md has the runs.
     p.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov momentum when > 0, else plain SGD")
-    p.add_argument("--replica-start", choices=["same", "broadcast"], default="same",
-                   help="localsgd/diloco/streaming: 'same' (every rank built the model from seed 0: proved by "
-                        "checksums, nothing broadcast) or 'broadcast' (rank 0's model over the link)")
-    p.add_argument("--diloco-warmup", type=int, default=0,
-                   help="DiLoCo's warm start (diloco, streaming): the first N steps are DDP's (warmup_steps)")
+    p.add_argument(
+        "--replica-start",
+        choices=["same", "broadcast"],
+        default="same",
+        help="localsgd/diloco/streaming: 'same' (every rank built the model from seed 0: proved by "
+        "checksums, nothing broadcast) or 'broadcast' (rank 0's model over the link)",
+    )
+    p.add_argument(
+        "--diloco-warmup",
+        type=int,
+        default=0,
+        help="DiLoCo's warm start (diloco, streaming): the first N steps are DDP's (warmup_steps)",
+    )
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--powersgd-start", type=int, default=10, help="steps of plain allreduce before PowerSGD")
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
     """Profiling a few steps of every rank (shared with the driver, lm_task.py)."""
-    p.add_argument("--profile-dir", default=None,
-                   help="every rank writes torch.profiler's Chrome trace of the profiled steps to DIR/rank<R>.json")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="every rank writes torch.profiler's Chrome trace of the profiled steps to DIR/rank<R>.json",
+    )
     p.add_argument("--profile-start", type=int, default=4, help="the first profiled step (from 1)")
     p.add_argument("--profile-steps", type=int, default=2, help="how many steps are profiled")
 
@@ -168,14 +234,18 @@ def step_profiler(args, rank: int):
     if not args.profile_dir:
         return None
     from torch.profiler import ProfilerActivity, profile, schedule
+
     if args.profile_start < 2:
         raise SystemExit("--profile-start must be 2 or more (the step before it warms the profiler up)")
     path = Path(args.profile_dir) / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     # record_shapes: the ops' shapes and the phases' transports and bytes (docs/observability.md).
-    return profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-                   schedule=schedule(wait=args.profile_start - 2, warmup=1, active=args.profile_steps, repeat=1),
-                   on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)))
+    return profile(
+        activities=[ProfilerActivity.CPU],
+        record_shapes=True,
+        schedule=schedule(wait=args.profile_start - 2, warmup=1, active=args.profile_steps, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
+    )
 
 
 def parse_args(argv=None):
@@ -204,8 +274,9 @@ def setup(args, model):
     if args.mode in LOCAL_MODES:
         import torch_chainermn
         from torch_chainermn.hooks import GradientCompressionState
+
         if args.mode == "streaming-ranks":
-            ddp = model                                  # every rank its own replica
+            ddp = model  # every rank its own replica
         else:
             # One replica per node. Every rank built the same parameters from seed 0: no start-up
             # broadcast (init_sync=False).
@@ -213,21 +284,38 @@ def setup(args, model):
         if args.mode == "localsgd":
             local_sgd = torch_chainermn.LocalSGD(ddp, inner, sync_every=args.sync_every, start=args.replica_start)
             return ddp, inner, local_sgd, local_sgd.flush
-        outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
-                                nesterov=args.outer_momentum > 0)
+        outer = torch.optim.SGD(
+            model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=args.outer_momentum > 0
+        )
         eager = args.mode.endswith("+eager")
         base = args.mode.removesuffix("+eager")
         streaming = base.startswith("streaming")
         code = base.partition("+")[2] or (args.outer_code if streaming else None)
-        compression = (GradientCompressionState(type=code, threshold=args.outer_threshold, block=args.outer_block,
-                                                keep=args.outer_keep, compress_result=True)
-                       if code else None)
-        diloco = torch_chainermn.DiLoCo(ddp, inner, outer, sync_every=args.sync_every, process_group=None,
-                                        fragments=args.fragments if streaming else 1,
-                                        fragment_delay=args.fragment_delay if streaming else 0,
-                                        compression=compression, warmup_steps=args.diloco_warmup,
-                                        fragment_update_alpha=args.fragment_alpha, start=args.replica_start,
-                                        eager=eager)
+        compression = (
+            GradientCompressionState(
+                type=code,
+                threshold=args.outer_threshold,
+                block=args.outer_block,
+                keep=args.outer_keep,
+                compress_result=True,
+            )
+            if code
+            else None
+        )
+        diloco = torch_chainermn.DiLoCo(
+            ddp,
+            inner,
+            outer,
+            sync_every=args.sync_every,
+            process_group=None,
+            fragments=args.fragments if streaming else 1,
+            fragment_delay=args.fragment_delay if streaming else 0,
+            compression=compression,
+            warmup_steps=args.diloco_warmup,
+            fragment_update_alpha=args.fragment_alpha,
+            start=args.replica_start,
+            eager=eager,
+        )
         return ddp, inner, diloco, diloco.flush
     # The overlap needs several buckets to overlap anything: about 8 of them, whatever the model's size.
     buckets = args.buckets or (8 if args.mode.startswith("overlap") else 0)
@@ -240,32 +328,43 @@ def setup(args, model):
     if args.mode.startswith("overlap"):
         import torch_chainermn
         from torch_chainermn import hooks
+
         code = args.mode.partition("+")[2]
-        compression = (hooks.GradientCompressionState(type=code, block=args.block, compress_result=True)
-                       if code else None)
-        overlap = torch_chainermn.OverlapNextForward(ddp, torch.optim.AdamW, compression=compression, lr=args.lr,
-                                                     weight_decay=args.weight_decay)
+        compression = (
+            hooks.GradientCompressionState(type=code, block=args.block, compress_result=True) if code else None
+        )
+        overlap = torch_chainermn.OverlapNextForward(
+            ddp, torch.optim.AdamW, compression=compression, lr=args.lr, weight_decay=args.weight_decay
+        )
         return ddp, overlap, contextlib.nullcontext(), overlap.finish
     if args.mode in ("fp16+db", "fp16+db+dc", "db"):
         from torch_chainermn import hooks
+
         state = hooks.DoubleBufferingState(compression=torch.float32 if args.mode == "db" else torch.float16)
         if args.mode.endswith("+dc"):
             import delay_compensation as dc
+
             ddp.register_comm_hook(dc.DelayCompensation(state, args.dc_lambda), dc.delay_compensated_hook)
         else:
             ddp.register_comm_hook(state, hooks.double_buffering_hook)
         flush = state.flush
     elif args.mode in CODE_MODES:
         from torch_chainermn import hooks
+
         code, _, sums = args.mode.partition("+")
-        state = hooks.GradientCompressionState(type=code, threshold=args.threshold,
-                                               compress_result={"": False, "cr": True}.get(sums, sums),
-                                               block=args.block)
+        state = hooks.GradientCompressionState(
+            type=code,
+            threshold=args.threshold,
+            compress_result={"": False, "cr": True}.get(sums, sums),
+            block=args.block,
+        )
         ddp.register_comm_hook(state, hooks.gradient_compression_hook)
     elif args.mode == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                       start_powerSGD_iter=args.powersgd_start)
+
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=args.powersgd_start
+        )
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     return ddp, inner, contextlib.nullcontext(), flush
 
@@ -273,18 +372,21 @@ def setup(args, model):
 def setup_fsdp(args, model):
     """FSDP2 on every block and the root, on the default group; the optimizer over the shards."""
     from torch.distributed.fsdp import fully_shard
+
     reshard = int(os.environ["LOCAL_WORLD_SIZE"]) if args.mode.endswith("-hpz") else True
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     if args.mode != "fsdp-gloo" and args.mode != "fsdp":
         import torch_chainermn.fsdp
+
         parts = args.mode.split("-")[1:]  # e.g. ["2bit", "int8", "hpz"]
         gradients = next((p for p in parts if p in ("int8", "2bit", "1bit")), "float32")
         weights = "int8" if "int8" in parts else "float32"
         coded = {"type": gradients, "threshold": args.fsdp_threshold}
-        torch_chainermn.fsdp.compress_between_nodes(model, compression=None if gradients == "float32" else coded,
-                                                    weights=weights)
+        torch_chainermn.fsdp.compress_between_nodes(
+            model, compression=None if gradients == "float32" else coded, weights=weights
+        )
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     return model, inner, contextlib.nullcontext(), lambda: None
 
@@ -300,6 +402,7 @@ def reset_counted() -> None:
     """counted_tx_bytes() from now on."""
     for g in chainermn_groups():
         import torch_chainermn
+
         torch_chainermn.reset_counters(g)
 
 
@@ -308,8 +411,12 @@ def counted_tx_bytes() -> int:
     if not chainermn_groups():
         return 0
     import torch_chainermn
-    return sum(cell["bytes_sent"] for g in chainermn_groups()
-               for cell in torch_chainermn.counters(g).get("between_nodes", {}).values())
+
+    return sum(
+        cell["bytes_sent"]
+        for g in chainermn_groups()
+        for cell in torch_chainermn.counters(g).get("between_nodes", {}).values()
+    )
 
 
 def header_bound() -> float:
@@ -337,8 +444,8 @@ def node_tx_bytes(local_rank: int) -> int:
 
 
 def main(argv=None) -> int:
-    t_main = time.time()                     # the interpreter is up and torch imported
-    t_start = t_main - process_age_s()       # the process's start
+    t_main = time.time()  # the interpreter is up and torch imported
+    t_start = t_main - process_age_s()  # the process's start
     args = parse_args(argv)
     torch.set_num_threads(1)
     timeout = timedelta(seconds=args.timeout)
@@ -346,11 +453,12 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo", timeout=timeout)
     else:
         import torch_chainermn  # noqa: F401  (registers the backend)
+
         dist.init_process_group("chainermn", timeout=timeout)
-    t_init = time.time()                     # the process group is up
+    t_init = time.time()  # the process group is up
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank, local_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    side = dist.new_group(backend="gloo")      # the clock and the evaluations meet here
+    side = dist.new_group(backend="gloo")  # the clock and the evaluations meet here
 
     corpus = lm.load_corpus(args.corpus_mb)
     model = lm.build(args)
@@ -373,16 +481,16 @@ def main(argv=None) -> int:
         total, count = lm.validation_loss_sum(model, mine)
         t = torch.tensor([total, count], dtype=torch.float64)
         dist.all_reduce(t, group=side)
-        return float(t[0] / t[1])          # every node evaluated all windows: the mean over replicas
+        return float(t[0] / t[1])  # every node evaluated all windows: the mean over replicas
 
     t_eval0 = time.time()
     history = [{"step": 0, "clock_s": 0.0, "val_loss": validation_loss()}]
-    eval0_s = time.time() - t_eval0          # the benchmark's own evaluation: not part of the start
+    eval0_s = time.time() - t_eval0  # the benchmark's own evaluation: not part of the start
     eval_s = 0.0
     reached = None
     steps = 0
     clock = 0.0
-    flush_s = 0.0   # this rank's waits for exchanges still in flight at the meetings (on the clock)
+    flush_s = 0.0  # this rank's waits for exchanges still in flight at the meetings (on the clock)
     startup_s = time.time() - t_start
     profiler = step_profiler(args, rank)
     with context, profiler if profiler is not None else contextlib.nullcontext():
@@ -450,47 +558,78 @@ def main(argv=None) -> int:
         compute.append(time.perf_counter() - t0)
 
     everyone = [None] * world
-    dist.all_gather_object(everyone, {"tx": tx, "counted": counted, "compute": compute,
-                                      "host": os.environ.get("CHAINERMN_HOSTNAME"),
-                                      "first_step": first_step_s, "init": t_init - t_start, "setup": setup_s,
-                                      "imports": t_main - t_start},
-                           group=side)
+    dist.all_gather_object(
+        everyone,
+        {
+            "tx": tx,
+            "counted": counted,
+            "compute": compute,
+            "host": os.environ.get("CHAINERMN_HOSTNAME"),
+            "first_step": first_step_s,
+            "init": t_init - t_start,
+            "setup": setup_s,
+            "imports": t_main - t_start,
+        },
+        group=side,
+    )
     if rank == 0:
-        compute_s = statistics.median(max(r["compute"][i] for r in everyone) for i in range(args.compute_steps)) \
-            if args.compute_steps and compute else None
+        compute_s = (
+            statistics.median(max(r["compute"][i] for r in everyone) for i in range(args.compute_steps))
+            if args.compute_steps and compute
+            else None
+        )
         tx_total = sum(r["tx"] for r in everyone)
         counted_total = sum(r["counted"] for r in everyone)
         ratio = tx_total / counted_total if counted_total else None
         if ratio is not None:
-            print(f"between nodes: interface {tx_total / 1e6:.3f} MB, counters {counted_total / 1e6:.3f} MB, "
-                  f"ratio {ratio:.4f} (headers' bound 1 to {header_bound():.4f}: "
-                  f"{'within' if 1 <= ratio <= header_bound() else 'OUTSIDE'})", flush=True)
+            print(
+                f"between nodes: interface {tx_total / 1e6:.3f} MB, counters {counted_total / 1e6:.3f} MB, "
+                f"ratio {ratio:.4f} (headers' bound 1 to {header_bound():.4f}: "
+                f"{'within' if 1 <= ratio <= header_bound() else 'OUTSIDE'})",
+                flush=True,
+            )
         result = {
-            "mode": args.mode, "world_size": world, "nodes": n_nodes, "params": n_params,
-            "grad_mb": n_params * 4 / 1e6, "corpus": corpus.describe(), "corpus_sha": corpus.digest,
-            "settings": {k: v for k, v in vars(args).items()
-                         if k not in ("json", "mode") and not k.startswith("profile_")},  # as before profiling
-            "steps": steps, "clock_s": clock, "tokens": steps * world * args.batch * args.context,
+            "mode": args.mode,
+            "world_size": world,
+            "nodes": n_nodes,
+            "params": n_params,
+            "grad_mb": n_params * 4 / 1e6,
+            "corpus": corpus.describe(),
+            "corpus_sha": corpus.digest,
+            "settings": {
+                k: v for k, v in vars(args).items() if k not in ("json", "mode") and not k.startswith("profile_")
+            },  # as before profiling
+            "steps": steps,
+            "clock_s": clock,
+            "tokens": steps * world * args.batch * args.context,
             "reached": reached is not None,
             "steps_to_target": reached["step"] if reached else None,
             "time_to_target_s": reached["clock_s"] if reached else None,
-            "final_val_loss": history[-1]["val_loss"], "history": history,
-            "tx_bytes": tx_total, "bytes_per_step": tx_total / max(1, steps),
-            "counted_tx_bytes": counted_total, "tx_over_counted": ratio, "header_bound": header_bound(),
+            "final_val_loss": history[-1]["val_loss"],
+            "history": history,
+            "tx_bytes": tx_total,
+            "bytes_per_step": tx_total / max(1, steps),
+            "counted_tx_bytes": counted_total,
+            "tx_over_counted": ratio,
+            "header_bound": header_bound(),
             "compute_s": compute_s,
             "utilisation": steps * compute_s / clock if compute_s and clock else None,
-            "step_s": clock / max(1, steps), "eval_s": eval_s, "startup_s": startup_s,
+            "step_s": clock / max(1, steps),
+            "eval_s": eval_s,
+            "startup_s": startup_s,
             # The slowest rank's time from its process's start to its first step (the first
             # evaluation left out), and its parts: up to init_process_group's return, the mode's set-up
             # (DDP / DiLoCo / LocalSGD constructors: where a start-up broadcast would cross the link);
             # imports: the interpreter's start and `import torch`, before main() (the machine's load).
             "first_step_s": max(r["first_step"] for r in everyone),
-            "init_s": max(r["init"] for r in everyone), "setup_s": max(r["setup"] for r in everyone),
+            "init_s": max(r["init"] for r in everyone),
+            "setup_s": max(r["setup"] for r in everyone),
             "imports_s": max(r["imports"] for r in everyone),
             # Rank 0's waits at the meetings for an exchange still in flight (eager DiLoCo's exchange
             # is always in flight: each evaluation makes it wait for one exchange that compute
             # would otherwise hide), in all and up to the target's evaluation.
-            "flush_s": flush_s, "flush_to_target_s": reached["flush_s"] if reached else None,
+            "flush_s": flush_s,
+            "flush_to_target_s": reached["flush_s"] if reached else None,
         }
         line = json.dumps(result)
         print("RESULT " + line, flush=True)

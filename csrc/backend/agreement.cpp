@@ -56,7 +56,8 @@ std::string grouped(const std::vector<std::string>& shown) {
   return text;
 }
 
-std::string byValue(const std::vector<Fingerprint>& all, const std::function<std::string(const Fingerprint&)>& describe) {
+std::string byValue(const std::vector<Fingerprint>& all,
+                    const std::function<std::string(const Fingerprint&)>& describe) {
   std::vector<std::string> shown;
   for (const auto& print : all) {
     shown.push_back(describe(print));
@@ -108,7 +109,7 @@ std::string dtypeOf(const Fingerprint& print) {
   return print.dtype < 0 ? "no dtype" : dtypeName(static_cast<at::ScalarType>(print.dtype));
 }
 
-} // namespace
+}  // namespace
 
 Agreement withRoot(Agreement agreement, const char* name, int64_t root) {
   agreement.rootName = name;
@@ -157,8 +158,8 @@ uint64_t layoutOf(const std::vector<at::Tensor>& tensors, bool shapes) {
   return hash;
 }
 
-const std::vector<Fingerprint>& FingerprintExchange::exchange(
-    Transport& transport, const Fingerprint& mine, std::vector<Fingerprint>& into) {
+const std::vector<Fingerprint>& FingerprintExchange::exchange(Transport& transport, const Fingerprint& mine,
+                                                              std::vector<Fingerprint>& into) {
   into.resize(transport.size());
   transport.exchange(&mine, into.data(), sizeof(Fingerprint));
   return into;
@@ -174,7 +175,7 @@ bool allSame(const std::vector<Fingerprint>& prints) {
     return std::memcmp(&print, &prints.front(), kComparedBytes) == 0;
   });
 }
-} // namespace
+}  // namespace
 
 bool FingerprintExchange::agreeThroughLevels(const TransportSet& transports, const Fingerprint& mine) {
   // Both exchanges on every rank, whatever the first shows: the peers of the second wait for it.
@@ -202,25 +203,23 @@ Arrival arrivalOf(const std::vector<Fingerprint>& prints) {
   return arrival;
 }
 
-std::string disagreement(
-    const std::vector<Fingerprint>& all,
-    const std::function<std::string(int rank)>& reasonOf,
-    const std::function<NamedSettings(int rank)>& settingsOf) {
+std::string disagreement(const std::vector<Fingerprint>& all, const std::function<std::string(int rank)>& reasonOf,
+                         const std::function<NamedSettings(int rank)>& settingsOf) {
   const Fingerprint& first = all.front();
   // Every op takes this path: agreeing fingerprints are equal byte for byte (plain data, zero-filled),
   // and then nothing is built (no string, no allocation).
-  if (std::all_of(all.begin(), all.end(), [&](const Fingerprint& p) {
-        return std::memcmp(&p, &first, kComparedBytes) == 0 && !p.refused;
-      })) {
+  if (std::all_of(all.begin(), all.end(),
+                  [&](const Fingerprint& p) { return std::memcmp(&p, &first, kComparedBytes) == 0 && !p.refused; })) {
     return "";
   }
   const std::string head = std::string(first.op) + " (collective " + std::to_string(first.sequence) + ")";
   if (differs(all, [](const Fingerprint& p) { return p.sequence; })) {
     return "the ranks are out of step: " +
-        byValue(all, [](const Fingerprint& p) {
-             return "issued " + std::to_string(p.sequence - 1) + " collectives before " + p.op;
-           }) +
-        " (a rank skipped or added a collective)";
+           byValue(all,
+                   [](const Fingerprint& p) {
+                     return "issued " + std::to_string(p.sequence - 1) + " collectives before " + p.op;
+                   }) +
+           " (a rank skipped or added a collective)";
   }
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[r].refused) {
@@ -229,14 +228,15 @@ std::string disagreement(
   }
   if (differs(all, [](const Fingerprint& p) { return std::string(p.op); })) {
     return "the ranks called different collectives: " +
-        byValue(all, [](const Fingerprint& p) { return std::string("called ") + p.op; });
+           byValue(all, [](const Fingerprint& p) { return std::string("called ") + p.op; });
   }
   if (differs(all, [](const Fingerprint& p) { return p.dtype; })) {
     return head + ": the dtypes differ: " + byValue(all, dtypeOf);
   }
   if (differs(all, [](const Fingerprint& p) { return p.tensors; })) {
-    return head + ": the number of tensors differs: " +
-        byValue(all, [](const Fingerprint& p) { return std::to_string(p.tensors) + " tensors"; });
+    return head + ": the number of tensors differs: " + byValue(all, [](const Fingerprint& p) {
+             return std::to_string(p.tensors) + " tensors";
+           });
   }
   if (differs(all, [](const Fingerprint& p) { return p.count; })) {
     return head + ": the sizes differ: " + byValue(all, [](const Fingerprint& p) {
@@ -245,11 +245,12 @@ std::string disagreement(
   }
   if (differs(all, [](const Fingerprint& p) { return p.layout; })) {
     return head + ": the tensors' sizes or memory layouts (channels_last, ...) differ (same total): " +
-        byValue(all, [](const Fingerprint& p) { return "layout " + std::to_string(p.layout % 100000); });
+           byValue(all, [](const Fingerprint& p) { return "layout " + std::to_string(p.layout % 100000); });
   }
   if (differs(all, [](const Fingerprint& p) { return p.root; })) {
-    return head + ": the " + first.rootName + " differs: " +
-        byValue(all, [](const Fingerprint& p) { return std::string(p.rootName) + "=" + std::to_string(p.root); });
+    return head + ": the " + first.rootName + " differs: " + byValue(all, [](const Fingerprint& p) {
+             return std::string(p.rootName) + "=" + std::to_string(p.root);
+           });
   }
   if (differs(all, [](const Fingerprint& p) { return p.settings; })) {
     std::vector<NamedSettings> settings;
@@ -260,8 +261,9 @@ std::string disagreement(
     return head + ": " + (which.empty() ? "the settings differ (their digests do)" : which);
   }
   if (differs(all, [](const Fingerprint& p) { return p.reduce; })) {
-    return head + ": the reduce ops differ: " +
-        byValue(all, [](const Fingerprint& p) { return std::string("op ") + reduceOpName(p.reduce); });
+    return head + ": the reduce ops differ: " + byValue(all, [](const Fingerprint& p) {
+             return std::string("op ") + reduceOpName(p.reduce);
+           });
   }
   return "";
 }
@@ -300,18 +302,12 @@ void checkSplits(Transport& world, const char* op, uint64_t sequence, const Agre
   for (int r = 0; r < size; ++r) {
     if (all[r].sender >= 0) {
       problems += std::string(problems.empty() ? "" : "; ") + "rank " + std::to_string(r) + " expects " +
-          std::to_string(all[r].expected) + " elements from rank " + std::to_string(all[r].sender) +
-          ", which sends " + std::to_string(all[r].sends);
+                  std::to_string(all[r].expected) + " elements from rank " + std::to_string(all[r].sender) +
+                  ", which sends " + std::to_string(all[r].sends);
     }
   }
-  TORCH_CHECK_VALUE(
-      problems.empty(),
-      "chainermn: ",
-      op,
-      " (collective ",
-      sequence,
-      "): the split sizes do not match between ranks: ",
-      problems);
+  TORCH_CHECK_VALUE(problems.empty(), "chainermn: ", op, " (collective ", sequence,
+                    "): the split sizes do not match between ranks: ", problems);
 }
 
 std::string refusalKey(uint64_t sequence, int rank) {
@@ -322,4 +318,4 @@ std::string settingsKey(uint64_t sequence, int rank) {
   return "chainermn/settings/" + std::to_string(sequence) + "/" + std::to_string(rank);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -33,14 +33,14 @@ namespace chainermn {
 // What a collective's caller must pass the same on every rank. Fields left at their defaults are
 // not compared.
 struct Agreement {
-  bool collective = true;  // false for point to point (not exchanged)
+  bool collective = true;          // false for point to point (not exchanged)
   const char* rootName = nullptr;  // "src", "dst": root is compared when set
   int64_t root = -1;
-  int reduce = -1;         // c10d::ReduceOp::RedOpType
+  int reduce = -1;  // c10d::ReduceOp::RedOpType
   at::ScalarType dtype = at::ScalarType::Undefined;
-  int64_t count = -1;      // elements every rank passes (per rank, as the op defines it)
-  int64_t tensors = -1;    // number of tensors
-  uint64_t layout = 0;     // the tensors' element counts (and shapes, with DETAIL), hashed
+  int64_t count = -1;    // elements every rank passes (per rank, as the op defines it)
+  int64_t tensors = -1;  // number of tensors
+  uint64_t layout = 0;   // the tensors' element counts (and shapes, with DETAIL), hashed
   // all-to-all: elements this rank sends to and expects from each rank, checked pairwise
   // (checkSplits) since they legitimately differ from rank to rank.
   std::vector<int64_t> sendCounts, recvCounts;
@@ -106,8 +106,8 @@ class FingerprintExchange {
   }
 
  private:
-  static const std::vector<Fingerprint>& exchange(
-      Transport& transport, const Fingerprint& mine, std::vector<Fingerprint>& into);
+  static const std::vector<Fingerprint>& exchange(Transport& transport, const Fingerprint& mine,
+                                                  std::vector<Fingerprint>& into);
 
   // What a node's ranks tell each other last: whether they saw a difference, and the times they saw.
   struct Verdict {
@@ -161,10 +161,8 @@ class CarriedFingerprint : public CarriedCheck {
 // Empty when every rank agrees; otherwise the message every rank raises (the same on every rank).
 // `reasonOf(rank)` fetches the reason of a rank that refused the call, `settingsOf(rank)` a rank's
 // settings (called for every rank, in rank order, when their digests differ).
-std::string disagreement(
-    const std::vector<Fingerprint>& all,
-    const std::function<std::string(int rank)>& reasonOf,
-    const std::function<NamedSettings(int rank)>& settingsOf);
+std::string disagreement(const std::vector<Fingerprint>& all, const std::function<std::string(int rank)>& reasonOf,
+                         const std::function<NamedSettings(int rank)>& settingsOf);
 
 // All-to-all: every rank's count for each peer is what that peer expects from it. One small
 // all-to-all and one exchange; throws the same ValueError on every rank otherwise (a transport given
@@ -176,4 +174,4 @@ std::string refusalKey(uint64_t sequence, int rank);
 // Where a rank leaves its settings when the ranks' digests differ.
 std::string settingsKey(uint64_t sequence, int rank);
 
-} // namespace chainermn
+}  // namespace chainermn

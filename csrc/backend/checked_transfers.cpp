@@ -58,7 +58,12 @@ class CheckedReceive : public Request {
  public:
   CheckedReceive(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag, int self,
                  std::shared_ptr<at::Tensor> anySize = nullptr)
-      : transport_(transport), order_(order), tensor_(tensor), peer_(peer), tag_(tag), self_(self),
+      : transport_(transport),
+        order_(order),
+        tensor_(tensor),
+        peer_(peer),
+        tag_(tag),
+        self_(self),
         anySize_(std::move(anySize)) {
     header_ = transport.recv(&received_, sizeof(Header), at::kByte, peer, headerTag(tag));
   }
@@ -99,11 +104,12 @@ class CheckedReceive : public Request {
         data_ = transport_.recv(tensor_.data_ptr(), count, tensor_.scalar_type(), source_, tag_);
       } else {
         mismatch_ = "recv on rank " + std::to_string(self_) + " expected " + described(count, dtype) + " from rank " +
-            std::to_string(source_) + " (tag " + std::to_string(tag_) + "), which sent " +
-            described(received_.count, received_.dtype) + "; the tensor was not written";
+                    std::to_string(source_) + " (tag " + std::to_string(tag_) + "), which sent " +
+                    described(received_.count, received_.dtype) + "; the tensor was not written";
         const auto width = c10::elementSize(static_cast<at::ScalarType>(received_.dtype));
         drain_.resize(static_cast<size_t>(received_.count) * width);
-        data_ = transport_.recv(drain_.data(), received_.count, static_cast<at::ScalarType>(received_.dtype), source_, tag_);
+        data_ = transport_.recv(drain_.data(), received_.count, static_cast<at::ScalarType>(received_.dtype), source_,
+                                tag_);
       }
       if (wake_) {
         data_->wakeWhenReady(wake_);
@@ -145,17 +151,18 @@ class CheckedReceive : public Request {
   std::function<void()> wake_;
 };
 
-} // namespace
+}  // namespace
 
-RequestPtr recvCheckedAnySize(
-    Transport& transport, MessageOrder& order, int peer, int tag, std::shared_ptr<at::Tensor> received) {
+RequestPtr recvCheckedAnySize(Transport& transport, MessageOrder& order, int peer, int tag,
+                              std::shared_ptr<at::Tensor> received) {
   if (transport.checksMessages()) {
     return transport.recvAnySize(peer, tag, [received](int64_t count, c10::ScalarType dtype) {
       *received = at::empty({count}, at::TensorOptions().dtype(dtype));
       return received->data_ptr();
     });
   }
-  return std::make_unique<CheckedReceive>(transport, order, at::Tensor(), peer, tag, transport.rank(), std::move(received));
+  return std::make_unique<CheckedReceive>(transport, order, at::Tensor(), peer, tag, transport.rank(),
+                                          std::move(received));
 }
 
 RequestPtr sendChecked(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag) {
@@ -172,4 +179,4 @@ RequestPtr recvChecked(Transport& transport, MessageOrder& order, const at::Tens
   return std::make_unique<CheckedReceive>(transport, order, tensor, peer, tag, transport.rank());
 }
 
-} // namespace chainermn
+}  // namespace chainermn

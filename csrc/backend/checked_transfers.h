@@ -39,7 +39,7 @@ RequestPtr sendChecked(Transport& transport, MessageOrder& order, const at::Tens
 RequestPtr recvChecked(Transport& transport, MessageOrder& order, const at::Tensor& tensor, int peer, int tag);
 // A receive of whatever CPU message `peer` sent on `tag` (any count and dtype): `received` holds it,
 // a flat tensor of the sender's dtype, once the Request is done.
-RequestPtr recvCheckedAnySize(
-    Transport& transport, MessageOrder& order, int peer, int tag, std::shared_ptr<at::Tensor> received);
+RequestPtr recvCheckedAnySize(Transport& transport, MessageOrder& order, int peer, int tag,
+                              std::shared_ptr<at::Tensor> received);
 
-} // namespace chainermn
+}  // namespace chainermn

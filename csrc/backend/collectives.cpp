@@ -35,7 +35,8 @@ const void* scaledInput(Scratch& scratch, const at::Tensor& source, const Reduct
     return source.data_ptr();
   }
   void* staged = scratch.get(Slot::Packed, bytesOf(source));
-  scratch.pack({FlatBuffer{source.data_ptr(), source.numel(), plan.wireType}}, staged, plan.wireType, plan.scaling.before);
+  scratch.pack({FlatBuffer{source.data_ptr(), source.numel(), plan.wireType}}, staged, plan.wireType,
+               plan.scaling.before);
   premultiply(plan, staged, source.numel(), source.device());
   return staged;
 }
@@ -71,11 +72,10 @@ Agreement splitsChecked(const at::Tensor& tensor, std::vector<int64_t> sendCount
   return agreement;
 }
 
-} // namespace
+}  // namespace
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::ReduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce(std::vector<at::Tensor>& tensors,
+                                                             const c10d::ReduceOptions& opts) {
   const char* op = "reduce";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
@@ -84,29 +84,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce(
     checkDeviceReduction(op, plan, tensor, plan_.cuda.bitwise);
     const int root = static_cast<int>(opts.rootRank);
     const bool isRoot = rank_ == root;
-    return post({c10d::OpType::REDUCE, op, {tensor}, {}, opts.timeout, withReduce(withRoot(agreeOn({tensor}), "dst", root), opts.reduceOp), !opts.asyncOp, /*checkFolds=*/true}, [tensor, plan, root, isRoot](DeviceContext& on) {
-      if (tensor.numel() == 0) {
-        return RequestPtr();
-      }
-      const void* input = scaledInput(on.scratch, tensor, plan);
-      if (isRoot) {
-        on.transports.world->reduce(input, tensor.data_ptr(), tensor.numel(), plan.wireType, plan.kind, root);
-        scaleResult(on.scratch, tensor, plan);
-      } else {
-        // Off the root the input stays as it was: `sink` is what a transport that reduces in place
-        // may overwrite.
-        void* sink = on.scratch.get(Slot::Received, bytesOf(tensor));
-        on.transports.world->reduce(input, sink, tensor.numel(), plan.wireType, plan.kind, root);
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::REDUCE,
+                 op,
+                 {tensor},
+                 {},
+                 opts.timeout,
+                 withReduce(withRoot(agreeOn({tensor}), "dst", root), opts.reduceOp),
+                 !opts.asyncOp,
+                 /*checkFolds=*/true},
+                [tensor, plan, root, isRoot](DeviceContext& on) {
+                  if (tensor.numel() == 0) {
+                    return RequestPtr();
+                  }
+                  const void* input = scaledInput(on.scratch, tensor, plan);
+                  if (isRoot) {
+                    on.transports.world->reduce(input, tensor.data_ptr(), tensor.numel(), plan.wireType, plan.kind,
+                                                root);
+                    scaleResult(on.scratch, tensor, plan);
+                  } else {
+                    // Off the root the input stays as it was: `sink` is what a transport that reduces in place
+                    // may overwrite.
+                    void* sink = on.scratch.get(Slot::Received, bytesOf(tensor));
+                    on.transports.world->reduce(input, sink, tensor.numel(), plan.wireType, plan.kind, root);
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
-    std::vector<std::vector<at::Tensor>>& outputTensors,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                                                std::vector<at::Tensor>& inputTensors,
+                                                                const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     // Any dense layout: gathered in logical order from a contiguous copy (none when contiguous).
@@ -117,37 +125,51 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather(
       checkSameKind(op, "tensor_list", output, input);
     }
     const int size = size_;
-    return post({c10d::OpType::ALLGATHER, op, outputs, {input}, opts.timeout, agreeOn({input}), !opts.asyncOp, /*checkFolds=*/true}, [input, outputs, size](DeviceContext& on) {
-      if (input.numel() > 0) {
-        void* gathered = on.scratch.get(Slot::Received, bytesOf(input) * size);
-        on.transports.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
-        on.scratch.unpack(gathered, input.scalar_type(), flatParts(outputs), 1.0);
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::ALLGATHER,
+                 op,
+                 outputs,
+                 {input},
+                 opts.timeout,
+                 agreeOn({input}),
+                 !opts.asyncOp,
+                 /*checkFolds=*/true},
+                [input, outputs, size](DeviceContext& on) {
+                  if (input.numel() > 0) {
+                    void* gathered = on.scratch.get(Slot::Received, bytesOf(input) * size);
+                    on.transports.world->allgather(input.data_ptr(), gathered, input.numel(), input.scalar_type());
+                    on.scratch.unpack(gathered, input.scalar_type(), flatParts(outputs), 1.0);
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(
-    at::Tensor& outputBuffer,
-    at::Tensor& inputBuffer,
-    const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_allgather_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                                                      const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     checkWorldBlocks(op, "output_tensor", outputBuffer, "input_tensor", inputBuffer, size_, -1, Layout::Dense);
     at::Tensor output = outputBuffer, input = inputBuffer.contiguous();
-    return post({c10d::OpType::_ALLGATHER_BASE, op, {output}, {input}, opts.timeout, agreeOn({input}), !opts.asyncOp, /*checkFolds=*/true}, [output, input](DeviceContext& on) {
-      if (input.numel() > 0) {
-        on.transports.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(), input.scalar_type());
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::_ALLGATHER_BASE,
+                 op,
+                 {output},
+                 {input},
+                 opts.timeout,
+                 agreeOn({input}),
+                 !opts.asyncOp,
+                 /*checkFolds=*/true},
+                [output, input](DeviceContext& on) {
+                  if (input.numel() > 0) {
+                    on.transports.world->allgather(input.data_ptr(), output.data_ptr(), input.numel(),
+                                                   input.scalar_type());
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& outputTensorLists,
-    std::vector<at::Tensor>& inputTensors,
+    std::vector<std::vector<at::Tensor>>& outputTensorLists, std::vector<at::Tensor>& inputTensors,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
@@ -155,8 +177,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
     checkListSize(op, "output_tensor_lists", outputTensorLists.size(), size_);
     std::vector<at::Tensor> outputs;  // rank-major, as they arrive
     for (const auto& list : outputTensorLists) {
-      TORCH_CHECK_VALUE(
-          list.size() == inputTensors.size(), op, ": every output list must match the input list's length");
+      TORCH_CHECK_VALUE(list.size() == inputTensors.size(), op,
+                        ": every output list must match the input list's length");
       for (size_t i = 0; i < list.size(); ++i) {
         checkSameKind(op, "output_tensor_lists", list[i], inputTensors[i]);
         outputs.push_back(list[i]);
@@ -164,29 +186,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_coalesced(
     }
     const std::vector<at::Tensor> inputs = contiguousInputs(inputTensors);
     const int size = size_;
-    return post(
-        {c10d::OpType::ALLGATHER_COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs), !opts.asyncOp, /*checkFolds=*/true}, [inputs, outputs, size](DeviceContext& on) {
-          const auto packedParts = bytesOfParts(inputs);
-          const int64_t bytes = std::accumulate(
-              packedParts.begin(), packedParts.end(), int64_t{0}, [](int64_t n, const FlatBuffer& p) { return n + p.count; });
-          if (bytes == 0) {
-            return RequestPtr();
-          }
-          // Pack every input, gather the packs of all ranks in one call, unpack rank by rank.
-          void* packed = on.scratch.get(Slot::Packed, bytes);
-          void* gathered = on.scratch.get(Slot::Received, bytes * size);
-          on.scratch.pack(packedParts, packed, at::kByte, 1.0);
-          on.transports.world->allgather(packed, gathered, bytes, at::kByte);
-          on.scratch.unpack(gathered, at::kByte, bytesOfParts(outputs), 1.0);
-          return RequestPtr();
-        });
+    return post({c10d::OpType::ALLGATHER_COALESCED, op, outputs, inputs, opts.timeout, agreeOn(inputs), !opts.asyncOp,
+                 /*checkFolds=*/true},
+                [inputs, outputs, size](DeviceContext& on) {
+                  const auto packedParts = bytesOfParts(inputs);
+                  const int64_t bytes = std::accumulate(packedParts.begin(), packedParts.end(), int64_t{0},
+                                                        [](int64_t n, const FlatBuffer& p) { return n + p.count; });
+                  if (bytes == 0) {
+                    return RequestPtr();
+                  }
+                  // Pack every input, gather the packs of all ranks in one call, unpack rank by rank.
+                  void* packed = on.scratch.get(Slot::Packed, bytes);
+                  void* gathered = on.scratch.get(Slot::Received, bytes * size);
+                  on.scratch.pack(packedParts, packed, at::kByte, 1.0);
+                  on.transports.world->allgather(packed, gathered, bytes, at::kByte);
+                  on.scratch.unpack(gathered, at::kByte, bytesOfParts(outputs), 1.0);
+                  return RequestPtr();
+                });
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_into_tensor_coalesced(
-    std::vector<at::Tensor>& outputs,
-    std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(), op, ": needs as many outputs as inputs");
@@ -194,22 +215,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allgather_into_tensor_coal
       checkWorldBlocks(op, "output", outputs[i], "input", inputs[i], size_, static_cast<int>(i), Layout::Dense);
     }
     const std::vector<at::Tensor> contiguous = contiguousInputs(inputs);
-    return post({c10d::OpType::COALESCED, op, outputs, contiguous, opts.timeout, agreeOn(contiguous), !opts.asyncOp, /*checkFolds=*/true}, [outputs, inputs = contiguous](DeviceContext& on) {
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        if (inputs[i].numel() > 0) {
-          on.transports.world->allgather(
-              inputs[i].data_ptr(), outputs[i].data_ptr(), inputs[i].numel(), inputs[i].scalar_type());
-        }
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::COALESCED, op, outputs, contiguous, opts.timeout, agreeOn(contiguous), !opts.asyncOp,
+                 /*checkFolds=*/true},
+                [outputs, inputs = contiguous](DeviceContext& on) {
+                  for (size_t i = 0; i < inputs.size(); ++i) {
+                    if (inputs[i].numel() > 0) {
+                      on.transports.world->allgather(inputs[i].data_ptr(), outputs[i].data_ptr(), inputs[i].numel(),
+                                                     inputs[i].scalar_type());
+                    }
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::gather(
-    std::vector<std::vector<at::Tensor>>& outputTensors,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::GatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::gather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                                             std::vector<at::Tensor>& inputTensors,
+                                                             const c10d::GatherOptions& opts) {
   const char* op = "gather";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     at::Tensor input = single(op, "tensor", inputTensors, Layout::Dense).contiguous();
@@ -217,23 +239,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::gather(
     const int root = static_cast<int>(opts.rootRank);
     std::vector<at::Tensor> outputs = rootList(op, "gather_list", outputTensors, rank_ == root, size_, input);
     const int size = size_;
-    return post({c10d::OpType::GATHER, op, outputs, {input}, opts.timeout, withRoot(agreeOn({input}), "dst", root)}, [input, outputs, root, size](DeviceContext& on) {
-      if (input.numel() > 0) {
-        void* gathered = outputs.empty() ? nullptr : on.scratch.get(Slot::Received, bytesOf(input) * size);
-        on.transports.world->gather(input.data_ptr(), gathered, input.numel(), input.scalar_type(), root);
-        if (!outputs.empty()) {
-          on.scratch.unpack(gathered, input.scalar_type(), flatParts(outputs), 1.0);
-        }
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::GATHER, op, outputs, {input}, opts.timeout, withRoot(agreeOn({input}), "dst", root)},
+                [input, outputs, root, size](DeviceContext& on) {
+                  if (input.numel() > 0) {
+                    void* gathered = outputs.empty() ? nullptr : on.scratch.get(Slot::Received, bytesOf(input) * size);
+                    on.transports.world->gather(input.data_ptr(), gathered, input.numel(), input.scalar_type(), root);
+                    if (!outputs.empty()) {
+                      on.scratch.unpack(gathered, input.scalar_type(), flatParts(outputs), 1.0);
+                    }
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::scatter(
-    std::vector<at::Tensor>& outputTensors,
-    std::vector<std::vector<at::Tensor>>& inputTensors,
-    const c10d::ScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::scatter(std::vector<at::Tensor>& outputTensors,
+                                                              std::vector<std::vector<at::Tensor>>& inputTensors,
+                                                              const c10d::ScatterOptions& opts) {
   const char* op = "scatter";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     at::Tensor output = single(op, "tensor", outputTensors);
@@ -241,24 +263,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::scatter(
     const int root = static_cast<int>(opts.rootRank);
     std::vector<at::Tensor> inputs = rootList(op, "scatter_list", inputTensors, rank_ == root, size_, output);
     const int size = size_;
-    return post({c10d::OpType::SCATTER, op, {output}, inputs, opts.timeout, withRoot(agreeOn({output}), "src", root)}, [output, inputs, root, size](DeviceContext& on) {
-      if (output.numel() > 0) {
-        void* packed = nullptr;
-        if (!inputs.empty()) {
-          packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
-          on.scratch.pack(flatParts(inputs), packed, output.scalar_type(), 1.0);
-        }
-        on.transports.world->scatter(packed, output.data_ptr(), output.numel(), output.scalar_type(), root);
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::SCATTER, op, {output}, inputs, opts.timeout, withRoot(agreeOn({output}), "src", root)},
+                [output, inputs, root, size](DeviceContext& on) {
+                  if (output.numel() > 0) {
+                    void* packed = nullptr;
+                    if (!inputs.empty()) {
+                      packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
+                      on.scratch.pack(flatParts(inputs), packed, output.scalar_type(), 1.0);
+                    }
+                    on.transports.world->scatter(packed, output.data_ptr(), output.numel(), output.scalar_type(), root);
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter(
-    std::vector<at::Tensor>& outputTensors,
-    std::vector<std::vector<at::Tensor>>& inputTensors,
-    const c10d::ReduceScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter(std::vector<at::Tensor>& outputTensors,
+                                                                     std::vector<std::vector<at::Tensor>>& inputTensors,
+                                                                     const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     at::Tensor output = single(op, "output", outputTensors);
@@ -270,47 +292,58 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter(
     const Reduction plan = planReduction(op, opts.reduceOp, output.scalar_type(), size_);
     checkDeviceReduction(op, plan, output, plan_.cuda.bitwise);
     const int size = size_;
-    return post(
-        {c10d::OpType::REDUCE_SCATTER, op, {output}, inputs, opts.timeout, withReduce(agreeOn({output}), opts.reduceOp), !opts.asyncOp}, [output, inputs, plan, size](DeviceContext& on) {
-          if (output.numel() > 0) {
-            // Packed with the scale in the same pass.
-            void* packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
-            on.scratch.pack(flatParts(inputs, plan.wireType), packed, plan.wireType, plan.scaling.before);
-            premultiply(plan, packed, output.numel() * size, output.device());
-            on.transports.world->reduceScatter(packed, output.data_ptr(), output.numel(), plan.wireType, plan.kind);
-            scaleResult(on.scratch, output, plan);
-          }
-          return RequestPtr();
-        });
+    return post({c10d::OpType::REDUCE_SCATTER,
+                 op,
+                 {output},
+                 inputs,
+                 opts.timeout,
+                 withReduce(agreeOn({output}), opts.reduceOp),
+                 !opts.asyncOp},
+                [output, inputs, plan, size](DeviceContext& on) {
+                  if (output.numel() > 0) {
+                    // Packed with the scale in the same pass.
+                    void* packed = on.scratch.get(Slot::Packed, bytesOf(output) * size);
+                    on.scratch.pack(flatParts(inputs, plan.wireType), packed, plan.wireType, plan.scaling.before);
+                    premultiply(plan, packed, output.numel() * size, output.device());
+                    on.transports.world->reduceScatter(packed, output.data_ptr(), output.numel(), plan.wireType,
+                                                       plan.kind);
+                    scaleResult(on.scratch, output, plan);
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_reduce_scatter_base(
-    at::Tensor& outputBuffer,
-    at::Tensor& inputBuffer,
-    const c10d::ReduceScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::_reduce_scatter_base(at::Tensor& outputBuffer,
+                                                                           at::Tensor& inputBuffer,
+                                                                           const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     checkWorldBlocks(op, "input", inputBuffer, "output", outputBuffer, size_);
     const Reduction plan = planReduction(op, opts.reduceOp, outputBuffer.scalar_type(), size_);
     checkDeviceReduction(op, plan, outputBuffer, plan_.cuda.bitwise);
     at::Tensor output = outputBuffer, input = inputBuffer;
-    return post(
-        {c10d::OpType::_REDUCE_SCATTER_BASE, op, {output}, {input}, opts.timeout, withReduce(agreeOn({output}), opts.reduceOp), !opts.asyncOp}, [output, input, plan](DeviceContext& on) {
-          if (output.numel() > 0) {
-            const void* source = scaledInput(on.scratch, input, plan);
-            on.transports.world->reduceScatter(source, output.data_ptr(), output.numel(), plan.wireType, plan.kind);
-            scaleResult(on.scratch, output, plan);
-          }
-          return RequestPtr();
-        });
+    return post({c10d::OpType::_REDUCE_SCATTER_BASE,
+                 op,
+                 {output},
+                 {input},
+                 opts.timeout,
+                 withReduce(agreeOn({output}), opts.reduceOp),
+                 !opts.asyncOp},
+                [output, input, plan](DeviceContext& on) {
+                  if (output.numel() > 0) {
+                    const void* source = scaledInput(on.scratch, input, plan);
+                    on.transports.world->reduceScatter(source, output.data_ptr(), output.numel(), plan.wireType,
+                                                       plan.kind);
+                    scaleResult(on.scratch, output, plan);
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs,
-    std::vector<at::Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor_coalesced";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(outputs.size() == inputs.size(), op, ": needs as many outputs as inputs");
@@ -320,26 +353,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::reduce_scatter_tensor_coal
       plans.push_back(planReduction(op, opts.reduceOp, outputs[i].scalar_type(), size_));
       checkDeviceReduction(op, plans.back(), outputs[i], plan_.cuda.bitwise);
     }
-    return post({c10d::OpType::COALESCED, op, outputs, inputs, opts.timeout, withReduce(agreeOn(outputs), opts.reduceOp), !opts.asyncOp}, [outputs, inputs, plans](DeviceContext& on) {
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        if (outputs[i].numel() > 0) {
-          const void* source = scaledInput(on.scratch, inputs[i], plans[i]);
-          on.transports.world->reduceScatter(
-              source, outputs[i].data_ptr(), outputs[i].numel(), plans[i].wireType, plans[i].kind);
-          scaleResult(on.scratch, outputs[i], plans[i]);
-        }
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::COALESCED, op, outputs, inputs, opts.timeout,
+                 withReduce(agreeOn(outputs), opts.reduceOp), !opts.asyncOp},
+                [outputs, inputs, plans](DeviceContext& on) {
+                  for (size_t i = 0; i < inputs.size(); ++i) {
+                    if (outputs[i].numel() > 0) {
+                      const void* source = scaledInput(on.scratch, inputs[i], plans[i]);
+                      on.transports.world->reduceScatter(source, outputs[i].data_ptr(), outputs[i].numel(),
+                                                         plans[i].wireType, plans[i].kind);
+                      scaleResult(on.scratch, outputs[i], plans[i]);
+                    }
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall_base(
-    at::Tensor& outputBuffer,
-    at::Tensor& inputBuffer,
-    std::vector<int64_t>& outputSplitSizes,
-    std::vector<int64_t>& inputSplitSizes,
-    const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                                                    std::vector<int64_t>& outputSplitSizes,
+                                                                    std::vector<int64_t>& inputSplitSizes,
+                                                                    const c10d::AllToAllOptions& opts) {
   const char* op = "all_to_all_single";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     checkTensor(op, "output", outputBuffer);
@@ -348,19 +381,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall_base(
     auto sendCounts = splitCounts(op, "input", inputBuffer, inputSplitSizes, size_);
     auto recvCounts = splitCounts(op, "output", outputBuffer, outputSplitSizes, size_);
     at::Tensor output = outputBuffer, input = inputBuffer;
-    return post(
-        {c10d::OpType::ALLTOALL_BASE, op, {output}, {input}, opts.timeout, splitsChecked(input, sendCounts, recvCounts)},
-        [output, input, sendCounts, recvCounts](DeviceContext& on) {
-          on.transports.world->alltoallv(input.data_ptr(), sendCounts, output.data_ptr(), recvCounts, input.scalar_type());
-          return RequestPtr();
-        });
+    return post({c10d::OpType::ALLTOALL_BASE,
+                 op,
+                 {output},
+                 {input},
+                 opts.timeout,
+                 splitsChecked(input, sendCounts, recvCounts)},
+                [output, input, sendCounts, recvCounts](DeviceContext& on) {
+                  on.transports.world->alltoallv(input.data_ptr(), sendCounts, output.data_ptr(), recvCounts,
+                                                 input.scalar_type());
+                  return RequestPtr();
+                });
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall(
-    std::vector<at::Tensor>& outputTensors,
-    std::vector<at::Tensor>& inputTensors,
-    const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall(std::vector<at::Tensor>& outputTensors,
+                                                               std::vector<at::Tensor>& inputTensors,
+                                                               const c10d::AllToAllOptions& opts) {
   const char* op = "all_to_all";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     checkListSize(op, "output_tensor_list", outputTensors.size(), size_);
@@ -393,21 +430,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::alltoall(
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(
-    std::vector<at::Tensor>& tensors,
-    const c10d::BroadcastOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::broadcast(std::vector<at::Tensor>& tensors,
+                                                                const c10d::BroadcastOptions& opts) {
   const char* op = "broadcast";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     at::Tensor tensor = single(op, "tensor", tensors, Layout::Dense);
     checkRank(op, "src", opts.rootRank, size_);
     const int root = static_cast<int>(opts.rootRank);
-    return post({c10d::OpType::BROADCAST, op, {tensor}, {}, opts.timeout, withRoot(agreeOn({tensor}), "src", root), !opts.asyncOp, /*checkFolds=*/true}, [tensor, root](DeviceContext& on) {
-      if (tensor.numel() > 0) {
-        on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
-      }
-      return RequestPtr();
-    });
+    return post({c10d::OpType::BROADCAST,
+                 op,
+                 {tensor},
+                 {},
+                 opts.timeout,
+                 withRoot(agreeOn({tensor}), "src", root),
+                 !opts.asyncOp,
+                 /*checkFolds=*/true},
+                [tensor, root](DeviceContext& on) {
+                  if (tensor.numel() > 0) {
+                    on.transports.world->broadcast(tensor.data_ptr(), tensor.numel(), tensor.scalar_type(), root);
+                  }
+                  return RequestPtr();
+                });
   });
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -10,7 +10,8 @@ namespace chainermn {
 namespace {
 
 // A residual the caller keeps: float32, contiguous, on the gradients' device, `expected` values.
-void checkResidual(const char* op, const char* argument, const at::Tensor& residual, int64_t expected, at::Device device) {
+void checkResidual(const char* op, const char* argument, const at::Tensor& residual, int64_t expected,
+                   at::Device device) {
   if (expected == 0) {
     TORCH_CHECK_VALUE(!residual.defined() || residual.numel() == 0, op, ": ", argument,
                       " must be empty on this rank (only a node's first rank keeps residuals), got ", residual.numel(),
@@ -24,13 +25,12 @@ void checkResidual(const char* op, const char* argument, const at::Tensor& resid
                     dtypeName(residual.scalar_type()), " on ", residual.device());
 }
 
-} // namespace
+}  // namespace
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
-    std::vector<at::Tensor>& tensors,
-    const at::Tensor& residual,
-    const at::Tensor& secondResidual,
-    const CompressionSpec& spec) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(std::vector<at::Tensor>& tensors,
+                                                                     const at::Tensor& residual,
+                                                                     const at::Tensor& secondResidual,
+                                                                     const CompressionSpec& spec) {
   const char* op = "gradient_compression";
   return refusable(op, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(!tensors.empty(), op, ": needs at least one gradient");
@@ -50,9 +50,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
     checkResidual(op, "second_residual", secondResidual, shape.second, device);
 
     Agreement agreement = agreeOn(tensors);
-    agreement.dtype = at::kFloat;  // the tensors may mix floating dtypes: the sums are float32
+    agreement.dtype = at::kFloat;     // the tensors may mix floating dtypes: the sums are float32
     agreement.settings = spec.named;  // the code and every setting it reads, compared across ranks
-    std::vector<at::Tensor> kept;  // updated by the op: kept alive (and, on CUDA, from reuse) until it is done
+    std::vector<at::Tensor> kept;     // updated by the op: kept alive (and, on CUDA, from reuse) until it is done
     for (const auto* held : {&residual, &secondResidual}) {
       if (held->defined() && held->numel() > 0) {
         kept.push_back(*held);
@@ -60,13 +60,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::compressedMean(
     }
     float* first = shape.first > 0 ? residual.data_ptr<float>() : nullptr;
     float* second = shape.second > 0 ? secondResidual.data_ptr<float>() : nullptr;
-    return post(
-        {c10d::OpType::ALLREDUCE_COALESCED, op, tensors, std::move(kept), c10d::kUnsetTimeout, agreement},
-        [tensors, spec, first, second, topology = topology_](DeviceContext& on) {
-          chainermn::compressedMean(on.transports, on.scratch, topology, flatParts(tensors), spec, first, second);
-          return RequestPtr();
-        });
+    return post({c10d::OpType::ALLREDUCE_COALESCED, op, tensors, std::move(kept), c10d::kUnsetTimeout, agreement},
+                [tensors, spec, first, second, topology = topology_](DeviceContext& on) {
+                  chainermn::compressedMean(on.transports, on.scratch, topology, flatParts(tensors), spec, first,
+                                            second);
+                  return RequestPtr();
+                });
   });
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -17,8 +17,8 @@ bool cudaBuilt() {
   return false;
 }
 
-CudaTransportsBuilder cudaTransportsBuilder(
-    const GroupSetup&, const CudaPlan&, const TransportSet&, std::shared_ptr<WatchedTransports>) {
+CudaTransportsBuilder cudaTransportsBuilder(const GroupSetup&, const CudaPlan&, const TransportSet&,
+                                            std::shared_ptr<WatchedTransports>) {
   return nullptr;
 }
 
@@ -31,8 +31,8 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
   return nullptr;
 }
 
-std::unique_ptr<DeviceScope> enterCuda(
-    std::unique_ptr<DeviceContext>&, Strategy&, const CudaTransportsBuilder&, at::Device device, const std::shared_ptr<void>&) {
+std::unique_ptr<DeviceScope> enterCuda(std::unique_ptr<DeviceContext>&, Strategy&, const CudaTransportsBuilder&,
+                                       at::Device device, const std::shared_ptr<void>&) {
   TORCH_CHECK(false, "chainermn: this build handles CPU tensors only, got one on ", device);
 }
 
@@ -70,17 +70,14 @@ struct CudaScope : DeviceScope {
   cuda::OnStream on;
 };
 
-} // namespace
+}  // namespace
 
 bool cudaBuilt() {
   return true;
 }
 
-CudaTransportsBuilder cudaTransportsBuilder(
-    const GroupSetup& setup,
-    const CudaPlan& plan,
-    const TransportSet& host,
-    std::shared_ptr<WatchedTransports> watched) {
+CudaTransportsBuilder cudaTransportsBuilder(const GroupSetup& setup, const CudaPlan& plan, const TransportSet& host,
+                                            std::shared_ptr<WatchedTransports> watched) {
   // Not the host factory, which may hold Python objects.
   return [store = setup.store, topology = setup.topology, timeout = setup.timeout, carriers = plan.carriers, host,
           watched](c10::DeviceIndex device, void* stream) {
@@ -101,12 +98,9 @@ std::shared_ptr<void> markCallerStream(const at::Tensor& tensor) {
   return cuda::markCurrentStream(tensor.device().index());
 }
 
-std::unique_ptr<DeviceScope> enterCuda(
-    std::unique_ptr<DeviceContext>& slot,
-    Strategy& strategy,
-    const CudaTransportsBuilder& build,
-    at::Device device,
-    const std::shared_ptr<void>& callerMark) {
+std::unique_ptr<DeviceScope> enterCuda(std::unique_ptr<DeviceContext>& slot, Strategy& strategy,
+                                       const CudaTransportsBuilder& build, at::Device device,
+                                       const std::shared_ptr<void>& callerMark) {
   const c10::DeviceIndex index = device.index();
   if (!slot) {
     c10::cuda::CUDAGuard guard(index);
@@ -116,9 +110,8 @@ std::unique_ptr<DeviceScope> enterCuda(
     slot = std::move(context);
   }
   auto& context = static_cast<CudaContext&>(*slot);
-  TORCH_CHECK(
-      context.scratch.device() == device,
-      "chainermn: the group works on ", context.scratch.device(), " and cannot also use ", device);
+  TORCH_CHECK(context.scratch.device() == device, "chainermn: the group works on ", context.scratch.device(),
+              " and cannot also use ", device);
   return std::make_unique<CudaScope>(context.stream, static_cast<const cuda::StreamMark*>(callerMark.get()));
 }
 
@@ -144,4 +137,4 @@ std::unique_ptr<Mover> moverFor(at::Device device) {
 
 #endif
 
-} // namespace chainermn
+}  // namespace chainermn

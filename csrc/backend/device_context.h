@@ -47,11 +47,8 @@ using CudaTransportsBuilder = std::function<TransportSet(c10::DeviceIndex device
 // the thread that launches its CUDA work), each level carried as `plan` says: `host` is the group's
 // CPU transports (what staging goes through); what it builds is added to `watched`. Null in a build
 // without CUDA.
-CudaTransportsBuilder cudaTransportsBuilder(
-    const GroupSetup& setup,
-    const CudaPlan& plan,
-    const TransportSet& host,
-    std::shared_ptr<WatchedTransports> watched);
+CudaTransportsBuilder cudaTransportsBuilder(const GroupSetup& setup, const CudaPlan& plan, const TransportSet& host,
+                                            std::shared_ptr<WatchedTransports> watched);
 
 // True when this build handles CUDA tensors (compiled with CHAINERMN_WITH_CUDA).
 bool cudaBuilt();
@@ -72,12 +69,9 @@ class DeviceScope {
 
 // The group's context for a CUDA device (created on first use, in `slot`), entered: its stream is
 // made to wait for `callerMark`. The context is *slot while the scope lives.
-std::unique_ptr<DeviceScope> enterCuda(
-    std::unique_ptr<DeviceContext>& slot,
-    Strategy& strategy,
-    const CudaTransportsBuilder& build,
-    at::Device device,
-    const std::shared_ptr<void>& callerMark);
+std::unique_ptr<DeviceScope> enterCuda(std::unique_ptr<DeviceContext>& slot, Strategy& strategy,
+                                       const CudaTransportsBuilder& build, at::Device device,
+                                       const std::shared_ptr<void>& callerMark);
 
 // Inside the scope, after a CUDA op's body queued its work: a mark on the group's stream, reached
 // once the device has run it. The watchdog polls it (on its own thread: the mark sets its device).
@@ -99,4 +93,4 @@ void synchronizeCurrentStream(at::Device device);
 // process wide, so that every rank submits in its program's order.
 std::unique_lock<std::mutex> lockDeviceLaunches(at::Device device);
 
-} // namespace chainermn
+}  // namespace chainermn

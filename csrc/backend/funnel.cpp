@@ -31,7 +31,7 @@ RequestPtr runCarryingCheck(DeviceContext& cpu, const Body& body) {
   world.settleCheck();
   return request;
 }
-} // namespace
+}  // namespace
 
 void ProcessGroupChainerMN::setSequenceNumberForGroup() {}  // numbered from the group's creation
 
@@ -64,16 +64,14 @@ c10::intrusive_ptr<WorkChainerMN> ProcessGroupChainerMN::makeWork(OpSpec& spec, 
       spec.type,
       WorkChainerMN::Label{spec.name, device.is_cuda() ? plan_.cuda.name : plan_.hostLibrary, rank_, size_, timeout,
                            spec.agree.collective},
-      sequence,
-      std::move(spec.outputs),
-      Clock::now() + timeout,
-      std::move(devices));
+      sequence, std::move(spec.outputs), Clock::now() + timeout, std::move(devices));
   work->setSpan(std::move(span));
   work->setTrace(trace);
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body body, c10::intrusive_ptr<WorkChainerMN> work) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body body,
+                                                           c10::intrusive_ptr<WorkChainerMN> work) {
   std::vector<at::Tensor> used = spec.inputs;
   used.insert(used.end(), spec.outputs.begin(), spec.outputs.end());
   checkSameDevice(spec.name, used);
@@ -122,37 +120,36 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::post(OpSpec spec, Body bod
   // stream is marked now, on the caller's thread; the worker orders the group's stream after it.
   const bool nccl = plan_.cuda.someNccl;
   auto mark = markCallerStream(used.front());
-  worker_->enqueue(
-      work,
-      [context = context_, body = std::move(body), mark = std::move(mark), device, used = std::move(used),
-       op = spec.name, agreement = std::move(spec.agree), nccl, span = work->span()]() {
-        OpSpan::Running running(span.get());
-        CountingScope counting(context->counters);
-        std::optional<CollectiveTimer> timer;
-        if (agreement.collective) {
-          timer.emplace(*context->stragglers);
-          context->agree(op, agreement);  // over the host transports: this body uses them anyway
-        }
-        std::unique_lock<std::mutex> launching;
-        if (nccl) {
-          launching = lockDeviceLaunches(device);  // NCCL within the node: one submitter per device
-        }
-        std::shared_ptr<DeviceScope> scope = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
-        DeviceContext& cuda = *context->cuda;
-        keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
-        RequestPtr request = body(cuda);
-        if (timer) {
-          timer->done();  // the host's part: staging through the host transports, waits included
-        }
-        if (request) {
-          return Pending(std::move(request));  // point to point: the Work completes with the transfer
-        }
-        // A collective: done once queued, but the watchdog watches its kernels end (worker.h).
-        Pending queued(markDeviceEnd(cuda));
-        queued.onDevice = true;
-        queued.scope = std::move(scope);  // the Work completes on the group's stream
-        return queued;
-      });
+  worker_->enqueue(work, [context = context_, body = std::move(body), mark = std::move(mark), device,
+                          used = std::move(used), op = spec.name, agreement = std::move(spec.agree), nccl,
+                          span = work->span()]() {
+    OpSpan::Running running(span.get());
+    CountingScope counting(context->counters);
+    std::optional<CollectiveTimer> timer;
+    if (agreement.collective) {
+      timer.emplace(*context->stragglers);
+      context->agree(op, agreement);  // over the host transports: this body uses them anyway
+    }
+    std::unique_lock<std::mutex> launching;
+    if (nccl) {
+      launching = lockDeviceLaunches(device);  // NCCL within the node: one submitter per device
+    }
+    std::shared_ptr<DeviceScope> scope = enterCuda(context->cuda, *context->strategy, context->buildCuda, device, mark);
+    DeviceContext& cuda = *context->cuda;
+    keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
+    RequestPtr request = body(cuda);
+    if (timer) {
+      timer->done();  // the host's part: staging through the host transports, waits included
+    }
+    if (request) {
+      return Pending(std::move(request));  // point to point: the Work completes with the transfer
+    }
+    // A collective: done once queued, but the watchdog watches its kernels end (worker.h).
+    Pending queued(markDeviceEnd(cuda));
+    queued.onDevice = true;
+    queued.scope = std::move(scope);  // the Work completes on the group's stream
+    return queued;
+  });
   if (nccl) {
     // Its NCCL kernels are submitted by the worker: the caller goes on once they are, so that this
     // process submits to the device in its program's order.
@@ -193,12 +190,8 @@ bool ProcessGroupChainerMN::runsOnCaller(const OpSpec& spec) const {
 // Over NCCL alone: on the caller's thread, at once, as ProcessGroupNCCL does. The cross-rank check
 // runs beside the kernels, on the worker; the Work completes once both the device and the check are
 // through (worker.h).
-void ProcessGroupChainerMN::launch(
-    OpSpec& spec,
-    const Body& body,
-    const c10::intrusive_ptr<WorkChainerMN>& work,
-    at::Device device,
-    const std::vector<at::Tensor>& used) {
+void ProcessGroupChainerMN::launch(OpSpec& spec, const Body& body, const c10::intrusive_ptr<WorkChainerMN>& work,
+                                   at::Device device, const std::vector<at::Tensor>& used) {
   const bool check = spec.agree.collective && context_->checks != CheckLevel::Off;
   const std::string broken = worker_->brokenReason();
   if (!broken.empty()) {
@@ -209,7 +202,8 @@ void ProcessGroupChainerMN::launch(
   // threads keep one order for both.
   auto launching = lockDeviceLaunches(device);
   try {
-    auto scope = enterCuda(context_->cuda, *context_->strategy, context_->buildCuda, device, markCallerStream(used.front()));
+    auto scope =
+        enterCuda(context_->cuda, *context_->strategy, context_->buildCuda, device, markCallerStream(used.front()));
     DeviceContext& cuda = *context_->cuda;
     keepUntilDone(cuda, used);  // before anything is queued: a throw below leaves kernels behind
     OpSpan::Running running(work->span().get());
@@ -225,11 +219,8 @@ void ProcessGroupChainerMN::launch(
     // Numbered like every collective's check, so the ranks stay in step even if this launch failed.
     const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(work->deadline() - work->issued());
     auto checkWork = c10::make_intrusive<WorkChainerMN>(
-        spec.type,
-        WorkChainerMN::Label{spec.name, plan_.hostLibrary, rank_, size_, timeout, true},
-        work->getSequencenumber(),
-        std::vector<at::Tensor>{},
-        work->deadline());
+        spec.type, WorkChainerMN::Label{spec.name, plan_.hostLibrary, rank_, size_, timeout, true},
+        work->getSequencenumber(), std::vector<at::Tensor>{}, work->deadline());
     worker_->enqueueCheck(checkWork, work, [context = context_, op = spec.name, agreement = std::move(spec.agree)] {
       context->agree(op, agreement);
     });
@@ -247,10 +238,9 @@ Agreement ProcessGroupChainerMN::agreeOn(const std::vector<at::Tensor>& tensors)
     agreement.dtype = tensors.front().scalar_type();
   }
   const bool detail = options_.checks == CheckLevel::Detail;
-  const bool denseLayout =
-      std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
-        return t.layout() == at::kStrided && !t.is_contiguous();
-      });
+  const bool denseLayout = std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && !t.is_contiguous();
+  });
   if (tensors.size() > 1 || detail || denseLayout) {
     agreement.layout = layoutOf(tensors, detail);
   }
@@ -269,4 +259,4 @@ void ProcessGroupChainerMN::postRefusal(const char* op, const std::string& reaso
   });
 }
 
-} // namespace chainermn
+}  // namespace chainermn

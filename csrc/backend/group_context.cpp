@@ -19,16 +19,15 @@ std::string fetched(c10d::Store& store, const std::string& key) {
 // refused a call, and (only when the settings' digests differ) each rank's settings, this rank's
 // published before it reads any other's, so that every rank finds every other's.
 PeerRecords peerRecords(c10d::Store& store, int myRank) {
-  return PeerRecords{
-      [&store](uint64_t sequence, int rank) { return fetched(store, refusalKey(sequence, rank)); },
-      [&store, myRank](uint64_t sequence, int rank, const NamedSettings* mine) {
-        if (rank == myRank) {
-          const std::string text = mine ? mine->text() : "";
-          store.set(settingsKey(sequence, rank), std::vector<uint8_t>(text.begin(), text.end()));
-          return mine ? *mine : NamedSettings{};
-        }
-        return NamedSettings::parse(fetched(store, settingsKey(sequence, rank)));
-      }};
+  return PeerRecords{[&store](uint64_t sequence, int rank) { return fetched(store, refusalKey(sequence, rank)); },
+                     [&store, myRank](uint64_t sequence, int rank, const NamedSettings* mine) {
+                       if (rank == myRank) {
+                         const std::string text = mine ? mine->text() : "";
+                         store.set(settingsKey(sequence, rank), std::vector<uint8_t>(text.begin(), text.end()));
+                         return mine ? *mine : NamedSettings{};
+                       }
+                       return NamedSettings::parse(fetched(store, settingsKey(sequence, rank)));
+                     }};
 }
 
 void checkSplitsIfAny(Transport& world, const char* op, uint64_t sequence, const Agreement& agreement) {
@@ -36,7 +35,7 @@ void checkSplitsIfAny(Transport& world, const char* op, uint64_t sequence, const
     checkSplits(world, op, sequence, agreement);
   }
 }
-} // namespace
+}  // namespace
 
 bool GroupContext::carryAgreement(const char* op, const Agreement& agreement) {
   Transport& world = *cpu->transports.world;
@@ -89,4 +88,4 @@ void GroupContext::agree(const char* op, const Agreement& agreement, const std::
   checkSplitsIfAny(world, op, sequence, agreement);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

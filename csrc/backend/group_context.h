@@ -20,7 +20,7 @@ namespace chainermn {
 // What the operations of one group share on the worker thread. Operations hold it by shared_ptr, so
 // it outlives the ProcessGroup if a transport call is still running when the group goes away.
 struct GroupContext {
-  std::unique_ptr<Strategy> strategy;  // how all_reduce runs, on every device
+  std::unique_ptr<Strategy> strategy;   // how all_reduce runs, on every device
   std::unique_ptr<DeviceContext> cpu;   // built with the group
   std::unique_ptr<DeviceContext> cuda;  // built by the first CUDA op (see device_context.h)
   CudaTransportsBuilder buildCuda;
@@ -28,13 +28,13 @@ struct GroupContext {
   c10::intrusive_ptr<c10d::Store> store;  // refusals' reasons (agreement.h)
   int rank = 0;
   CheckLevel checks = CheckLevel::Info;
-  bool checkThroughLevels = false;  // several nodes of equal size: agreeThroughLevels (agreement.h)
-  FingerprintExchange fingerprints;  // worker thread only
+  bool checkThroughLevels = false;              // several nodes of equal size: agreeThroughLevels (agreement.h)
+  FingerprintExchange fingerprints;             // worker thread only
   std::unique_ptr<CarriedFingerprint> carried;  // the fingerprint a folded check hands the transport
-  uint64_t collectivesRun = 0;  // worker thread only: the number of the collective running now
-  MessageOrder messages;        // worker thread only: point-to-point numbering (checked_transfers.h)
-  std::unique_ptr<Stragglers> stragglers;  // who arrived last at recent collectives (stragglers.h)
-  Counters counters;                       // what the ops moved and their phases' time (counters.h)
+  uint64_t collectivesRun = 0;                  // worker thread only: the number of the collective running now
+  MessageOrder messages;                        // worker thread only: point-to-point numbering (checked_transfers.h)
+  std::unique_ptr<Stragglers> stragglers;       // who arrived last at recent collectives (stragglers.h)
+  Counters counters;                            // what the ops moved and their phases' time (counters.h)
 
   // Worker thread, before a collective's body: numbers it and, unless checks are off, compares its
   // fingerprint with every rank's; throws the same ValueError on every rank when they differ. The
@@ -55,4 +55,4 @@ struct GroupContext {
   Fingerprint fingerprintOf(uint64_t sequence, const char* op, const Agreement& agreement);
 };
 
-} // namespace chainermn
+}  // namespace chainermn

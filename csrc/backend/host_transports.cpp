@@ -20,4 +20,4 @@ TransportSet buildHostTransports(const GroupSetup& setup, const TransportPlan& p
   return set;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -13,4 +13,4 @@ namespace chainermn {
 // every rank.
 TransportSet buildHostTransports(const GroupSetup& setup, const TransportPlan& plan);
 
-} // namespace chainermn
+}  // namespace chainermn

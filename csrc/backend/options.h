@@ -46,7 +46,7 @@ struct GroupOptions {
   std::string transport = "auto";                    // the host library asked for: auto, mpi or gloo
   bool sharedMemory = true;                          // intra-node CPU collectives through shared memory
   std::string cudaTransport = "nccl";                // how CUDA buffers travel: nccl, nccl_intra, staged
-  CheckLevel checks = CheckLevel::Info;             // cross-rank checks before every collective
+  CheckLevel checks = CheckLevel::Info;              // cross-rank checks before every collective
 };
 
 // A group's options as torch sees them (Backend.options, getBackendOptions): torch's fields (timeout,
@@ -65,11 +65,11 @@ struct GroupSetup {
   std::chrono::milliseconds timeout{0};
   std::string name;
   Topology topology;
-  TransportFactory makeHost;  // the host library every rank agreed on (MPI or Gloo), one level at a time
+  TransportFactory makeHost;     // the host library every rank agreed on (MPI or Gloo), one level at a time
   const char* hostLibrary = "";  // its name, "mpi" or "gloo" (set with makeHost)
   size_t shmChunkBytes = shm::kDefaultChunkBytes;  // the shared-memory collectives' chunk (CHAINERMN_SHM_CHUNK_BYTES)
-  StragglerSettings stragglers;  // the stragglers' window and warning (CHAINERMN_STRAGGLER_*)
-  std::vector<int64_t> globalRanks;  // the group's members by global rank (torch's); empty: 0 .. size-1
+  StragglerSettings stragglers;                    // the stragglers' window and warning (CHAINERMN_STRAGGLER_*)
+  std::vector<int64_t> globalRanks;                // the group's members by global rank (torch's); empty: 0 .. size-1
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -15,7 +15,7 @@ namespace {
 // Sends and receives pair by peer and tag, not by their place in the group's sequence.
 const Agreement kPointToPoint{/*collective=*/false};
 
-} // namespace
+}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const char* op = "send";
@@ -37,13 +37,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recv(std::vector<at::Tenso
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(
-    const char* op,
-    c10d::OpType type,
-    const at::Tensor& tensor,
-    int peer,
-    int tag,
-    c10::intrusive_ptr<WorkChainerMN> work) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::postTransfer(const char* op, c10d::OpType type,
+                                                                   const at::Tensor& tensor, int peer, int tag,
+                                                                   c10::intrusive_ptr<WorkChainerMN> work) {
   const bool isSend = type == c10d::OpType::SEND;
   if (batch_) {
     if (!batch_->tensors.empty()) {
@@ -74,8 +70,8 @@ void ProcessGroupChainerMN::startCoalescing() {
   if (batch_ && batch_->work) {
     // A batch torch never ended: an error in Python (a bad peer in batch_isend_irecv's list) left
     // its coalescing manager before endCoalescing. Its transfers never started.
-    batch_->work->fail(backendError(
-        "chainermn batch_isend_irecv: not run, the batch was abandoned (an error before its end)"));
+    batch_->work->fail(
+        backendError("chainermn batch_isend_irecv: not run, the batch was abandoned (an error before its end)"));
   }
   batch_.emplace();
   lastInWindow_.reset();
@@ -102,7 +98,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::endCoalescing() {
           std::vector<Transfer> transfers;
           for (size_t i = 0; i < batch.tensors.size(); ++i) {
             const auto& t = batch.tensors[i];
-            transfers.push_back({batch.sends[i], t.data_ptr(), t.numel(), t.scalar_type(), batch.peers[i], batch.tags[i]});
+            transfers.push_back(
+                {batch.sends[i], t.data_ptr(), t.numel(), t.scalar_type(), batch.peers[i], batch.tags[i]});
           }
           return world.startAll(transfers);
         }
@@ -142,7 +139,7 @@ class Delivering : public Request {
   c10::intrusive_ptr<WorkChainerMN> work_;
 };
 
-} // namespace
+}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvMessage(int srcRank, int tag) {
   const char* op = "recv_message";
@@ -152,19 +149,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvMessage(int srcRank, i
     OpSpec spec{c10d::OpType::RECV, op, {}, {}, c10d::kUnsetTimeout, kPointToPoint};
     spec.peer = srcRank;
     auto work = makeWork(spec, at::Device(at::kCPU));
-    return post(spec, [srcRank, tag, work, order = &context_->messages](DeviceContext& on) -> RequestPtr {
-      auto received = std::make_shared<at::Tensor>();
-      return std::make_unique<Delivering>(
-          recvCheckedAnySize(*on.transports.world, *order, srcRank, tag, received), received, work);
-    }, work);
+    return post(
+        spec,
+        [srcRank, tag, work, order = &context_->messages](DeviceContext& on) -> RequestPtr {
+          auto received = std::make_shared<at::Tensor>();
+          return std::make_unique<Delivering>(recvCheckedAnySize(*on.transports.world, *order, srcRank, tag, received),
+                                              received, work);
+        },
+        work);
   });
 }
 
 namespace {
 
 // The message sendMessage describes, as pieces: the parts' bytes and the zeros between them.
-std::vector<Piece> messagePieces(
-    const char* op, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets, int64_t bytes, int rank) {
+std::vector<Piece> messagePieces(const char* op, const std::vector<at::Tensor>& parts,
+                                 const std::vector<int64_t>& offsets, int64_t bytes, int rank) {
   TORCH_CHECK_VALUE(parts.size() == offsets.size(), op, ": rank ", rank, " passed ", parts.size(), " parts and ",
                     offsets.size(), " offsets");
   std::vector<Piece> pieces;
@@ -172,10 +172,11 @@ std::vector<Piece> messagePieces(
   for (size_t i = 0; i < parts.size(); ++i) {
     const at::Tensor& part = parts[i];
     TORCH_CHECK_VALUE(part.device().is_cpu() && part.is_contiguous(), op, ": parts[", i, "] on rank ", rank,
-                      " must be a contiguous CPU tensor, got ", part.device(), part.is_contiguous() ? "" : ", not contiguous");
+                      " must be a contiguous CPU tensor, got ", part.device(),
+                      part.is_contiguous() ? "" : ", not contiguous");
     const int64_t size = part.numel() * static_cast<int64_t>(part.element_size());
-    TORCH_CHECK_VALUE(offsets[i] >= at && offsets[i] + size <= bytes, op, ": parts[", i, "] on rank ", rank, " (",
-                      size, " bytes at offset ", offsets[i], ") overlaps the part before it or ends past the message's ",
+    TORCH_CHECK_VALUE(offsets[i] >= at && offsets[i] + size <= bytes, op, ": parts[", i, "] on rank ", rank, " (", size,
+                      " bytes at offset ", offsets[i], ") overlaps the part before it or ends past the message's ",
                       bytes, " bytes");
     if (offsets[i] > at) {
       pieces.push_back({nullptr, static_cast<size_t>(offsets[i] - at)});
@@ -195,10 +196,11 @@ at::Tensor packed(const std::vector<Piece>& pieces, int64_t bytes) {
   return message;
 }
 
-} // namespace
+}  // namespace
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(
-    const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets, int64_t bytes, int dstRank, int tag) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::sendMessage(const std::vector<at::Tensor>& parts,
+                                                                  const std::vector<int64_t>& offsets, int64_t bytes,
+                                                                  int dstRank, int tag) {
   const char* op = "send_message";
   return abandonsBatch([&] {
     checkRank(op, "dst", dstRank, size_);
@@ -225,14 +227,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
   const char* op = "recv";
   at::Tensor tensor = single(op, "tensor", tensors);
   checkTag(op, tag);
-  TORCH_CHECK_VALUE(
-      !(tensor.is_cuda() && plan_.cuda.allNccl),
-      op,
-      ": a receive from any source is not available for CUDA tensors over NCCL, which needs the "
-      "source rank (CHAINERMN_CUDA_TRANSPORT=staged has it)");
-  return post({c10d::OpType::RECVANYSOURCE, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint}, [tensor, tag, order = &context_->messages](DeviceContext& on) {
-    return recvChecked(*on.transports.world, *order, tensor, kAnySource, tag);
-  });
+  TORCH_CHECK_VALUE(!(tensor.is_cuda() && plan_.cuda.allNccl), op,
+                    ": a receive from any source is not available for CUDA tensors over NCCL, which needs the "
+                    "source rank (CHAINERMN_CUDA_TRANSPORT=staged has it)");
+  return post({c10d::OpType::RECVANYSOURCE, op, {tensor}, {}, c10d::kUnsetTimeout, kPointToPoint},
+              [tensor, tag, order = &context_->messages](DeviceContext& on) {
+                return recvChecked(*on.transports.world, *order, tensor, kAnySource, tag);
+              });
 }
 
 // On the host transports, a barrier orders processes. A group that works on a GPU over NCCL does as
@@ -241,10 +242,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::recvAnysource(std::vector<
 c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::BarrierOptions& opts) {
   const int device = cudaDevice_.load();
   if (device < 0 || !plan_.cuda.allNccl) {
-    return post({c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout, Agreement{}, !opts.asyncOp, /*checkFolds=*/true}, [](DeviceContext& on) {
-      on.transports.world->barrier();
-      return RequestPtr();
-    });
+    return post(
+        {c10d::OpType::BARRIER, "barrier", {}, {}, opts.timeout, Agreement{}, !opts.asyncOp, /*checkFolds=*/true},
+        [](DeviceContext& on) {
+          on.transports.world->barrier();
+          return RequestPtr();
+        });
   }
   if (!barrierToken_.defined()) {
     barrierToken_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
@@ -253,10 +256,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::barrier(const c10d::Barrie
   OpSpec spec{c10d::OpType::BARRIER, "barrier", {}, {token}, opts.timeout, agreeOn({token})};
   auto work = makeWork(spec, token.device());
   work->setHostSync([on = token.device()] { synchronizeCurrentStream(on); });
-  return post(std::move(spec), [token](DeviceContext& on) {
-    on.transports.world->allreduce(token.data_ptr(), 1, at::kInt, ReduceKind::Sum);
-    return RequestPtr();
-  }, work);
+  return post(
+      std::move(spec),
+      [token](DeviceContext& on) {
+        on.transports.world->allreduce(token.data_ptr(), 1, at::kInt, ReduceKind::Sum);
+        return RequestPtr();
+      },
+      work);
 }
 
 void ProcessGroupChainerMN::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
@@ -270,10 +276,9 @@ void ProcessGroupChainerMN::monitoredBarrier(const c10d::BarrierOptions& opts, b
     try {
       store.wait({verdictKey}, timeout);
     } catch (const std::exception&) {
-      C10_THROW_ERROR(
-          DistBackendError,
-          "monitored_barrier on rank " + std::to_string(rank_) + ": rank 0 did not answer within " +
-              std::to_string(timeout.count()) + " ms");
+      C10_THROW_ERROR(DistBackendError, "monitored_barrier on rank " + std::to_string(rank_) +
+                                            ": rank 0 did not answer within " + std::to_string(timeout.count()) +
+                                            " ms");
     }
     const auto verdict = store.get(verdictKey);
     if (!verdict.empty()) {
@@ -304,7 +309,7 @@ void ProcessGroupChainerMN::monitoredBarrier(const c10d::BarrierOptions& opts, b
       ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     }
     verdict = std::string(missing.size() == 1 ? "Rank " : "Ranks ") + ranks + " failed to pass monitoredBarrier in " +
-        std::to_string(timeout.count()) + " ms";
+              std::to_string(timeout.count()) + " ms";
   }
   store.set(verdictKey, std::vector<uint8_t>(verdict.begin(), verdict.end()));
   if (!verdict.empty()) {
@@ -312,4 +317,4 @@ void ProcessGroupChainerMN::monitoredBarrier(const c10d::BarrierOptions& opts, b
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -31,22 +31,14 @@ ProcessGroupChainerMN::ProcessGroupChainerMN(const GroupSetup& setup, GroupOptio
   context_->stragglers = std::make_unique<Stragglers>(rank_, std::move(nodeOfRank), setup.name, setup.stragglers);
   // From the whole group's topology, so that every rank takes the same path.
   const auto& nodes = topology_.ranksOfNode;
-  context_->checkThroughLevels = nodes.size() > 1 && nodes.front().size() > 1 &&
+  context_->checkThroughLevels =
+      nodes.size() > 1 && nodes.front().size() > 1 &&
       std::all_of(nodes.begin(), nodes.end(), [&](const auto& node) { return node.size() == nodes.front().size(); });
 
   TransportSet host = buildHostTransports(setup, plan_);
-  TORCH_CHECK(
-      host.world->rank() == rank_ && host.world->size() == size_,
-      "chainermn: the ",
-      host.world->library(),
-      " transport has rank ",
-      host.world->rank(),
-      " of ",
-      host.world->size(),
-      " but the group has rank ",
-      rank_,
-      " of ",
-      size_);
+  TORCH_CHECK(host.world->rank() == rank_ && host.world->size() == size_, "chainermn: the ", host.world->library(),
+              " transport has rank ", host.world->rank(), " of ", host.world->size(), " but the group has rank ", rank_,
+              " of ", size_);
   context_->cpu = std::make_unique<DeviceContext>(*context_->strategy, at::kCPU);
   context_->cpu->transports = host;
   watched_ = std::make_shared<WatchedTransports>();
@@ -81,19 +73,18 @@ c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupChainerMN::getBackendOpti
   return c10::make_intrusive<BackendOptions>(options_, std::chrono::milliseconds(timeoutMs_.load()));
 }
 
-c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::split(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    const std::vector<int>& ranks,
-    const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
-  TORCH_CHECK(splitter_, "split_group: this chainermn group was not made by torch_chainermn's creator (rank ",
-              rank_, ")");
+c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                               const std::vector<int>& ranks,
+                                                               const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
+  TORCH_CHECK(splitter_, "split_group: this chainermn group was not made by torch_chainermn's creator (rank ", rank_,
+              ")");
   std::vector<int> sorted(ranks);
   std::sort(sorted.begin(), sorted.end());
   for (size_t i = 0; i < sorted.size(); ++i) {
     TORCH_CHECK_VALUE(sorted[i] >= 0 && sorted[i] < size_, "split_group: ranks holds ", sorted[i],
                       ", not a rank of the group (size ", size_, "), on rank ", rank_);
-    TORCH_CHECK_VALUE(i == 0 || sorted[i] != sorted[i - 1], "split_group: ranks holds ", sorted[i],
-                      " twice, on rank ", rank_);
+    TORCH_CHECK_VALUE(i == 0 || sorted[i] != sorted[i - 1], "split_group: ranks holds ", sorted[i], " twice, on rank ",
+                      rank_);
   }
   const auto mine = std::lower_bound(sorted.begin(), sorted.end(), rank_);
   if (mine == sorted.end() || *mine != rank_) {
@@ -106,11 +97,10 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::split(
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::shrink(
-    const std::vector<int64_t>& ranksToExclude,
-    int shrinkFlags,
+    const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
     const c10::intrusive_ptr<c10d::Backend::Options>& opts) {
-  TORCH_CHECK(splitter_, "shrink_group: this chainermn group was not made by torch_chainermn's creator (rank ",
-              rank_, ")");
+  TORCH_CHECK(splitter_, "shrink_group: this chainermn group was not made by torch_chainermn's creator (rank ", rank_,
+              ")");
   std::vector<int> survivors;
   for (int r = 0; r < size_; ++r) {
     if (std::find(ranksToExclude.begin(), ranksToExclude.end(), r) == ranksToExclude.end()) {
@@ -124,8 +114,8 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupChainerMN::shrink(
     worker_->abortGroup("rank " + std::to_string(rank_) + " shrank the group (shrink_group with SHRINK_ABORT)");
   }
   // Only the survivors meet under this prefix: the excluded ranks, dead or not, are never waited for.
-  auto store = c10::make_intrusive<c10d::PrefixStore>("chainermn/shrink/" + std::to_string(shrinks_++) + "/",
-                                                      context_->store);
+  auto store =
+      c10::make_intrusive<c10d::PrefixStore>("chainermn/shrink/" + std::to_string(shrinks_++) + "/", context_->store);
   const auto* chainermnOptions = dynamic_cast<const BackendOptions*>(opts.get());
   const auto timeout = opts ? opts->timeout : std::chrono::milliseconds(timeoutMs_.load());
   return splitter_(store, static_cast<int>(mine - survivors.begin()), survivors, timeout, "shrunk",
@@ -156,4 +146,4 @@ void ProcessGroupChainerMN::abort() {
   worker_->abortGroup("rank " + std::to_string(rank_) + " aborted the group (ProcessGroup.abort())");
 }
 
-} // namespace chainermn
+}  // namespace chainermn

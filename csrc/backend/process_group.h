@@ -34,8 +34,8 @@ struct TracedGroup;  // runtime/flight_recorder.h
 struct OpSpec {
   c10d::OpType type;
   const char* name;
-  std::vector<at::Tensor> outputs;  // the Work's result (fut.value())
-  std::vector<at::Tensor> inputs;   // read by the op: kept alive until it is done
+  std::vector<at::Tensor> outputs;                          // the Work's result (fut.value())
+  std::vector<at::Tensor> inputs;                           // read by the op: kept alive until it is done
   std::chrono::milliseconds timeout = c10d::kUnsetTimeout;  // the group's unless set
   Agreement agree;  // what every rank must pass the same (collectives; see agreement.h)
   // The caller waits for the op at once (torch's async_op=False, the options' asyncOp): running it on
@@ -66,70 +66,53 @@ class ProcessGroupChainerMN : public c10d::Backend {
     return worker_->brokenReason();
   }
 
-  c10::intrusive_ptr<c10d::Work> broadcast(
-      std::vector<at::Tensor>& tensors,
-      const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
   // torch sends sparse CUDA tensors here (sparse CPU ones to allreduce): both go to allreduceSparse.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override {
     return allreduceSparse(onlyTensor(tensors), opts);
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
-  c10::intrusive_ptr<c10d::Work> reduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
-  c10::intrusive_ptr<c10d::Work> allgather(
-      std::vector<std::vector<at::Tensor>>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                           std::vector<at::Tensor>& inputTensors,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
+      at::Tensor& outputBuffer, at::Tensor& inputBuffer,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputTensorLists,
-      std::vector<at::Tensor>& inputTensors,
+      std::vector<std::vector<at::Tensor>>& outputTensorLists, std::vector<at::Tensor>& inputTensors,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> gather(
-      std::vector<std::vector<at::Tensor>>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
-  c10::intrusive_ptr<c10d::Work> scatter(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<std::vector<at::Tensor>>& inputTensors,
-      const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                        std::vector<at::Tensor>& inputTensors,
+                                        const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputTensors,
+                                         std::vector<std::vector<at::Tensor>>& inputTensors,
+                                         const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<std::vector<at::Tensor>>& inputTensors,
+      std::vector<at::Tensor>& outputTensors, std::vector<std::vector<at::Tensor>>& inputTensors,
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
+      at::Tensor& outputBuffer, at::Tensor& inputBuffer,
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
-      std::vector<at::Tensor>& outputs,
-      std::vector<at::Tensor>& inputs,
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(
-      at::Tensor& outputBuffer,
-      at::Tensor& inputBuffer,
-      std::vector<int64_t>& outputSplitSizes,
-      std::vector<int64_t>& inputSplitSizes,
-      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(
-      std::vector<at::Tensor>& outputTensors,
-      std::vector<at::Tensor>& inputTensors,
-      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputTensors, std::vector<at::Tensor>& inputTensors,
+                                          const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -141,8 +124,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // zeros between: what recvMessage receives. The parts may change once this returns (what has not
   // gone yet is copied). Within a node over shared memory it is written straight from the parts into
   // the ring on this thread when the worker is idle (no pack, no thread hop); else packed and posted.
-  c10::intrusive_ptr<c10d::Work> sendMessage(
-      const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets, int64_t bytes, int dstRank, int tag);
+  c10::intrusive_ptr<c10d::Work> sendMessage(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& offsets,
+                                             int64_t bytes, int dstRank, int tag);
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
   // torch's coalescing manager, as batch_isend_irecv uses it: the sends and receives issued between
@@ -168,19 +151,15 @@ class ProcessGroupChainerMN : public c10d::Backend {
       const c10::intrusive_ptr<c10d::Store>& store,
       int rank,                       // in the child
       const std::vector<int>& ranks,  // this group's ranks that form the child, ascending
-      std::chrono::milliseconds timeout,
-      const std::string& name,
-      const GroupOptions& options)>;
+      std::chrono::milliseconds timeout, const std::string& name, const GroupOptions& options)>;
   void setSplitter(Splitter splitter) {
     splitter_ = std::move(splitter);
   }
   bool supportsSplitting() const override {
     return static_cast<bool>(splitter_);
   }
-  c10::intrusive_ptr<c10d::Backend> split(
-      const c10::intrusive_ptr<c10d::Store>& store,
-      const std::vector<int>& ranks,
-      const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
   // torch's shrink_group: the ranks not in `ranksToExclude` (dead or not) make a new chainermn group,
   // renumbered in order, with this group's options (or those in `opts`, as split()). Collective over
   // the survivors. SHRINK_ABORT aborts this group first (abort()), so that its pending ops fail now
@@ -188,10 +167,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   bool supportsShrinking() const override {
     return static_cast<bool>(splitter_);
   }
-  c10::intrusive_ptr<c10d::Backend> shrink(
-      const std::vector<int64_t>& ranksToExclude,
-      int shrinkFlags,
-      const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
 
   // torch's sequence numbers (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend in a checker that
   // reads them): the number of collectives this rank has issued to the group.
@@ -203,19 +180,15 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // in the same pass), reduced by the group's strategy, and unpacked with the cast back (and the
   // 1/size scale of wider dtypes) in one pass. Tensors may mix floating dtypes; std::nullopt means the
   // group's Options.allreduce_grad_dtype, and where that is unset too, the widest of their dtypes.
-  c10::intrusive_ptr<c10d::Work> meanCoalesced(
-      std::vector<at::Tensor>& tensors,
-      std::optional<at::ScalarType> wireDtype);
+  c10::intrusive_ptr<c10d::Work> meanCoalesced(std::vector<at::Tensor>& tensors,
+                                               std::optional<at::ScalarType> wireDtype);
 
   // Gradient compression's mean (strategies/compressed.h): every tensor becomes the mean over the
   // group of what the nodes sent, compressed between nodes. `residual` and `secondResidual` are this
   // rank's float32 residuals on the tensors' device, shaped as compressionResiduals(count) says
   // (empty tensors where none); they are read and updated by the op. In compression.cpp.
-  c10::intrusive_ptr<c10d::Work> compressedMean(
-      std::vector<at::Tensor>& tensors,
-      const at::Tensor& residual,
-      const at::Tensor& secondResidual,
-      const CompressionSpec& spec);
+  c10::intrusive_ptr<c10d::Work> compressedMean(std::vector<at::Tensor>& tensors, const at::Tensor& residual,
+                                                const at::Tensor& secondResidual, const CompressionSpec& spec);
   // The residuals this rank keeps for `count` gradient values under `spec`.
   ResidualShape compressionResiduals(const CompressionSpec& spec, int64_t count) const {
     return residualShape(topology_, spec, count);
@@ -281,12 +254,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // Whether post() runs a CPU op on the caller's thread when the worker is idle (funnel.cpp).
   bool runsOnCaller(const OpSpec& spec) const;
   // post()'s CUDA path over NCCL alone: the body runs now, on the caller's thread.
-  void launch(
-      OpSpec& spec,
-      const Body& body,
-      const c10::intrusive_ptr<WorkChainerMN>& work,
-      at::Device device,
-      const std::vector<at::Tensor>& used);
+  void launch(OpSpec& spec, const Body& body, const c10::intrusive_ptr<WorkChainerMN>& work, at::Device device,
+              const std::vector<at::Tensor>& used);
 
   // all_reduce of a sparse COO tensor (sparse.cpp): Gloo's semantics, SUM, CPU.
   c10::intrusive_ptr<c10d::Work> allreduceSparse(at::Tensor tensor, const c10d::AllreduceOptions& opts);
@@ -346,8 +315,8 @@ class ProcessGroupChainerMN : public c10d::Backend {
   std::atomic<std::chrono::milliseconds::rep> timeoutMs_;
   std::atomic<uint64_t> sequence_{0};     // collectives posted (torch's sequence number)
   std::atomic<uint64_t> p2pSequence_{0};  // sends and receives posted
-  TracedGroup* traced_ = nullptr;  // the group in the flight recorder; null while it is off
-  uint64_t monitoredBarriers_ = 0;         // numbers each monitored barrier's keys
+  TracedGroup* traced_ = nullptr;         // the group in the flight recorder; null while it is off
+  uint64_t monitoredBarriers_ = 0;        // numbers each monitored barrier's keys
   // Between startCoalescing() and endCoalescing(): the transfers gathered, and the Work they share.
   struct Batch {
     std::vector<at::Tensor> tensors;
@@ -360,9 +329,9 @@ class ProcessGroupChainerMN : public c10d::Backend {
   // The last op posted while a batch was open: what a window with no transfers returns, so that
   // waiting for it orders the caller after the window's collectives (torch's _coalescing_manager).
   c10::intrusive_ptr<WorkChainerMN> lastInWindow_;
-  Splitter splitter_;  // see split()
-  int shrinks_ = 0;     // shrink()s so far: each makes its group under a key space of its own
+  Splitter splitter_;                // see split()
+  int shrinks_ = 0;                  // shrink()s so far: each makes its group under a key space of its own
   std::atomic<int> cudaDevice_{-1};  // the GPU this group works on, bound by its first CUDA tensor
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -51,18 +51,15 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
   }
 }
 
-} // namespace
+}  // namespace
 
 void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise) {
   const bool bitwise =
       plan.kind == ReduceKind::BitAnd || plan.kind == ReduceKind::BitOr || plan.kind == ReduceKind::BitXor;
-  TORCH_CHECK_VALUE(
-      !(tensor.device().is_cuda() && bitwise && !cudaBitwise),
-      op,
-      ": ReduceOp.",
-      reduceKindName(plan.kind),
-      " is not available for CUDA tensors over NCCL, which has no bitwise reductions "
-      "(CHAINERMN_CUDA_TRANSPORT=staged has them)");
+  TORCH_CHECK_VALUE(!(tensor.device().is_cuda() && bitwise && !cudaBitwise), op, ": ReduceOp.",
+                    reduceKindName(plan.kind),
+                    " is not available for CUDA tensors over NCCL, which has no bitwise reductions "
+                    "(CHAINERMN_CUDA_TRANSPORT=staged has them)");
 }
 
 void premultiply(const Reduction& plan, void* data, int64_t count, at::Device device) {
@@ -88,12 +85,8 @@ Scaling meanScaling(at::ScalarType wire, int size) {
 
 Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype, int size) {
   const auto which = reduceOp.op_;
-  TORCH_CHECK_VALUE(
-      isReducible(dtype),
-      op,
-      ": cannot reduce tensors of dtype ",
-      dtypeName(dtype),
-      " (supported: float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)");
+  TORCH_CHECK_VALUE(isReducible(dtype), op, ": cannot reduce tensors of dtype ", dtypeName(dtype),
+                    " (supported: float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool)");
   const bool floating = at::isFloatingType(dtype);
 
   Reduction plan{ReduceKind::Sum, dtype, Scaling{}};
@@ -113,11 +106,11 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
     case c10d::ReduceOp::BAND:
     case c10d::ReduceOp::BOR:
     case c10d::ReduceOp::BXOR:
-      TORCH_CHECK_VALUE(
-          !floating, op, ": ReduceOp.", reduceOpName(which), " needs an integer or bool tensor, got ", dtypeName(dtype));
-      plan.kind = which == c10d::ReduceOp::BAND ? ReduceKind::BitAnd
-          : which == c10d::ReduceOp::BOR        ? ReduceKind::BitOr
-                                                : ReduceKind::BitXor;
+      TORCH_CHECK_VALUE(!floating, op, ": ReduceOp.", reduceOpName(which), " needs an integer or bool tensor, got ",
+                        dtypeName(dtype));
+      plan.kind = which == c10d::ReduceOp::BAND  ? ReduceKind::BitAnd
+                  : which == c10d::ReduceOp::BOR ? ReduceKind::BitOr
+                                                 : ReduceKind::BitXor;
       break;
     case c10d::ReduceOp::AVG:
       TORCH_CHECK_VALUE(dtype != at::kBool, op, ": ReduceOp.AVG needs a numeric tensor, got ", dtypeName(dtype));
@@ -158,4 +151,4 @@ Reduction planReduction(const char* op, const c10d::ReduceOp& reduceOp, at::Scal
   return plan;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -50,4 +50,4 @@ Scaling meanScaling(at::ScalarType wire, int size);
 // carried as MAX/MIN and pass).
 void checkDeviceReduction(const char* op, const Reduction& plan, const at::Tensor& tensor, bool cudaBitwise);
 
-} // namespace chainermn
+}  // namespace chainermn

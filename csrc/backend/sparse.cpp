@@ -42,7 +42,7 @@ at::Tensor gatherRows(Transport& world, const at::Tensor& rows, const std::vecto
 void sumSparse(Transport& world, const at::Tensor& tensor) {
   const at::Tensor input = tensor.coalesce();
   const at::Tensor indices = input._indices().t().contiguous();  // nnz x sparse_dim
-  const at::Tensor values = input._values().contiguous();         // nnz x the dense dimensions
+  const at::Tensor values = input._values().contiguous();        // nnz x the dense dimensions
   int64_t nnz = input._nnz();
   std::vector<int64_t> counts(world.size());
   world.allgather(&nnz, counts.data(), 1, at::kLong);
@@ -51,24 +51,28 @@ void sumSparse(Transport& world, const at::Tensor& tensor) {
   tensor.copy_(at::sparse_coo_tensor(allIndices, allValues, tensor.sizes(), tensor.options()).coalesce());
 }
 
-} // namespace
+}  // namespace
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduceSparse(at::Tensor tensor, const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupChainerMN::allreduceSparse(at::Tensor tensor,
+                                                                      const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
   return refusable(kSparseOp, [&]() -> c10::intrusive_ptr<c10d::Work> {
     TORCH_CHECK_VALUE(tensor.layout() == at::kSparse, op, ": tensor must be a dense or sparse COO tensor, got layout ",
                       tensor.layout());
-    TORCH_CHECK_VALUE(tensor.device().is_cpu(), op, ": sparse tensors must be on the CPU with the chainermn backend, "
-                      "got one on ", tensor.device(), " (NCCL has no sparse reduction; use a dense tensor)");
+    TORCH_CHECK_VALUE(tensor.device().is_cpu(), op,
+                      ": sparse tensors must be on the CPU with the chainermn backend, "
+                      "got one on ",
+                      tensor.device(), " (NCCL has no sparse reduction; use a dense tensor)");
     TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM, op, ": sparse tensors reduce with ReduceOp.SUM only");
     (void)planReduction(op, opts.reduceOp, tensor.scalar_type(), size_);  // the dtype's check
     Agreement agreement = withReduce(agreeOn({tensor}), opts.reduceOp);
     agreement.layout = layoutOf({tensor}, /*shapes=*/true);  // sizes, and so the sparse/dense split
-    return post({c10d::OpType::ALLREDUCE, kSparseOp, {tensor}, {}, opts.timeout, agreement, !opts.asyncOp}, [tensor](DeviceContext& on) {
-      sumSparse(*on.transports.world, tensor);
-      return RequestPtr();
-    });
+    return post({c10d::OpType::ALLREDUCE, kSparseOp, {tensor}, {}, opts.timeout, agreement, !opts.asyncOp},
+                [tensor](DeviceContext& on) {
+                  sumSparse(*on.transports.world, tensor);
+                  return RequestPtr();
+                });
   });
 }
 
-} // namespace chainermn
+}  // namespace chainermn

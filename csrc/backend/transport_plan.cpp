@@ -12,9 +12,9 @@ using cuda::Carrier;
 
 // The CUDA transports, as ChainerMN's communicators offer them.
 constexpr CudaTransportKind kCudaTransports[] = {
-    {"nccl", Carrier::Nccl, Carrier::Nccl},              // NCCL on every level
-    {"nccl_intra", Carrier::Nccl, Carrier::Staged},      // ChainerMN's non_cuda_aware: staged between nodes
-    {"staged", Carrier::Staged, Carrier::Staged},        // the host library through pinned memory
+    {"nccl", Carrier::Nccl, Carrier::Nccl},          // NCCL on every level
+    {"nccl_intra", Carrier::Nccl, Carrier::Staged},  // ChainerMN's non_cuda_aware: staged between nodes
+    {"staged", Carrier::Staged, Carrier::Staged},    // the host library through pinned memory
 };
 
 std::string joined(const std::vector<std::string>& names) {
@@ -25,7 +25,7 @@ std::string joined(const std::vector<std::string>& names) {
   return text;
 }
 
-} // namespace
+}  // namespace
 
 std::vector<std::string> cudaTransportNames() {
   std::vector<std::string> names;
@@ -37,9 +37,9 @@ std::vector<std::string> cudaTransportNames() {
 
 TransportPlan planTransports(const GroupOptions& options, const Topology& topology, const char* hostLibrary) {
   TransportPlan plan;
-  TORCH_CHECK_VALUE(
-      options.transport == "auto" || options.transport == hostLibrary,
-      "chainermn: Options.transport is '", options.transport, "' but the ranks agreed on '", hostLibrary, "'");
+  TORCH_CHECK_VALUE(options.transport == "auto" || options.transport == hostLibrary,
+                    "chainermn: Options.transport is '", options.transport, "' but the ranks agreed on '", hostLibrary,
+                    "'");
   plan.hostLibrary = hostLibrary;
   plan.sharedMemory = options.sharedMemory && topology.intraSize > 1;
 
@@ -49,9 +49,8 @@ TransportPlan planTransports(const GroupOptions& options, const Topology& topolo
       kind = &row;
     }
   }
-  TORCH_CHECK_VALUE(
-      kind != nullptr, "chainermn: unknown CUDA transport '", options.cudaTransport, "' (choose from ",
-      joined(cudaTransportNames()), ")");
+  TORCH_CHECK_VALUE(kind != nullptr, "chainermn: unknown CUDA transport '", options.cudaTransport, "' (choose from ",
+                    joined(cudaTransportNames()), ")");
   CudaPlan& cuda = plan.cuda;
   cuda.name = kind->name;
   // On one node there is no link between nodes: the node's carrier serves the (one-rank) inter level.
@@ -65,4 +64,4 @@ TransportPlan planTransports(const GroupOptions& options, const Topology& topolo
   return plan;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

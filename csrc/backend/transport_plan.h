@@ -30,7 +30,7 @@ struct CudaTransportKind {
 std::vector<std::string> cudaTransportNames();
 
 struct CudaPlan {
-  const char* name = "nccl";  // the transport asked for (a static name: Works may outlive the group)
+  const char* name = "nccl";     // the transport asked for (a static name: Works may outlive the group)
   cuda::LevelCarriers carriers;  // what carries each level; on one node the node's carrier serves all
   // Every level NCCL: CUDA work is launched on the caller's thread (nothing host-side in it), and a
   // receive from any source is impossible.
@@ -52,4 +52,4 @@ struct TransportPlan {
 // `hostLibrary` is the library the ranks agreed on (GroupSetup::hostLibrary).
 TransportPlan planTransports(const GroupOptions& options, const Topology& topology, const char* hostLibrary);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -16,7 +16,6 @@
 
 namespace chainermn {
 
-
 // The memory layouts an argument may have. Contiguous: what an op that reads or writes memory in
 // logical order needs. Dense: any non-overlapping, dense layout (channels_last): enough where the
 // op's result does not depend on the order (elementwise reductions, broadcast) or where the op
@@ -28,11 +27,12 @@ enum class Layout { Contiguous, Dense };
 // CPU or (in a build with CUDA) on a GPU. Which ops a device serves follows from its transports, not
 // from a list here.
 void checkTensor(const char* op, const char* argument, const at::Tensor& tensor, Layout layout = Layout::Contiguous);
-void checkTensors(
-    const char* op, const char* argument, const std::vector<at::Tensor>& tensors, Layout layout = Layout::Contiguous);
+void checkTensors(const char* op, const char* argument, const std::vector<at::Tensor>& tensors,
+                  Layout layout = Layout::Contiguous);
 
 // Exactly one tensor per call (one device per process), returned for convenience.
-at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors, Layout layout = Layout::Contiguous);
+at::Tensor& single(const char* op, const char* argument, std::vector<at::Tensor>& tensors,
+                   Layout layout = Layout::Contiguous);
 
 // The funnel's checks of every op: all its tensors on one device, and a group serves one CUDA device
 // (one device per process): the first CUDA tensor it sees binds it (`bound` holds the device index,
@@ -48,33 +48,23 @@ void checkSameDtype(const char* op, const std::vector<at::Tensor>& tensors);
 void checkListSize(const char* op, const char* argument, size_t actual, int size);
 
 // The one list of a list-of-lists argument (one device per process).
-std::vector<at::Tensor> onlyList(const char* op, const char* argument, const std::vector<std::vector<at::Tensor>>& lists);
+std::vector<at::Tensor> onlyList(const char* op, const char* argument,
+                                 const std::vector<std::vector<at::Tensor>>& lists);
 
 // gather's gather_list / scatter's scatter_list: one tensor per rank like `like` on the root, nothing
 // elsewhere. Returns the list (empty off the root).
-std::vector<at::Tensor> rootList(
-    const char* op,
-    const char* argument,
-    const std::vector<std::vector<at::Tensor>>& lists,
-    bool isRoot,
-    int size,
-    const at::Tensor& like);
+std::vector<at::Tensor> rootList(const char* op, const char* argument,
+                                 const std::vector<std::vector<at::Tensor>>& lists, bool isRoot, int size,
+                                 const at::Tensor& like);
 
 // `whole` has `part`'s dtype and world_size times its elements (all_gather_into_tensor's output,
 // reduce_scatter_tensor's input); `index` names the pair in a coalesced call (-1: none).
-void checkWorldBlocks(
-    const char* op,
-    const char* wholeName,
-    const at::Tensor& whole,
-    const char* partName,
-    const at::Tensor& part,
-    int size,
-    int index = -1,
-    Layout partLayout = Layout::Contiguous);
+void checkWorldBlocks(const char* op, const char* wholeName, const at::Tensor& whole, const char* partName,
+                      const at::Tensor& part, int size, int index = -1, Layout partLayout = Layout::Contiguous);
 
 // Elements per rank of an all_to_all_single buffer: even rows when `splits` is empty.
-std::vector<int64_t> splitCounts(
-    const char* op, const char* argument, const at::Tensor& tensor, const std::vector<int64_t>& splits, int size);
+std::vector<int64_t> splitCounts(const char* op, const char* argument, const at::Tensor& tensor,
+                                 const std::vector<int64_t>& splits, int size);
 
 // The group's allreduce strategy can reduce this tensor (pure_nccl refuses CPU tensors).
 void checkStrategyHandles(const char* op, const Strategy& strategy, const at::Tensor& tensor);
@@ -84,4 +74,4 @@ void checkRank(const char* op, const char* argument, int64_t rank, int size);
 constexpr int kHeaderTagBit = 1 << 30;
 void checkTag(const char* op, int tag);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -38,4 +38,4 @@ void WatchedTransports::abort() {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

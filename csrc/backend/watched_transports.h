@@ -25,4 +25,4 @@ class WatchedTransports : public AbortableComms {
   std::vector<TransportPtr> transports_;  // each once, though levels may share one
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -30,7 +30,7 @@ class CpuMover : public Mover {
     decodeCpu(code, settings, static_cast<const uint8_t*>(wire), rows, rowBytes, out, count, sum, accumulate);
   }
 };
-} // namespace
+}  // namespace
 
 std::unique_ptr<Mover> cpuMover() {
   return std::make_unique<CpuMover>();
@@ -65,4 +65,4 @@ size_t Scratch::bytesHeld() const {
   return total;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -23,8 +23,8 @@ namespace chainermn {
 
 // The tensors' memory as parts to pack or unpack, each as `as` (the same bytes read as another dtype
 // of the same width: bool as uint8) or its own dtype.
-inline std::vector<FlatBuffer> flatParts(
-    const std::vector<at::Tensor>& tensors, std::optional<c10::ScalarType> as = std::nullopt) {
+inline std::vector<FlatBuffer> flatParts(const std::vector<at::Tensor>& tensors,
+                                         std::optional<c10::ScalarType> as = std::nullopt) {
   std::vector<FlatBuffer> parts;
   parts.reserve(tensors.size());
   for (const auto& tensor : tensors) {
@@ -127,4 +127,4 @@ class Scratch {
   std::unique_ptr<Mover> mover_;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

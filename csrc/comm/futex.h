@@ -31,4 +31,4 @@ inline void futexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -76,8 +76,8 @@ class GlooRequest : public Request {
     c10::intrusive_ptr<c10d::Work> work;
     std::exception_ptr error;
     std::atomic<bool> done{false};
-    std::mutex mutex;             // orders `wake` with `done`
-    std::function<void()> wake;   // see Request::wakeWhenReady
+    std::mutex mutex;            // orders `wake` with `done`
+    std::function<void()> wake;  // see Request::wakeWhenReady
   };
   std::shared_ptr<State> state_;
   const bool isReceive_;
@@ -155,8 +155,7 @@ class GlooTransport : public Transport {
     backend_->broadcast(tensors, opts)->wait();
   }
 
-  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
-      override {
+  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
     PhaseSpan phase(levelPhase(withinNode()), "gloo",
                     moved::toRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     // Gloo reduces in place and may overwrite the input on every rank, so it works on recv; the
@@ -204,8 +203,7 @@ class GlooTransport : public Transport {
     backend_->scatter(outputs, inputs, opts)->wait();
   }
 
-  void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op)
-      override {
+  void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     PhaseSpan phase(levelPhase(withinNode()), "gloo", moved::reduceScatter(size(), count * c10::elementSize(dtype)));
     at::Tensor output = view(recv, count, dtype);
     at::Tensor input = view(send, count * size(), dtype);
@@ -214,16 +212,12 @@ class GlooTransport : public Transport {
     backend_->_reduce_scatter_base(output, input, opts)->wait();
   }
 
-  void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) override {
-    PhaseSpan phase(levelPhase(withinNode()), "gloo",
-                    moved::allToAll(bytesOf(sendCounts, dtype), bytesOf(recvCounts, dtype),
-                                    sendCounts[rank()] * c10::elementSize(dtype),
-                                    recvCounts[rank()] * c10::elementSize(dtype)));
+  void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                 const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) override {
+    PhaseSpan phase(
+        levelPhase(withinNode()), "gloo",
+        moved::allToAll(bytesOf(sendCounts, dtype), bytesOf(recvCounts, dtype),
+                        sendCounts[rank()] * c10::elementSize(dtype), recvCounts[rank()] * c10::elementSize(dtype)));
     const int64_t width = static_cast<int64_t>(c10::elementSize(dtype));
     std::vector<int64_t> sendSplits(sendCounts), recvSplits(recvCounts);
     int64_t sendTotal = 0, recvTotal = 0;
@@ -261,11 +255,11 @@ class GlooTransport : public Transport {
   WaiterPool waiters_;  // see GlooRequest
 };
 
-} // namespace
+}  // namespace
 
 TransportPtr createTransport(c10::intrusive_ptr<c10d::Backend> backend) {
   TORCH_CHECK(backend, "chainermn: no Gloo backend given");
   return std::make_shared<GlooTransport>(std::move(backend));
 }
 
-} // namespace chainermn::gloo
+}  // namespace chainermn::gloo

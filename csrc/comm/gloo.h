@@ -10,4 +10,4 @@ namespace chainermn::gloo {
 
 TransportPtr createTransport(c10::intrusive_ptr<c10d::Backend> backend);
 
-} // namespace chainermn::gloo
+}  // namespace chainermn::gloo

@@ -14,15 +14,8 @@ namespace chainermn::mpi {
 namespace {
 
 int checkedCount(int64_t count, const char* op) {
-  TORCH_CHECK(
-      count <= INT_MAX,
-      "chainermn ",
-      op,
-      ": ",
-      count,
-      " elements exceed MPI's int count limit (",
-      INT_MAX,
-      ")");
+  TORCH_CHECK(count <= INT_MAX, "chainermn ", op, ": ", count, " elements exceed MPI's int count limit (", INT_MAX,
+              ")");
   return static_cast<int>(count);
 }
 
@@ -94,9 +87,8 @@ class MpiTransport : public Transport {
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     PhaseSpan phase(levelPhase(withinNode()), "mpi", moved::allreduce(size(), count * c10::elementSize(dtype)));
     CallInProgress inProgress;
-    check(
-        MPI_Allreduce(MPI_IN_PLACE, buf, checkedCount(count, "all_reduce"), mpiType(dtype), mpiOp(op, dtype), comm_),
-        "Allreduce");
+    check(MPI_Allreduce(MPI_IN_PLACE, buf, checkedCount(count, "all_reduce"), mpiType(dtype), mpiOp(op, dtype), comm_),
+          "Allreduce");
   }
 
   void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) override {
@@ -106,15 +98,13 @@ class MpiTransport : public Transport {
     check(MPI_Bcast(buf, checkedCount(count, "broadcast"), mpiType(dtype), root, comm_), "Bcast");
   }
 
-  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
-      override {
+  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
     PhaseSpan phase(levelPhase(withinNode()), "mpi",
                     moved::toRoot(size(), rank() == root, count * c10::elementSize(dtype)));
     CallInProgress inProgress;
     const void* source = (rank_ == root && send == recv) ? MPI_IN_PLACE : send;
-    check(
-        MPI_Reduce(source, recv, checkedCount(count, "reduce"), mpiType(dtype), mpiOp(op, dtype), root, comm_),
-        "Reduce");
+    check(MPI_Reduce(source, recv, checkedCount(count, "reduce"), mpiType(dtype), mpiOp(op, dtype), root, comm_),
+          "Reduce");
   }
 
   void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) override {
@@ -143,38 +133,24 @@ class MpiTransport : public Transport {
   void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     PhaseSpan phase(levelPhase(withinNode()), "mpi", moved::reduceScatter(size(), count * c10::elementSize(dtype)));
     CallInProgress inProgress;
-    check(
-        MPI_Reduce_scatter_block(
-            send, recv, checkedCount(count, "reduce_scatter"), mpiType(dtype), mpiOp(op, dtype), comm_),
-        "Reduce_scatter_block");
+    check(MPI_Reduce_scatter_block(send, recv, checkedCount(count, "reduce_scatter"), mpiType(dtype), mpiOp(op, dtype),
+                                   comm_),
+          "Reduce_scatter_block");
   }
 
-  void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) override {
-    PhaseSpan phase(levelPhase(withinNode()), "mpi",
-                    moved::allToAll(bytesOf(sendCounts, dtype), bytesOf(recvCounts, dtype),
-                                    sendCounts[rank()] * c10::elementSize(dtype),
-                                    recvCounts[rank()] * c10::elementSize(dtype)));
+  void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                 const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) override {
+    PhaseSpan phase(
+        levelPhase(withinNode()), "mpi",
+        moved::allToAll(bytesOf(sendCounts, dtype), bytesOf(recvCounts, dtype),
+                        sendCounts[rank()] * c10::elementSize(dtype), recvCounts[rank()] * c10::elementSize(dtype)));
     CallInProgress inProgress;
     // Only the worker thread calls a transport, so these count arrays can be reused.
     toDisplacements(sendCounts, sendCounts_, sendDispls_);
     toDisplacements(recvCounts, recvCounts_, recvDispls_);
-    check(
-        MPI_Alltoallv(
-            send,
-            sendCounts_.data(),
-            sendDispls_.data(),
-            mpiType(dtype),
-            recv,
-            recvCounts_.data(),
-            recvDispls_.data(),
-            mpiType(dtype),
-            comm_),
-        "Alltoallv");
+    check(MPI_Alltoallv(send, sendCounts_.data(), sendDispls_.data(), mpiType(dtype), recv, recvCounts_.data(),
+                        recvDispls_.data(), mpiType(dtype), comm_),
+          "Alltoallv");
   }
 
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
@@ -223,9 +199,7 @@ class MpiTransport : public Transport {
 // even in an MPI that matched them by tag alone. FNV-1a, not std::hash: the same in every build.
 int creationTag(const Level& level, const std::vector<int>& members) {
   uint32_t hash = 2166136261u;
-  auto mix = [&hash](uint32_t byte) {
-    hash = (hash ^ byte) * 16777619u;
-  };
+  auto mix = [&hash](uint32_t byte) { hash = (hash ^ byte) * 16777619u; };
   for (const char c : level.key) {
     mix(static_cast<unsigned char>(c));
   }
@@ -237,7 +211,7 @@ int creationTag(const Level& level, const std::vector<int>& members) {
   return static_cast<int>(hash % 32768);  // MPI guarantees tags up to at least 32767
 }
 
-} // namespace
+}  // namespace
 
 TransportPtr createTransport(const std::vector<int64_t>& worldRanks, const Level& level) {
   initialize();
@@ -246,14 +220,8 @@ TransportPtr createTransport(const std::vector<int64_t>& worldRanks, const Level
   std::vector<int> members;
   members.reserve(level.ranks.size());
   for (const int rank : level.ranks) {
-    TORCH_CHECK(
-        rank >= 0 && rank < static_cast<int>(worldRanks.size()),
-        "chainermn: level ",
-        level.key,
-        " names group rank ",
-        rank,
-        " of a group of ",
-        worldRanks.size());
+    TORCH_CHECK(rank >= 0 && rank < static_cast<int>(worldRanks.size()), "chainermn: level ", level.key,
+                " names group rank ", rank, " of a group of ", worldRanks.size());
     members.push_back(static_cast<int>(worldRanks[rank]));
   }
   MPI_Group world;
@@ -268,16 +236,9 @@ TransportPtr createTransport(const std::vector<int64_t>& worldRanks, const Level
   MPI_Group_free(&group);
   check(created, "Comm_create_group");
   auto transport = std::make_shared<MpiTransport>(comm);
-  TORCH_CHECK(
-      transport->rank() == level.index,
-      "chainermn: rank ",
-      transport->rank(),
-      " in the MPI communicator of level ",
-      level.key,
-      ", position ",
-      level.index,
-      " in the level");
+  TORCH_CHECK(transport->rank() == level.index, "chainermn: rank ", transport->rank(),
+              " in the MPI communicator of level ", level.key, ", position ", level.index, " in the level");
   return transport;
 }
 
-} // namespace chainermn::mpi
+}  // namespace chainermn::mpi

@@ -19,4 +19,4 @@ namespace chainermn::mpi {
 // that have finished the levels before it, so no rank can wait for one stuck behind it.
 TransportPtr createTransport(const std::vector<int64_t>& worldRanks, const Level& level);
 
-} // namespace chainermn::mpi
+}  // namespace chainermn::mpi

@@ -22,7 +22,7 @@ std::string errorString(int code) {
   return std::string(text, length);
 }
 
-} // namespace
+}  // namespace
 
 void check(int code, const char* call) {
   if (code != MPI_SUCCESS) {
@@ -102,4 +102,4 @@ void noteAbandonedRequest() {
   gAbandoned.store(true);
 }
 
-} // namespace chainermn::mpi
+}  // namespace chainermn::mpi

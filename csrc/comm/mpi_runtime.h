@@ -51,4 +51,4 @@ class CallInProgress {
 // blocking call is in progress on any thread.
 bool quiescent();
 
-} // namespace chainermn::mpi
+}  // namespace chainermn::mpi

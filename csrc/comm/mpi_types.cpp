@@ -67,20 +67,17 @@ MPI_Datatype opaqueType(size_t elementSize) {
   return type;
 }
 
-} // namespace
+}  // namespace
 
 void createTypes() {
   static std::once_flag once;
   std::call_once(once, [] {
     gHalfType = twoBytes();
     gBFloat16Type = twoBytes();
-    MPI_User_function* half[4] = {
-        HalfOps<c10::Half>::sum, HalfOps<c10::Half>::product, HalfOps<c10::Half>::min, HalfOps<c10::Half>::max};
-    MPI_User_function* bf16[4] = {
-        HalfOps<c10::BFloat16>::sum,
-        HalfOps<c10::BFloat16>::product,
-        HalfOps<c10::BFloat16>::min,
-        HalfOps<c10::BFloat16>::max};
+    MPI_User_function* half[4] = {HalfOps<c10::Half>::sum, HalfOps<c10::Half>::product, HalfOps<c10::Half>::min,
+                                  HalfOps<c10::Half>::max};
+    MPI_User_function* bf16[4] = {HalfOps<c10::BFloat16>::sum, HalfOps<c10::BFloat16>::product,
+                                  HalfOps<c10::BFloat16>::min, HalfOps<c10::BFloat16>::max};
     for (int i = 0; i < 4; ++i) {
       check(MPI_Op_create(half[i], /*commute=*/1, &gHalfOps[0][i]), "Op_create");
       check(MPI_Op_create(bf16[i], /*commute=*/1, &gHalfOps[1][i]), "Op_create");
@@ -150,4 +147,4 @@ MPI_Op mpiOp(ReduceKind op, c10::ScalarType dtype) {
   return MPI_OP_NULL;
 }
 
-} // namespace chainermn::mpi
+}  // namespace chainermn::mpi

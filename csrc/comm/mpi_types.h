@@ -18,4 +18,4 @@ MPI_Datatype mpiType(c10::ScalarType dtype);
 // Throws when `op` is not defined for `dtype` (bitwise ops on float16, ...).
 MPI_Op mpiOp(ReduceKind op, c10::ScalarType dtype);
 
-} // namespace chainermn::mpi
+}  // namespace chainermn::mpi

@@ -44,12 +44,8 @@ size_t segmentBytes(int size, size_t chunk, bool pointToPoint) {
 
 class ShmTransport : public Transport {
  public:
-  ShmTransport(
-      TransportPtr fallback,
-      std::unique_ptr<Segment> segment,
-      size_t chunk,
-      std::chrono::milliseconds timeout,
-      bool pointToPoint)
+  ShmTransport(TransportPtr fallback, std::unique_ptr<Segment> segment, size_t chunk, std::chrono::milliseconds timeout,
+               bool pointToPoint)
       : fallback_(std::move(fallback)),
         segment_(std::move(segment)),
         rank_(fallback_->rank()),
@@ -112,8 +108,7 @@ class ShmTransport : public Transport {
     reduceChunks(buf, buf, count, dtype, op, /*root=*/-1);
   }
 
-  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root)
-      override {
+  void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) override {
     PhaseSpan phase(phase::kWithinNode, "shm", moved::toRoot(size_, rank_ == root, count * c10::elementSize(dtype)));
     reduceChunks(send, recv, count, dtype, op, root);
   }
@@ -178,10 +173,8 @@ class ShmTransport : public Transport {
     for (int64_t offset = 0; offset < count; offset += step) {
       const int64_t n = std::min(step, count - offset);
       for (int block = 0; block < size_; ++block) {
-        std::memcpy(
-            slots_[rank_] + block * n * width,
-            static_cast<const char*>(send) + (block * count + offset) * width,
-            n * width);
+        std::memcpy(slots_[rank_] + block * n * width,
+                    static_cast<const char*>(send) + (block * count + offset) * width, n * width);
       }
       barrier_.sync();
       for (int r = 0; r < size_; ++r) {
@@ -200,12 +193,8 @@ class ShmTransport : public Transport {
     settleCheck();
     fallback_->scatter(send, recv, count, dtype, root);
   }
-  void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) override {
+  void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                 const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) override {
     settleCheck();
     fallback_->alltoallv(send, sendCounts, recv, recvCounts, dtype);
   }
@@ -364,23 +353,18 @@ class ShmTransport : public Transport {
   char* results_[2] = {nullptr, nullptr};
   char* exchangeArea_ = nullptr;
   int exchangeParity_ = 0;
-  std::vector<const void*> sources_;  // reused: no allocation per chunk
-  std::vector<char> heads_;           // every rank's carried check, gathered for verify()
-  CarriedCheck* carried_ = nullptr;   // rides in the next round (carryCheck())
+  std::vector<const void*> sources_;        // reused: no allocation per chunk
+  std::vector<char> heads_;                 // every rank's carried check, gathered for verify()
+  CarriedCheck* carried_ = nullptr;         // rides in the next round (carryCheck())
   std::atomic<uint64_t> checksCarried_{0};  // read by other threads (checksCarried())
   int parity_ = 0;
   std::unique_ptr<Mailboxes> mailboxes_;  // point to point, when carried; gone before the segment
 };
 
-} // namespace
+}  // namespace
 
-TransportPtr createTransport(
-    c10d::Store& store,
-    const std::string& key,
-    TransportPtr fallback,
-    std::chrono::milliseconds timeout,
-    bool pointToPoint,
-    size_t chunkBytes) {
+TransportPtr createTransport(c10d::Store& store, const std::string& key, TransportPtr fallback,
+                             std::chrono::milliseconds timeout, bool pointToPoint, size_t chunkBytes) {
   TORCH_CHECK_VALUE(chunkBytes >= kMinChunkBytes, "shared memory: the chunk must be at least ", kMinChunkBytes,
                     " bytes, got ", chunkBytes);
   const size_t chunk = roundUp(chunkBytes, 64);
@@ -394,4 +378,4 @@ TransportPtr createTransport(
   return comm;
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -33,12 +33,8 @@ constexpr size_t kMinChunkBytes = 4096;
 // the store (unique per group and node). `timeout` bounds every wait for a peer. `pointToPoint`:
 // sends and receives go through the segment (the transport is a whole group's: its point to point
 // is the group's); else through `fallback`, so the rings take no memory.
-TransportPtr createTransport(
-    c10d::Store& store,
-    const std::string& key,
-    TransportPtr fallback,
-    std::chrono::milliseconds timeout,
-    bool pointToPoint,
-    size_t chunkBytes = kDefaultChunkBytes);
+TransportPtr createTransport(c10d::Store& store, const std::string& key, TransportPtr fallback,
+                             std::chrono::milliseconds timeout, bool pointToPoint,
+                             size_t chunkBytes = kDefaultChunkBytes);
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

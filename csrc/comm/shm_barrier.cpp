@@ -43,7 +43,7 @@ constexpr auto kSpinFor = std::chrono::microseconds(20);
 constexpr auto kYieldFor = std::chrono::microseconds(500);
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);  // re-check liveness and the timeout this often
 
-} // namespace
+}  // namespace
 
 size_t Barrier::bytes(int size) {
   constexpr size_t kPage = 4096;
@@ -123,32 +123,26 @@ void Barrier::waitFor(int r, uint32_t target) {
 
 // Fails fast when the peer's process is gone or the group was aborted, and at the timeout when the
 // peer is only absent.
-void Barrier::checkPeer(
-    int r,
-    uint32_t target,
-    std::chrono::steady_clock::time_point start,
-    std::chrono::steady_clock::time_point now) {
+void Barrier::checkPeer(int r, uint32_t target, std::chrono::steady_clock::time_point start,
+                        std::chrono::steady_clock::time_point now) {
   if (aborted_.load(std::memory_order_relaxed)) {
-    C10_THROW_ERROR(
-        DistBackendError,
-        "shared memory: the group was aborted while waiting for local rank " + std::to_string(r) + " of this node");
+    C10_THROW_ERROR(DistBackendError, "shared memory: the group was aborted while waiting for local rank " +
+                                          std::to_string(r) + " of this node");
   }
   if (watchPids_ && now - lastLivenessCheck_ > std::chrono::milliseconds(50)) {
     lastLivenessCheck_ = now;
     const int64_t pid = flags_[r].pid.load(std::memory_order_acquire);
     // A peer that arrived and then exited (its last barrier before a clean exit) did its part.
     if (pid > 0 && !processAlive(pid) && !reached(flags_[r].sequence.load(std::memory_order_acquire), target)) {
-      C10_THROW_ERROR(
-          DistBackendError,
-          "shared memory: local rank " + std::to_string(r) + " of this node (pid " + std::to_string(pid) +
-              ") is gone");  // died or exited: the group's health (runtime/health.h) tells which
+      C10_THROW_ERROR(DistBackendError,
+                      "shared memory: local rank " + std::to_string(r) + " of this node (pid " + std::to_string(pid) +
+                          ") is gone");  // died or exited: the group's health (runtime/health.h) tells which
     }
   }
   if (now - start > timeout_) {
-    C10_THROW_ERROR(
-        DistBackendError,
-        "shared memory: timed out: local rank " + std::to_string(r) + " of this node did not arrive within " +
-            std::to_string(timeout_.count()) + " ms");
+    C10_THROW_ERROR(DistBackendError, "shared memory: timed out: local rank " + std::to_string(r) +
+                                          " of this node did not arrive within " + std::to_string(timeout_.count()) +
+                                          " ms");
   }
 }
 
@@ -164,4 +158,4 @@ void Barrier::startWatchingPeers() {
   }
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -41,7 +41,8 @@ class Barrier {
  private:
   void waitFor(int r, uint32_t target);
   // Throws when peer r died before reaching `target`, or when the timeout has passed since `start`.
-  void checkPeer(int r, uint32_t target, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point now);
+  void checkPeer(int r, uint32_t target, std::chrono::steady_clock::time_point start,
+                 std::chrono::steady_clock::time_point now);
 
   Flag* flags_;
   const int rank_;
@@ -53,4 +54,4 @@ class Barrier {
   std::chrono::steady_clock::time_point lastLivenessCheck_{};
 };
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -23,7 +23,7 @@ constexpr auto kSleepSlice = std::chrono::milliseconds(100);
 // It looks for more work this long before it sleeps: a reply is often microseconds away.
 constexpr auto kLinger = std::chrono::microseconds(50);
 
-} // namespace
+}  // namespace
 
 void Mailboxes::State::finish(Status& status, std::string error) {
   if (status.done.load(std::memory_order_relaxed)) {
@@ -78,8 +78,8 @@ bool Mailboxes::State::writeFrom(int to, const char* from, uint64_t n, uint64_t&
   return true;
 }
 
-void Mailboxes::State::enqueueGathered(
-    const StatusPtr& status, int to, const FrameHeader& header, const std::vector<Piece>& pieces) {
+void Mailboxes::State::enqueueGathered(const StatusPtr& status, int to, const FrameHeader& header,
+                                       const std::vector<Piece>& pieces) {
   Outgoing out{status, nullptr, header, header.bytes()};
   auto& queue = outgoing[to];
   if (queue.empty()) {  // nothing ahead of it: straight into the ring, no copy of its own
@@ -212,7 +212,8 @@ void Mailboxes::State::cancel(const StatusPtr& status) {
       return;
     }
   }
-  posted.erase(std::remove_if(posted.begin(), posted.end(), [&](const Posted& p) { return p.status == status; }), posted.end());
+  posted.erase(std::remove_if(posted.begin(), posted.end(), [&](const Posted& p) { return p.status == status; }),
+               posted.end());
   for (auto& in : incoming) {
     if (in.status == status) {
       in.status.reset();
@@ -262,7 +263,7 @@ void Mailboxes::State::failEverything(const std::string& reason) {
 }
 
 void Mailboxes::State::progressLoop() {
-  LingerPolicy linger(kLinger);  // spins only while peers ring soon after it runs out of work
+  LingerPolicy linger(kLinger);     // spins only while peers ring soon after it runs out of work
   std::optional<uint32_t> handled;  // the doorbell count of the last round
   while (!stopping.load(std::memory_order_acquire)) {
     const uint32_t seen = rings.doorbellCount();
@@ -315,7 +316,8 @@ class MailboxRequest : public Request {
       }
     }
     if (status_->mismatch) {
-      C10_THROW_ERROR(ValueError, status_->error);  // as checked_transfers.cpp: the caller's error, the pair still usable
+      C10_THROW_ERROR(ValueError,
+                      status_->error);  // as checked_transfers.cpp: the caller's error, the pair still usable
     }
     if (!status_->error.empty()) {
       C10_THROW_ERROR(DistBackendError, status_->error);
@@ -345,7 +347,7 @@ class MailboxRequest : public Request {
   StatusPtr status_;
 };
 
-} // namespace
+}  // namespace
 
 size_t Mailboxes::bytes(int size) {
   return Rings::bytes(size);
@@ -371,10 +373,12 @@ Mailboxes::~Mailboxes() {
 }
 
 void Mailboxes::startProgress() {
-  std::call_once(progressStarted_, [this] { progress_ = std::thread([state = state_] {
+  std::call_once(progressStarted_, [this] {
+    progress_ = std::thread([state = state_] {
       nameThisThread("cmn-shm-p2p");
       state->progressLoop();
-    }); });
+    });
+  });
 }
 
 RequestPtr Mailboxes::send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) {
@@ -405,14 +409,13 @@ RequestPtr Mailboxes::recvAnySize(int peer, int tag, Transport::Allocate allocat
 }
 
 RequestPtr Mailboxes::recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) {
-  TORCH_CHECK(
-      peer == kAnySource || (peer >= 0 && peer < state_->size), "shared memory: recv from rank ", peer, " of ",
-      state_->size);
+  TORCH_CHECK(peer == kAnySource || (peer >= 0 && peer < state_->size), "shared memory: recv from rank ", peer, " of ",
+              state_->size);
   return receive(buf, count, dtype, peer, tag, nullptr);
 }
 
-RequestPtr Mailboxes::receive(
-    void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag, Transport::Allocate allocate) {
+RequestPtr Mailboxes::receive(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag,
+                              Transport::Allocate allocate) {
   startProgress();
   auto status = state_->post([&](const StatusPtr& s) {
     state_->postReceive({s, static_cast<char*>(buf), count, dtype, peer, tag, std::move(allocate)});
@@ -420,4 +423,4 @@ RequestPtr Mailboxes::receive(
   return std::make_unique<MailboxRequest>(state_, std::move(status));
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

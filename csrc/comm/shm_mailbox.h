@@ -65,4 +65,4 @@ class Mailboxes {
   std::thread progress_;  // started with the first transfer
 };
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

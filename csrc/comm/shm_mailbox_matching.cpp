@@ -18,8 +18,8 @@ std::string Mailboxes::State::mismatch(int source, const Posted& expected, const
     return std::to_string(count) + " " + dtypeName(dtype) + " elements";
   };
   return "recv on rank " + std::to_string(rank) + " expected " + described(expected.count, expected.dtype) +
-      " from rank " + std::to_string(source) + " (tag " + std::to_string(expected.tag) + "), which sent " +
-      described(sent.count, static_cast<c10::ScalarType>(sent.dtype)) + "; the tensor was not written";
+         " from rank " + std::to_string(source) + " (tag " + std::to_string(expected.tag) + "), which sent " +
+         described(sent.count, static_cast<c10::ScalarType>(sent.dtype)) + "; the tensor was not written";
 }
 
 bool Mailboxes::State::matches(const Posted& posted, const FrameHeader& sent) {
@@ -146,4 +146,4 @@ void Mailboxes::State::postReceive(Posted receive) {
   }
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

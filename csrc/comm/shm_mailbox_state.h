@@ -41,7 +41,8 @@ struct Status {
 using StatusPtr = std::shared_ptr<Status>;
 
 struct Mailboxes::State {
-  State(char* area, int rank, int size) : rank(rank), size(size), rings(area, rank, size), outgoing(size), incoming(size) {}
+  State(char* area, int rank, int size)
+      : rank(rank), size(size), rings(area, rank, size), outgoing(size), incoming(size) {}
   // A send not yet wholly in its ring. `data` points at byte `dataOffset` of the payload (a send
   // dropped half-way keeps the rest in `owned`).
   struct Outgoing {
@@ -74,14 +75,14 @@ struct Mailboxes::State {
     bool complete = false;
     StatusPtr claimant;  // the receive that took it while it was still arriving
     char* claimantData = nullptr;
-    bool drop = false;   // its receive failed or is gone
+    bool drop = false;  // its receive failed or is gone
   };
   // The message being copied out of one sender's ring.
   struct Incoming {
     bool active = false;
     uint64_t bytes = 0, taken = 0;
-    char* dest = nullptr;  // null: dropped (its receive failed or is gone)
-    StatusPtr status;      // the receive it goes to, or
+    char* dest = nullptr;        // null: dropped (its receive failed or is gone)
+    StatusPtr status;            // the receive it goes to, or
     Arrived* arrived = nullptr;  // the buffer it goes to
     // No receive yet: its bytes stay in the ring for the receive to come, as long as nothing is
     // behind them and they are at most half the ring (keepInRing); else they go to an Arrived.
@@ -162,5 +163,4 @@ struct Mailboxes::State {
   std::atomic<bool> stopping{false};
 };
 
-
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

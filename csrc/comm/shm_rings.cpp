@@ -55,7 +55,7 @@ uint64_t awaitPeer(const std::atomic<uint64_t>& counter, Available available) {
   return 0;
 }
 
-} // namespace
+}  // namespace
 
 size_t Rings::bytes(int size) {
   return doorbellBytes(size) + static_cast<size_t>(size) * size * (kRingHeader + ringBytes(size));
@@ -155,4 +155,4 @@ void Rings::sleepUntilRung(uint32_t seen, std::chrono::milliseconds timeout) {
   bell.sleeping.store(0, std::memory_order_seq_cst);
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -58,4 +58,4 @@ class Rings {
   const size_t ringSize_;
 };
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -54,15 +54,15 @@ int createSegment(const std::string& name, size_t bytes) {
   if (reserve != 0 && reserve != EOPNOTSUPP && reserve != EINVAL) {
     close(fd);
     shm_unlink(name.c_str());
-    TORCH_CHECK(
-        false, "chainermn: /dev/shm has no room for the ", bytes, "-byte shared-memory segment of this node (",
-        std::strerror(reserve), "); enlarge /dev/shm (docker run --shm-size), lower CHAINERMN_SHM_CHUNK_BYTES, "
-        "or set CHAINERMN_SHM=0");
+    TORCH_CHECK(false, "chainermn: /dev/shm has no room for the ", bytes, "-byte shared-memory segment of this node (",
+                std::strerror(reserve),
+                "); enlarge /dev/shm (docker run --shm-size), lower CHAINERMN_SHM_CHUNK_BYTES, "
+                "or set CHAINERMN_SHM=0");
   }
   return fd;
 }
 
-} // namespace
+}  // namespace
 
 Segment::Segment(c10d::Store& store, const std::string& key, int rank, size_t bytes) : bytes_(bytes) {
   static std::atomic<int> created{0};
@@ -77,13 +77,8 @@ Segment::Segment(c10d::Store& store, const std::string& key, int rank, size_t by
     const auto value = store.get(key);
     name_.assign(value.begin(), value.end());
     fd = shm_open(name_.c_str(), O_RDWR, 0600);
-    TORCH_CHECK(
-        fd >= 0,
-        "chainermn: cannot open the shared-memory segment ",
-        name_,
-        " of this node (",
-        std::strerror(errno),
-        "); are all the ranks that report the same host name really on one host?");
+    TORCH_CHECK(fd >= 0, "chainermn: cannot open the shared-memory segment ", name_, " of this node (",
+                std::strerror(errno), "); are all the ranks that report the same host name really on one host?");
   }
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int mapError = errno;
@@ -107,4 +102,4 @@ void Segment::unlinkName() {
   }
 }
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

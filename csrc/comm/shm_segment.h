@@ -42,4 +42,4 @@ class Segment {
   bool linked_ = false;  // this rank created the segment and its name is still in /dev/shm
 };
 
-} // namespace chainermn::shm
+}  // namespace chainermn::shm

@@ -26,7 +26,7 @@ class AllOf : public Request {
  private:
   std::vector<RequestPtr> pending_;
 };
-} // namespace
+}  // namespace
 
 RequestPtr allOf(std::vector<RequestPtr> requests) {
   return std::make_unique<AllOf>(std::move(requests));
@@ -60,7 +60,8 @@ RequestPtr Transport::startAll(const std::vector<Transfer>& transfers) {
   std::vector<RequestPtr> requests;
   requests.reserve(transfers.size());
   for (const auto& t : transfers) {
-    requests.push_back(t.send ? send(t.buf, t.count, t.dtype, t.peer, t.tag) : recv(t.buf, t.count, t.dtype, t.peer, t.tag));
+    requests.push_back(t.send ? send(t.buf, t.count, t.dtype, t.peer, t.tag)
+                              : recv(t.buf, t.count, t.dtype, t.peer, t.tag));
   }
   return allOf(std::move(requests));
 }
@@ -80,4 +81,4 @@ TransportSet makeTransportSet(const Topology& topology, const TransportFactory& 
   return set;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -96,27 +96,19 @@ class Transport {
   virtual void broadcast(void* buf, int64_t count, c10::ScalarType dtype, int root) = 0;
   // root's recv gets the reduction of every rank's send (send == recv is allowed on root); recv is
   // not touched elsewhere.
-  virtual void reduce(
-      const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) = 0;
+  virtual void reduce(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op, int root) = 0;
   // recv (size * count) gets rank r's send in block r.
   virtual void allgather(const void* send, void* recv, int64_t count, c10::ScalarType dtype) = 0;
   // As allgather, but only root's recv is written.
-  virtual void gather(
-      const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) = 0;
+  virtual void gather(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) = 0;
   // Block r of root's send (size * count) goes to rank r's recv.
-  virtual void scatter(
-      const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) = 0;
+  virtual void scatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, int root) = 0;
   // send holds size blocks of count; rank r's recv gets the reduction of every rank's block r.
-  virtual void reduceScatter(
-      const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) = 0;
+  virtual void reduceScatter(const void* send, void* recv, int64_t count, c10::ScalarType dtype, ReduceKind op) = 0;
   // Block p of send (sendCounts[p] elements, blocks back to back) goes to rank p, which receives it
   // as block r of its recv (recvCounts[r] elements, back to back).
-  virtual void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) = 0;
+  virtual void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                         const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) = 0;
   // Whether a message carries its count and dtype, so that a receive expecting others fails naming
   // both (its buffer untouched) and the pair stays usable. Transports that do not need the header
   // messages of backend/checked_transfers.h in front of every message.
@@ -226,4 +218,4 @@ using TransportFactory = std::function<TransportPtr(const Level&)>;
 // the whole group is not made again: the world transport serves it.
 TransportSet makeTransportSet(const Topology& topology, const TransportFactory& make);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -38,7 +38,7 @@ void serve(const std::shared_ptr<WaiterPool::Shared>& shared) {
   }
 }
 
-} // namespace
+}  // namespace
 
 WaiterPool::WaiterPool() : shared_(std::make_shared<Shared>()) {}
 
@@ -75,4 +75,4 @@ int WaiterPool::threadsIdle() const {
   return shared_->idle;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

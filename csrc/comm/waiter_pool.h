@@ -32,4 +32,4 @@ class WaiterPool {
   std::shared_ptr<Shared> shared_;  // also held by every thread, which may outlive the pool
 };
 
-} // namespace chainermn
+}  // namespace chainermn

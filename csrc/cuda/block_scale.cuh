@@ -81,4 +81,4 @@ __device__ __forceinline__ float warpBlockLargest(const float* v, float* kept, i
   return largest;
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

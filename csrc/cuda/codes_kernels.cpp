@@ -15,7 +15,7 @@ void checkHasCuda(Code code, const char* what) {
               " code has no CUDA kernels in this build (cuda/<code>_kernels.cu registers them)");
 }
 
-} // namespace
+}  // namespace
 
 void encode(Code code, const CodeSettings& settings, const float* values, float* residual, uint8_t* wire, int64_t rows,
             int64_t rowBytes, int64_t count, void* stream) {
@@ -24,7 +24,8 @@ void encode(Code code, const CodeSettings& settings, const float* values, float*
   // The row's room past its codes (a chunk's row is sized for the longest chunk): zero, as on the CPU.
   const int64_t used = wireRowBytes(code, count, settings);
   if (rows > 0 && rowBytes > used) {
-    C10_CUDA_CHECK(cudaMemset2DAsync(wire + used, rowBytes, 0, rowBytes - used, rows, static_cast<cudaStream_t>(stream)));
+    C10_CUDA_CHECK(
+        cudaMemset2DAsync(wire + used, rowBytes, 0, rowBytes - used, rows, static_cast<cudaStream_t>(stream)));
   }
 }
 
@@ -34,4 +35,4 @@ void decode(Code code, const CodeSettings& settings, const uint8_t* wire, int64_
   code->decodeCuda(settings, wire, rows, rowBytes, out, count, sum, accumulate, stream);
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -17,5 +17,5 @@ void encode(Code code, const CodeSettings& settings, const float* values, float*
 void decode(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
             int64_t count, bool sum, bool accumulate, void* stream);
 
-} // namespace cuda
-} // namespace chainermn
+}  // namespace cuda
+}  // namespace chainermn

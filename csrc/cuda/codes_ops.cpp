@@ -26,8 +26,8 @@ void encodeCuda(const at::Tensor& values, const at::Tensor& wire, const std::opt
          currentStream(values));
 }
 
-void decodeCuda(const at::Tensor& wire, const at::Tensor& out, c10::string_view codeName, int64_t block, double threshold,
-                bool sum, int64_t keep) {
+void decodeCuda(const at::Tensor& wire, const at::Tensor& out, c10::string_view codeName, int64_t block,
+                double threshold, bool sum, int64_t keep) {
   const Code code = codeNamed(std::string(codeName), "torch_chainermn.decode");
   const CodeSettings settings{static_cast<float>(threshold), block, keep};
   const auto [rows, count] = checkDecode(wire, out, code, settings, sum);
@@ -40,11 +40,11 @@ void decodeCuda(const at::Tensor& wire, const at::Tensor& out, c10::string_view 
          /*accumulate=*/false, currentStream(out));
 }
 
-} // namespace
+}  // namespace
 
 TORCH_LIBRARY_IMPL(torch_chainermn, CUDA, m) {
   m.impl("encode", &encodeCuda);
   m.impl("decode", &decodeCuda);
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -66,7 +66,7 @@ class EndOfStream : public Request {
   StreamMark mark_;
 };
 
-} // namespace
+}  // namespace
 
 std::mutex& launchLock(c10::DeviceIndex device) {
   static std::mutex guard;
@@ -138,4 +138,4 @@ at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream) {
   return pinned;
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -79,4 +79,4 @@ void recordUse(const std::vector<at::Tensor>& tensors, const c10::cuda::CUDAStre
 at::Tensor pinnedFor(size_t bytes, const c10::cuda::CUDAStream& stream);
 void markUsedBy(const at::Tensor& pinned, const c10::cuda::CUDAStream& stream);
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -44,10 +44,10 @@ class DeviceMover : public Mover {
   at::Device device_;
   PartTable table_;  // the pack kernels' table of parts
 };
-} // namespace
+}  // namespace
 
 std::unique_ptr<Mover> makeMover(at::Device device) {
   return std::make_unique<DeviceMover>(device);
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -5,16 +5,12 @@
 
 namespace chainermn::cuda {
 
-TransportSet buildTransports(
-    c10d::Store& store,
-    const Topology& topology,
-    std::chrono::milliseconds timeout,
-    const LevelCarriers& carriers,
-    const TransportSet& host,
-    c10::DeviceIndex device,
-    void* stream) {
+TransportSet buildTransports(c10d::Store& store, const Topology& topology, std::chrono::milliseconds timeout,
+                             const LevelCarriers& carriers, const TransportSet& host, c10::DeviceIndex device,
+                             void* stream) {
   auto nccl = [&](const Level& level) {
-    return nccl::createTransport(store, level.key, level.index, static_cast<int>(level.ranks.size()), device, stream, timeout);
+    return nccl::createTransport(store, level.key, level.index, static_cast<int>(level.ranks.size()), device, stream,
+                                 timeout);
   };
   auto staged = [&](const TransportPtr& hostLevel) { return staged::createTransport(hostLevel, device, stream); };
   if (carriers.world == Carrier::Nccl && carriers.intra == Carrier::Nccl && carriers.inter == Carrier::Nccl) {
@@ -34,4 +30,4 @@ TransportSet buildTransports(
   return set;
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -28,13 +28,8 @@ struct LevelCarriers {
 // Collective over the group, in the same order on every rank. `host` is the group's CPU transports
 // (what staging goes through); `stream` the group's cudaStream_t on `device`; `timeout` bounds NCCL's
 // init and calls.
-TransportSet buildTransports(
-    c10d::Store& store,
-    const Topology& topology,
-    std::chrono::milliseconds timeout,
-    const LevelCarriers& carriers,
-    const TransportSet& host,
-    c10::DeviceIndex device,
-    void* stream);
+TransportSet buildTransports(c10d::Store& store, const Topology& topology, std::chrono::milliseconds timeout,
+                             const LevelCarriers& carriers, const TransportSet& host, c10::DeviceIndex device,
+                             void* stream);
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -75,7 +75,8 @@ __global__ void decodeInt2Kernel(const uint8_t* wire, int64_t rows, int64_t rowB
       const uint8_t* row = wire + r * rowBytes;
       const uint32_t bits = (row[i / 4] >> (2 * (i % 4))) & 0x3u;
       const int code = static_cast<int>(bits ^ 2u) - 2;
-      const float piece = __fmul_rn(static_cast<float>(code), reinterpret_cast<const float*>(row + scalesOffset)[i / block]);
+      const float piece =
+          __fmul_rn(static_cast<float>(code), reinterpret_cast<const float*>(row + scalesOffset)[i / block]);
       value = r == first && !accumulate ? piece : __fadd_rn(value, piece);
     }
     out[at] = value;
@@ -99,15 +100,16 @@ void decodeInt2(const CodeSettings& settings, const uint8_t* wire, int64_t rows,
   if (total == 0 || rows == 0) {
     return;
   }
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)));
+  const int blocks =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)));
   decodeInt2Kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(rawStream)>>>(wire, rows, rowBytes, out, count,
-                                                                                 settings.block, sum, accumulate);
+                                                                                  settings.block, sum, accumulate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The "int2" code's CUDA kernels, added to its descriptor (kernels/int2.cpp) in the CUDA build.
 const CudaCodeRegistration registered{"int2", encodeInt2, decodeInt2};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -75,14 +75,15 @@ __global__ void decodeInt4Kernel(const uint8_t* wire, int64_t rows, int64_t rowB
       const uint8_t* row = wire + r * rowBytes;
       const uint32_t nibble = (row[i / 2] >> (4 * (i % 2))) & 0xFu;
       const int code = static_cast<int>(nibble ^ 8u) - 8;
-      const float piece = __fmul_rn(static_cast<float>(code), reinterpret_cast<const float*>(row + scalesOffset)[i / block]);
+      const float piece =
+          __fmul_rn(static_cast<float>(code), reinterpret_cast<const float*>(row + scalesOffset)[i / block]);
       value = r == first && !accumulate ? piece : __fadd_rn(value, piece);
     }
     out[at] = value;
   }
 }
 
-} // namespace
+}  // namespace
 
 void encodeInt4(const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes, int64_t count,
                 int64_t block, void* rawStream) {
@@ -102,9 +103,10 @@ void decodeInt4(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
   if (total == 0 || rows == 0) {
     return;
   }
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)));
+  const int blocks =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 65535)));
   decodeInt4Kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(rawStream)>>>(wire, rows, rowBytes, out, count,
-                                                                                 block, sum, accumulate);
+                                                                                  block, sum, accumulate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -116,8 +118,9 @@ const CudaCodeRegistration registered{
     [](const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes,
        int64_t count, void* stream) { encodeInt4(values, residual, wire, rows, rowBytes, count, s.block, stream); },
     [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, bool sum,
-       bool accumulate, void* stream) { decodeInt4(wire, rows, rowBytes, out, count, s.block, sum, accumulate, stream); }};
+       bool accumulate,
+       void* stream) { decodeInt4(wire, rows, rowBytes, out, count, s.block, sum, accumulate, stream); }};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -20,5 +20,5 @@ void encodeInt4(const float* values, float* residual, uint8_t* wire, int64_t row
 void decodeInt4(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, int64_t block, bool sum,
                 bool accumulate, void* stream);
 
-} // namespace cuda
-} // namespace chainermn
+}  // namespace cuda
+}  // namespace chainermn

@@ -58,7 +58,8 @@ __global__ void encodeInt8Kernel(const float* values, float* residual, uint8_t* 
 }
 
 // Value i of row r, as code x scale.
-__device__ __forceinline__ float decoded(const uint8_t* row, int8_t code, int64_t scalesOffset, int64_t i, int64_t block) {
+__device__ __forceinline__ float decoded(const uint8_t* row, int8_t code, int64_t scalesOffset, int64_t i,
+                                         int64_t block) {
   return __fmul_rn(static_cast<float>(code), reinterpret_cast<const float*>(row + scalesOffset)[i / block]);
 }
 
@@ -109,7 +110,7 @@ __global__ void decodeInt8Kernel(const uint8_t* wire, int64_t rows, int64_t rowB
   }
 }
 
-} // namespace
+}  // namespace
 
 void encodeInt8(const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes, int64_t count,
                 int64_t block, void* rawStream) {
@@ -130,7 +131,8 @@ void decodeInt8(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
   }
   const bool four = count % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
   const int64_t threads = four ? total / 4 : total;
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, 65535)));
+  const int blocks =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, 65535)));
   auto stream = static_cast<cudaStream_t>(rawStream);
   if (four) {
     decodeInt8Kernel<4><<<blocks, kThreads, 0, stream>>>(wire, rows, rowBytes, out, count, block, sum, accumulate);
@@ -148,8 +150,9 @@ const CudaCodeRegistration registered{
     [](const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes,
        int64_t count, void* stream) { encodeInt8(values, residual, wire, rows, rowBytes, count, s.block, stream); },
     [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, bool sum,
-       bool accumulate, void* stream) { decodeInt8(wire, rows, rowBytes, out, count, s.block, sum, accumulate, stream); }};
+       bool accumulate,
+       void* stream) { decodeInt8(wire, rows, rowBytes, out, count, s.block, sum, accumulate, stream); }};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -61,7 +61,8 @@ ncclResult_t settle(ncclComm_t comm, ncclResult_t result, Clock::time_point dead
 
 class NcclTransport : public Transport {
  public:
-  NcclTransport(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream, std::chrono::milliseconds timeout)
+  NcclTransport(ncclComm_t comm, int rank, int size, c10::DeviceIndex device, cudaStream_t stream,
+                std::chrono::milliseconds timeout)
       : comm_(comm), rank_(rank), size_(size), device_(device), stream_(stream), timeout_(timeout) {}
 
   ~NcclTransport() override {
@@ -129,7 +130,8 @@ class NcclTransport : public Transport {
     Group group(call, root);
     if (rank_ == root) {
       for (int peer = 0; peer < size_; ++peer) {
-        call.queue(peer, ncclSend(static_cast<const char*>(send) + peer * bytes, w.count, w.type, peer, call.comm, stream_));
+        call.queue(peer,
+                   ncclSend(static_cast<const char*>(send) + peer * bytes, w.count, w.type, peer, call.comm, stream_));
       }
     }
     call.queue(root, ncclRecv(recv, w.count, w.type, root, call.comm, stream_));
@@ -143,12 +145,8 @@ class NcclTransport : public Transport {
     call.check(-1, ncclReduceScatter(send, recv, w.count, w.type, how, call.comm, stream_));
   }
 
-  void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) override {
+  void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                 const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) override {
     const size_t width = c10::elementSize(dtype);
     const ncclDataType_t type = moved(1, dtype).type;
     const size_t per = moved(1, dtype).count;  // NCCL elements per tensor element
@@ -156,8 +154,10 @@ class NcclTransport : public Transport {
     Group group(call, -1);
     size_t sendAt = 0, recvAt = 0;
     for (int peer = 0; peer < size_; ++peer) {
-      call.queue(peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer] * per, type, peer, call.comm, stream_));
-      call.queue(peer, ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer] * per, type, peer, call.comm, stream_));
+      call.queue(peer, ncclSend(static_cast<const char*>(send) + sendAt, sendCounts[peer] * per, type, peer, call.comm,
+                                stream_));
+      call.queue(peer,
+                 ncclRecv(static_cast<char*>(recv) + recvAt, recvCounts[peer] * per, type, peer, call.comm, stream_));
       sendAt += sendCounts[peer] * width;
       recvAt += recvCounts[peer] * width;
     }
@@ -222,7 +222,7 @@ class NcclTransport : public Transport {
       return "";
     }
     return "NCCL reported an asynchronous error on rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
-        ": " + describe(state, comm_);
+           ": " + describe(state, comm_);
   }
 
   void abort() override {
@@ -282,29 +282,20 @@ class NcclTransport : public Transport {
   class Call {
    public:
     Call(NcclTransport& transport, const char* op) : transport_(transport), op_(op), lock_(transport.mutex_) {
-      TORCH_CHECK(
-          !transport.ended_.load(),
-          "NCCL ", op, " on rank ", transport.rank_, " of ", transport.size_,
-          ": the communicator was aborted after an earlier failure of this group, or closed");
+      TORCH_CHECK(!transport.ended_.load(), "NCCL ", op, " on rank ", transport.rank_, " of ", transport.size_,
+                  ": the communicator was aborted after an earlier failure of this group, or closed");
       comm = transport.comm_;
     }
     void check(int peer, ncclResult_t result) const {
-      result = settle(comm, result, Clock::now() + transport_.timeout_, [this] { return transport_.abortStarted_.load(); });
+      result =
+          settle(comm, result, Clock::now() + transport_.timeout_, [this] { return transport_.abortStarted_.load(); });
       if (result == ncclSuccess) {
         return;
       }
-      TORCH_CHECK(
-          false,
-          "NCCL ",
-          op_,
-          " failed on rank ",
-          transport_.rank_,
-          " of ",
-          transport_.size_,
-          peer >= 0 ? " (peer/root " + std::to_string(peer) + ")" : std::string(),
-          ": ",
-          result == ncclInProgress ? std::string("did not settle (aborted, or past the group timeout)")
-                                   : describe(result, transport_.abortStarted_.load() ? nullptr : comm));
+      TORCH_CHECK(false, "NCCL ", op_, " failed on rank ", transport_.rank_, " of ", transport_.size_,
+                  peer >= 0 ? " (peer/root " + std::to_string(peer) + ")" : std::string(), ": ",
+                  result == ncclInProgress ? std::string("did not settle (aborted, or past the group timeout)")
+                                           : describe(result, transport_.abortStarted_.load() ? nullptr : comm));
     }
     // A call between ncclGroupStart and ncclGroupEnd: only queued (it settles with the group's end).
     void queue(int peer, ncclResult_t result) const {
@@ -350,22 +341,16 @@ class NcclTransport : public Transport {
   const c10::DeviceIndex device_;
   cudaStream_t stream_;
   const std::chrono::milliseconds timeout_;
-  at::Tensor token_;  // barrier's one int
+  at::Tensor token_;        // barrier's one int
   std::timed_mutex mutex_;  // held by each Call; abort() and close() free the communicator under it
   std::atomic<bool> abortStarted_{false};
   std::atomic<bool> ended_{false};  // aborted or closed: the communicator is gone
 };
 
-} // namespace
+}  // namespace
 
-TransportPtr createTransport(
-    c10d::Store& store,
-    const std::string& key,
-    int rank,
-    int size,
-    c10::DeviceIndex device,
-    void* stream,
-    std::chrono::milliseconds timeout) {
+TransportPtr createTransport(c10d::Store& store, const std::string& key, int rank, int size, c10::DeviceIndex device,
+                             void* stream, std::chrono::milliseconds timeout) {
   c10::cuda::CUDAGuard guard(device);
   ncclUniqueId id;
   const std::string idKey = "chainermn/nccl/" + key;
@@ -391,22 +376,13 @@ TransportPtr createTransport(
   if (result != ncclSuccess && comm != nullptr) {
     ncclCommAbort(comm);
   }
-  TORCH_CHECK(
-      result == ncclSuccess,
-      "NCCL ncclCommInitRankConfig failed for ",
-      key,
-      " on rank ",
-      rank,
-      " of ",
-      size,
-      " (cuda:",
-      static_cast<int>(device),
-      "): ",
-      result == ncclInProgress ? "the peers did not all join within the group timeout (" +
-              std::to_string(timeout.count()) + " ms)"
-                               : std::string(ncclGetErrorString(result)) + " " + ncclGetLastError(nullptr),
-      ". Several ranks on one GPU need a distinct NCCL_HOSTID each (with NCCL_SOCKET_IFNAME=lo, "
-      "NCCL_IB_DISABLE=1), or CHAINERMN_CUDA_TRANSPORT=staged");
+  TORCH_CHECK(result == ncclSuccess, "NCCL ncclCommInitRankConfig failed for ", key, " on rank ", rank, " of ", size,
+              " (cuda:", static_cast<int>(device), "): ",
+              result == ncclInProgress
+                  ? "the peers did not all join within the group timeout (" + std::to_string(timeout.count()) + " ms)"
+                  : std::string(ncclGetErrorString(result)) + " " + ncclGetLastError(nullptr),
+              ". Several ranks on one GPU need a distinct NCCL_HOSTID each (with NCCL_SOCKET_IFNAME=lo, "
+              "NCCL_IB_DISABLE=1), or CHAINERMN_CUDA_TRANSPORT=staged");
   return std::make_shared<NcclTransport>(comm, rank, size, device, static_cast<cudaStream_t>(stream), timeout);
 }
 
@@ -417,4 +393,4 @@ std::string version() {
   return std::to_string(code / 10000) + "." + std::to_string(code % 10000 / 100) + "." + std::to_string(code % 100);
 }
 
-} // namespace chainermn::nccl
+}  // namespace chainermn::nccl

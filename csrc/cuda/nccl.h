@@ -25,16 +25,10 @@ namespace chainermn::nccl {
 // ncclUniqueId and publishes it in `store` under `key`; all init a communicator on `device`.
 // `stream` is a cudaStream_t on that device. A peer that does not join within `timeout` makes it
 // throw (naming the key and the rank), as does a call that does not settle within it.
-TransportPtr createTransport(
-    c10d::Store& store,
-    const std::string& key,
-    int rank,
-    int size,
-    c10::DeviceIndex device,
-    void* stream,
-    std::chrono::milliseconds timeout);
+TransportPtr createTransport(c10d::Store& store, const std::string& key, int rank, int size, c10::DeviceIndex device,
+                             void* stream, std::chrono::milliseconds timeout);
 
 // The NCCL version the library loaded at run time reports, e.g. "2.28.9".
 std::string version();
 
-} // namespace chainermn::nccl
+}  // namespace chainermn::nccl

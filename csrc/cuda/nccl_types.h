@@ -76,4 +76,4 @@ inline ncclRedOp_t toNccl(ReduceKind op) {
   }
 }
 
-} // namespace chainermn::nccl
+}  // namespace chainermn::nccl

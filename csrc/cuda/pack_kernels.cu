@@ -174,7 +174,7 @@ __global__ void packBytesKernel(uint8_t* packed, const Chunk* chunks, int n, boo
 constexpr int kTableSlots = 8;
 constexpr int kThreads = 256;  // a block
 
-} // namespace
+}  // namespace
 
 // A ring of pinned host copies of the table, each with the event recorded after the host-to-device
 // copy out of it, and one device table. A call writes the next slot on the host, so the host waits
@@ -190,10 +190,10 @@ struct PartTable::State {
     bool pending = false;          // `copied` recorded since `host` was allocated
   };
   std::array<Slot, kTableSlots> slots;
-  int next = 0;                    // the slot the next call writes
-  at::Tensor device;               // from the caching allocator, `capacity` bytes, owned by `stream`
+  int next = 0;       // the slot the next call writes
+  at::Tensor device;  // from the caching allocator, `capacity` bytes, owned by `stream`
   size_t capacity = 0;
-  c10::DeviceIndex deviceIndex = -1;  // where the events and the device table live
+  c10::DeviceIndex deviceIndex = -1;   // where the events and the device table live
   std::optional<cudaStream_t> stream;  // the stream `device` was allocated on and `slots` are marked for
 };
 
@@ -258,9 +258,8 @@ void prepare(PartTable::State& s, size_t need, cudaStream_t stream) {
     }
     s.deviceIndex = device;
   }
-  TORCH_CHECK(
-      device == s.deviceIndex, "chainermn: a pack table of device ", static_cast<int>(s.deviceIndex),
-      " used on device ", static_cast<int>(device));
+  TORCH_CHECK(device == s.deviceIndex, "chainermn: a pack table of device ", static_cast<int>(s.deviceIndex),
+              " used on device ", static_cast<int>(device));
   const bool grow = need > s.capacity;
   if (!grow && s.stream == stream) {
     return;
@@ -349,7 +348,8 @@ Uploaded upload(PartTable::State& s, const std::vector<FlatBuffer>& parts, bool 
 
 // Raw bytes suffice when nothing is cast or scaled (and integers are never cast).
 bool moveAsBytes(const std::vector<FlatBuffer>& parts, c10::ScalarType wire, double scale) {
-  return scale == 1.0 && std::all_of(parts.begin(), parts.end(), [wire](const FlatBuffer& p) { return p.dtype == wire; });
+  return scale == 1.0 &&
+         std::all_of(parts.begin(), parts.end(), [wire](const FlatBuffer& p) { return p.dtype == wire; });
 }
 
 template <typename F>
@@ -368,14 +368,8 @@ void dispatchWire(c10::ScalarType wire, F&& f) {
   }
 }
 
-void run(
-    PartTable& table,
-    const std::vector<FlatBuffer>& parts,
-    void* packed,
-    c10::ScalarType wire,
-    double scale,
-    void* rawStream,
-    bool toPacked) {
+void run(PartTable& table, const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale,
+         void* rawStream, bool toPacked) {
   if (parts.empty()) {
     return;
   }
@@ -402,14 +396,16 @@ void run(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-} // namespace
+}  // namespace
 
-void pack(PartTable& table, const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale, void* stream) {
+void pack(PartTable& table, const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType wire, double scale,
+          void* stream) {
   run(table, parts, packed, wire, scale, stream, /*toPacked=*/true);
 }
 
-void unpack(PartTable& table, const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale, void* stream) {
+void unpack(PartTable& table, const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts,
+            double scale, void* stream) {
   run(table, parts, const_cast<void*>(packed), wire, scale, stream, /*toPacked=*/false);
 }
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

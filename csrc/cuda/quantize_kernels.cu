@@ -53,8 +53,8 @@ __device__ __forceinline__ uint32_t spreadBits(uint32_t x) {
 
 // `written`: the words the value loop stores (two per warp that has values, at most `words`); the
 // rest of the block is zeroed.
-__global__ void quantize2bitKernel(
-    const float* add, float* residual, uint32_t* block, int64_t count, int64_t words, int64_t written, float t) {
+__global__ void quantize2bitKernel(const float* add, float* residual, uint32_t* block, int64_t count, int64_t words,
+                                   int64_t written, float t) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -148,8 +148,8 @@ __global__ void scaleKernel(uint32_t* block, int parts, int64_t count) {
 
 // The signs with the scale of word 0; `written`: the sign words that hold values (the rest of the
 // `signWords` are zeroed).
-__global__ void quantize1bitKernel(
-    const float* add, float* residual, uint32_t* block, int64_t count, int64_t signWords, int64_t written) {
+__global__ void quantize1bitKernel(const float* add, float* residual, uint32_t* block, int64_t count, int64_t signWords,
+                                   int64_t written) {
   const float scale = __uint_as_float(block[0]);
   uint32_t* signs = block + 1;
   const int lane = static_cast<int>(threadIdx.x & 31);
@@ -178,7 +178,8 @@ __global__ void dequantize2bitKernel(const uint32_t* block, float* out, int64_t 
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
     const uint32_t bits = block[i >> 4] >> (2 * static_cast<int>(i & 15));
     // As the CPU computes it; __fmul_rn keeps the products out of a fused multiply-add.
-    const float value = __fmul_rn(static_cast<float>(bits & 1u), t) - __fmul_rn(static_cast<float>((bits >> 1) & 1u), t);
+    const float value =
+        __fmul_rn(static_cast<float>(bits & 1u), t) - __fmul_rn(static_cast<float>((bits >> 1) & 1u), t);
     out[i] = Accumulate ? out[i] + value : value;
   }
 }
@@ -194,17 +195,10 @@ __global__ void dequantize1bitKernel(const uint32_t* block, float* out, int64_t 
   }
 }
 
-} // namespace
+}  // namespace
 
-void quantize(
-    QuantizeKind kind,
-    const float* add,
-    float* residual,
-    uint32_t* block,
-    int64_t count,
-    int64_t chunk,
-    float threshold,
-    void* rawStream) {
+void quantize(QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
+              float threshold, void* rawStream) {
   TORCH_CHECK(count >= 0 && count <= chunk, "chainermn: quantize of ", count, " values in blocks of ", chunk);
   auto stream = static_cast<cudaStream_t>(rawStream);
   const int64_t words = blockWords(kind, chunk);
@@ -237,8 +231,8 @@ void quantize(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void dequantize(
-    QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* rawStream) {
+void dequantize(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate,
+                void* rawStream) {
   TORCH_CHECK(count >= 0, "chainermn: dequantize of ", count, " values");
   if (count == 0) {
     return;
@@ -283,11 +277,9 @@ void decodeRows(const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_
   }
 }
 
-const CudaCodeRegistration registeredTwoBit{"2bit", encodeRows<QuantizeKind::TwoBit>,
-                                            decodeRows<QuantizeKind::TwoBit>};
-const CudaCodeRegistration registeredOneBit{"1bit", encodeRows<QuantizeKind::OneBit>,
-                                            decodeRows<QuantizeKind::OneBit>};
+const CudaCodeRegistration registeredTwoBit{"2bit", encodeRows<QuantizeKind::TwoBit>, decodeRows<QuantizeKind::TwoBit>};
+const CudaCodeRegistration registeredOneBit{"1bit", encodeRows<QuantizeKind::OneBit>, decodeRows<QuantizeKind::OneBit>};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

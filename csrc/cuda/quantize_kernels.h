@@ -19,19 +19,12 @@ namespace cuda {
 // quantizeCpu on the device: residual[i] += add[i] (add may be null), then the block's
 // blockWords(kind, chunk) words get the codes and the residual keeps what was not sent. All pointers
 // on the current device; count <= chunk.
-void quantize(
-    QuantizeKind kind,
-    const float* add,
-    float* residual,
-    uint32_t* block,
-    int64_t count,
-    int64_t chunk,
-    float threshold,
-    void* stream);
+void quantize(QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
+              float threshold, void* stream);
 
 // dequantizeCpu on the device: out[i] (+)= the value block codes for i < count.
-void dequantize(
-    QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate, void* stream);
+void dequantize(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate,
+                void* stream);
 
-} // namespace cuda
-} // namespace chainermn
+}  // namespace cuda
+}  // namespace chainermn

@@ -97,7 +97,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 // go back to the pool at once).
 class StagedRequest : public Request {
  public:
-  StagedRequest(RequestPtr host, std::unique_ptr<PinnedPool::Lease> staged, void* device, size_t bytes, cudaStream_t stream)
+  StagedRequest(RequestPtr host, std::unique_ptr<PinnedPool::Lease> staged, void* device, size_t bytes,
+                cudaStream_t stream)
       : host_(std::move(host)), staged_(std::move(staged)), device_(device), bytes_(bytes), stream_(stream) {}
 
   bool test() override {
@@ -124,7 +125,7 @@ class StagedRequest : public Request {
  private:
   RequestPtr host_;
   std::unique_ptr<PinnedPool::Lease> staged_;  // null once over
-  void* device_;  // a receive's destination; null for a send
+  void* device_;                               // a receive's destination; null for a send
   size_t bytes_;
   cudaStream_t stream_;
 };
@@ -225,12 +226,8 @@ class StagedTransport : public Transport {
     toDevice(recv, stagedRecv, bytes);
   }
 
-  void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) override {
+  void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                 const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) override {
     const size_t sendBytes = bytesOf(std::accumulate(sendCounts.begin(), sendCounts.end(), int64_t{0}), dtype);
     const size_t recvBytes = bytesOf(std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0}), dtype);
     void* stagedSend = in_.get(sendBytes);
@@ -286,10 +283,10 @@ class StagedTransport : public Transport {
   std::shared_ptr<PinnedPool> transfers_;  // point to point's buffers
 };
 
-} // namespace
+}  // namespace
 
 TransportPtr createTransport(TransportPtr host, c10::DeviceIndex device, void* stream) {
   return std::make_shared<StagedTransport>(std::move(host), device, static_cast<cudaStream_t>(stream));
 }
 
-} // namespace chainermn::staged
+}  // namespace chainermn::staged

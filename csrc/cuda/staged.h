@@ -14,4 +14,4 @@ namespace chainermn::staged {
 // `stream` is a cudaStream_t on `device`; every copy is ordered on it.
 TransportPtr createTransport(TransportPtr host, c10::DeviceIndex device, void* stream);
 
-} // namespace chainermn::staged
+}  // namespace chainermn::staged

@@ -153,7 +153,7 @@ __global__ void decodeTopkKernel(const uint8_t* wire, int64_t rows, int64_t rowB
   }
 }
 
-} // namespace
+}  // namespace
 
 void encodeTopk(const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes, int64_t count,
                 int64_t block, int64_t keep, void* rawStream) {
@@ -186,10 +186,12 @@ namespace {
 const CudaCodeRegistration registered{
     "topk",
     [](const CodeSettings& s, const float* values, float* residual, uint8_t* wire, int64_t rows, int64_t rowBytes,
-       int64_t count, void* stream) { encodeTopk(values, residual, wire, rows, rowBytes, count, s.block, s.keep, stream); },
+       int64_t count,
+       void* stream) { encodeTopk(values, residual, wire, rows, rowBytes, count, s.block, s.keep, stream); },
     [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, bool sum,
-       bool accumulate, void* stream) { decodeTopk(wire, rows, rowBytes, out, count, s.block, s.keep, sum, accumulate, stream); }};
+       bool accumulate,
+       void* stream) { decodeTopk(wire, rows, rowBytes, out, count, s.block, s.keep, sum, accumulate, stream); }};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn::cuda
+}  // namespace chainermn::cuda

@@ -20,5 +20,5 @@ void encodeTopk(const float* values, float* residual, uint8_t* wire, int64_t row
 void decodeTopk(const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out, int64_t count, int64_t block,
                 int64_t keep, bool sum, bool accumulate, void* stream);
 
-} // namespace cuda
-} // namespace chainermn
+}  // namespace cuda
+}  // namespace chainermn

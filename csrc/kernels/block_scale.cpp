@@ -38,4 +38,4 @@ float loadBlock(const float* values, float* residual, int64_t n) {
   return largest;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

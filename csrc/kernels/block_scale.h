@@ -10,4 +10,4 @@ namespace chainermn {
 // the largest |r|. Four values at a time where SSE2 is there; the same result either way.
 float loadBlock(const float* values, float* residual, int64_t n);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -41,9 +41,10 @@ void fromSource(void* dst, c10::ScalarType dstType, const S* src, int64_t n, dou
   }
 }
 
-} // namespace
+}  // namespace
 
-void castScale(void* dst, c10::ScalarType dstType, const void* src, c10::ScalarType srcType, int64_t count, double scale) {
+void castScale(void* dst, c10::ScalarType dstType, const void* src, c10::ScalarType srcType, int64_t count,
+               double scale) {
   switch (srcType) {
     case c10::ScalarType::Float:
       return fromSource(dst, dstType, static_cast<const float*>(src), count, scale);
@@ -58,4 +59,4 @@ void castScale(void* dst, c10::ScalarType dstType, const void* src, c10::ScalarT
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

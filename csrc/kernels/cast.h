@@ -9,6 +9,7 @@
 namespace chainermn {
 
 // Floating dtypes only (float16, bfloat16, float32, float64), any pair.
-void castScale(void* dst, c10::ScalarType dstType, const void* src, c10::ScalarType srcType, int64_t count, double scale);
+void castScale(void* dst, c10::ScalarType dstType, const void* src, c10::ScalarType srcType, int64_t count,
+               double scale);
 
-} // namespace chainermn
+}  // namespace chainermn

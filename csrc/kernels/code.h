@@ -49,7 +49,7 @@ struct CodeDescriptor {
   // no byte holds values of two blocks).
   int64_t blockMultiple = 1;
   int64_t maxBlock = int64_t{1} << 30;  // top-k: 65536 (its in-block indices are 16 bits)
-  bool needsResidual = false;  // carries a fraction of each value: error feedback is required
+  bool needsResidual = false;           // carries a fraction of each value: error feedback is required
   // May carry the sums of a compressed mean whose own code is another (compress_result="<name>"):
   // a code that keeps each value's scale, so the sums (which decide the step) lose little.
   bool carriesSums = false;
@@ -84,8 +84,8 @@ struct NamedSettings {
   uint64_t digest = 14695981039346656037ull;  // FNV-1a over every name and value
 
   void add(const std::string& name, const std::string& value);
-  std::string text() const;                          // "name=value\n..." (every field)
+  std::string text() const;                             // "name=value\n..." (every field)
   static NamedSettings parse(const std::string& text);  // text()'s inverse
 };
 
-} // namespace chainermn
+}  // namespace chainermn

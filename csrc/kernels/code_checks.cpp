@@ -12,7 +12,7 @@ void checkRows(const at::Tensor& t, const char* op, const char* name, at::Scalar
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-} // namespace
+}  // namespace
 
 std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tensor& wire,
                                         const std::optional<at::Tensor>& residual, Code code,
@@ -26,15 +26,16 @@ std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tens
   const int64_t rowBytes = wireRowBytes(code, count, settings);
   TORCH_CHECK_VALUE(wire.size(0) == rows && wire.size(1) == rowBytes, op, ": wire must be [", rows, ", ", rowBytes,
                     "] for values ", values.sizes(), ", got ", wire.sizes());
-  TORCH_CHECK_VALUE(wire.device() == values.device(), op, ": wire is on ", wire.device(), ", values on ", values.device());
-  TORCH_CHECK_VALUE(!code->needsResidual || (residual && residual->defined()), op, ": the ",
-                    code->name, " code needs a residual (error feedback)");
+  TORCH_CHECK_VALUE(wire.device() == values.device(), op, ": wire is on ", wire.device(), ", values on ",
+                    values.device());
+  TORCH_CHECK_VALUE(!code->needsResidual || (residual && residual->defined()), op, ": the ", code->name,
+                    " code needs a residual (error feedback)");
   if (residual && residual->defined()) {
     checkRows(*residual, op, "residual", at::kFloat, "float32");
     TORCH_CHECK_VALUE(residual->sizes() == values.sizes(), op, ": residual must have the values' shape ",
                       values.sizes(), ", got ", residual->sizes());
-    TORCH_CHECK_VALUE(residual->device() == values.device(), op, ": residual is on ", residual->device(), ", values on ",
-                      values.device());
+    TORCH_CHECK_VALUE(residual->device() == values.device(), op, ": residual is on ", residual->device(),
+                      ", values on ", values.device());
   }
   return {rows, count};
 }
@@ -44,8 +45,8 @@ std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor
   constexpr const char* op = "torch_chainermn.decode";
   checkCodeSettings(code, settings, op);
   checkRows(wire, op, "wire", at::kByte, "uint8");
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(), op, ": out must be contiguous float32, got ",
-                    out.scalar_type());
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(), op,
+                    ": out must be contiguous float32, got ", out.scalar_type());
   TORCH_CHECK_VALUE(out.device() == wire.device(), op, ": out is on ", out.device(), ", wire on ", wire.device());
   const int64_t rows = wire.size(0);
   TORCH_CHECK_VALUE(sum ? out.dim() == 1 : (out.dim() == 2 && out.size(0) == rows), op, ": out must be ",
@@ -58,4 +59,4 @@ std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor
   return {rows, count};
 }
 
-} // namespace chainermn
+}  // namespace chainermn

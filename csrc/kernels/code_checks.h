@@ -24,4 +24,4 @@ std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tens
 std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor& out, Code code,
                                         const CodeSettings& settings, bool sum);
 
-} // namespace chainermn
+}  // namespace chainermn

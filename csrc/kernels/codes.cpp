@@ -61,7 +61,7 @@ std::string shownFloat(float value) {
   return text.str();
 }
 
-} // namespace
+}  // namespace
 
 CodeRegistration::CodeRegistration(const CodeDescriptor& descriptor) {
   CodeDescriptor& entry = entryNamed(descriptor.name);
@@ -93,8 +93,8 @@ const std::vector<Code>& registeredCodes() {
     reg.sealed = true;
     for (const auto& entry : reg.entries) {
       if (entry.rowBytes == nullptr) {  // CUDA kernels of a code with no CPU part: a build error
-        std::fprintf(stderr, "chainermn: code '%s' has CUDA kernels but no descriptor (kernels/%s.cpp?)\n",
-                     entry.name, entry.name);
+        std::fprintf(stderr, "chainermn: code '%s' has CUDA kernels but no descriptor (kernels/%s.cpp?)\n", entry.name,
+                     entry.name);
         std::abort();
       }
       reg.complete.push_back(&entry);
@@ -127,9 +127,8 @@ void checkCodeSettings(Code code, const CodeSettings& settings, const char* op) 
                       code->blockMultiple, " for the ", code->name, " code, got ", settings.block);
   }
   if (code->readsKeep) {
-    TORCH_CHECK_VALUE(settings.keep >= 1 && settings.keep <= settings.block, op,
-                      ": keep must be >= 1 and <= block (", settings.block, ") for the ", code->name, " code, got ",
-                      settings.keep);
+    TORCH_CHECK_VALUE(settings.keep >= 1 && settings.keep <= settings.block, op, ": keep must be >= 1 and <= block (",
+                      settings.block, ") for the ", code->name, " code, got ", settings.keep);
   }
 }
 
@@ -168,8 +167,9 @@ void encodeCpu(Code code, const CodeSettings& settings, const float* values, flo
 void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
                int64_t count, bool sum, bool accumulate) {
   // In: the coded rows; out: their float32 values (one row of them when the rows are summed).
-  PhaseSpan phase(phase::kDecode, code->name,
-                  Moved{rows * rowBytes, (sum ? 1 : rows) * count * static_cast<int64_t>(sizeof(float)), rows * rowBytes});
+  PhaseSpan phase(
+      phase::kDecode, code->name,
+      Moved{rows * rowBytes, (sum ? 1 : rows) * count * static_cast<int64_t>(sizeof(float)), rows * rowBytes});
   code->decodeRows(settings, wire, rows, rowBytes, out, count, sum, accumulate);
 }
 
@@ -204,4 +204,4 @@ NamedSettings NamedSettings::parse(const std::string& text) {
   return named;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

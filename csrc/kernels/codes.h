@@ -47,4 +47,4 @@ void encodeCpu(Code code, const CodeSettings& settings, const float* values, flo
 void decodeCpu(Code code, const CodeSettings& settings, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
                int64_t count, bool sum, bool accumulate);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -71,8 +71,9 @@ void decodeRows(const CodeSettings& settings, const uint8_t* rows, int64_t rowCo
 CodeDescriptor described() {
   CodeDescriptor code;
   code.name = "int2";
-  code.summary = "round_half_even(x / m) (-1, 0 or +1), four values a byte, m the largest |x| of its block; "
-                 "one float32 scale a block";
+  code.summary =
+      "round_half_even(x / m) (-1, 0 or +1), four values a byte, m the largest |x| of its block; "
+      "one float32 scale a block";
   code.readsBlock = true;
   code.blockMultiple = 4;  // a block starts on a byte: no byte holds values of two blocks
   code.rowBytes = [](int64_t count, const CodeSettings& s) { return int2RowBytes(count, s.block); };
@@ -83,5 +84,5 @@ CodeDescriptor described() {
 
 const CodeRegistration registered{described()};
 
-} // namespace
-} // namespace chainermn
+}  // namespace
+}  // namespace chainermn

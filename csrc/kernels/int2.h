@@ -30,4 +30,4 @@ constexpr int64_t int2RowBytes(int64_t count, int64_t block) {
   return int2ScalesOffset(count) + 4 * ((count + block - 1) / block);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -24,7 +24,7 @@ inline int32_t valueOfNibble(uint32_t nibble) {
   return static_cast<int32_t>(nibble ^ 8u) - 8;
 }
 
-} // namespace
+}  // namespace
 
 void encodeInt4Cpu(const float* values, float* residual, uint8_t* row, int64_t count, int64_t block) {
   auto* scales = reinterpret_cast<float*>(row + int4ScalesOffset(count));
@@ -73,22 +73,23 @@ namespace {
 CodeDescriptor described() {
   CodeDescriptor code;
   code.name = "4bit";
-  code.summary = "round_half_even(x * 7 / m), two values a byte, m the largest |x| of its block; one float32 scale a block";
+  code.summary =
+      "round_half_even(x * 7 / m), two values a byte, m the largest |x| of its block; one float32 scale a block";
   code.readsBlock = true;
   code.blockMultiple = 2;  // a block starts on a byte: no byte holds values of two blocks
   code.carriesSums = true;
   code.rowBytes = [](int64_t count, const CodeSettings& s) { return int4RowBytes(count, s.block); };
-  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row,
-                  int64_t count) { encodeInt4Cpu(values, residual, row, count, s.block); };
-  code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
-                   int64_t count, bool sum, bool accumulate) {
-    decodeInt4Cpu(wire, rows, rowBytes, out, count, s.block, sum, accumulate);
+  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row, int64_t count) {
+    encodeInt4Cpu(values, residual, row, count, s.block);
   };
+  code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
+                       int64_t count, bool sum,
+                       bool accumulate) { decodeInt4Cpu(wire, rows, rowBytes, out, count, s.block, sum, accumulate); };
   return code;
 }
 
 const CodeRegistration registered{described()};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -38,4 +38,4 @@ void encodeInt4Cpu(const float* values, float* residual, uint8_t* row, int64_t c
 void decodeInt4Cpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, float* out, int64_t count, int64_t block,
                    bool sum, bool accumulate);
 
-} // namespace chainermn
+}  // namespace chainermn

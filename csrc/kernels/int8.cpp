@@ -89,7 +89,7 @@ void decodeBlock(const int8_t* codes, float scale, float* out, int64_t n) {
   }
 }
 
-} // namespace
+}  // namespace
 
 void encodeInt8Cpu(const float* values, float* residual, uint8_t* row, int64_t count, int64_t block) {
   auto* codes = reinterpret_cast<int8_t*>(row);
@@ -136,17 +136,17 @@ CodeDescriptor described() {
   code.readsBlock = true;
   code.carriesSums = true;
   code.rowBytes = [](int64_t count, const CodeSettings& s) { return int8RowBytes(count, s.block); };
-  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row,
-                  int64_t count) { encodeInt8Cpu(values, residual, row, count, s.block); };
-  code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
-                   int64_t count, bool sum, bool accumulate) {
-    decodeInt8Cpu(wire, rows, rowBytes, out, count, s.block, sum, accumulate);
+  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row, int64_t count) {
+    encodeInt8Cpu(values, residual, row, count, s.block);
   };
+  code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
+                       int64_t count, bool sum,
+                       bool accumulate) { decodeInt8Cpu(wire, rows, rowBytes, out, count, s.block, sum, accumulate); };
   return code;
 }
 
 const CodeRegistration registered{described()};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn
+}  // namespace chainermn

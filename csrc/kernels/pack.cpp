@@ -36,4 +36,4 @@ void unpackCpu(const void* packed, c10::ScalarType wire, const std::vector<FlatB
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -22,5 +22,4 @@ void packCpu(const std::vector<FlatBuffer>& parts, void* packed, c10::ScalarType
 // CPU: the reverse: consecutive elements of `packed` into the parts, cast back and scaled.
 void unpackCpu(const void* packed, c10::ScalarType wire, const std::vector<FlatBuffer>& parts, double scale);
 
-
-} // namespace chainermn
+}  // namespace chainermn

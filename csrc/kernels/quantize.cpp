@@ -207,10 +207,10 @@ void dequantize1bit(const uint32_t* block, float* out, int64_t count) {
   }
 }
 
-} // namespace
+}  // namespace
 
-void quantizeCpu(
-    QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold) {
+void quantizeCpu(QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
+                 float threshold) {
   const int64_t words = blockWords(kind, chunk);
   if (kind == QuantizeKind::TwoBit) {
     quantize2bit(add, residual, block, count, words, threshold);
@@ -219,9 +219,11 @@ void quantizeCpu(
   }
 }
 
-void dequantizeCpu(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate) {
+void dequantizeCpu(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold,
+                   bool accumulate) {
   if (kind == QuantizeKind::TwoBit) {
-    accumulate ? dequantize2bit<true>(block, out, count, threshold) : dequantize2bit<false>(block, out, count, threshold);
+    accumulate ? dequantize2bit<true>(block, out, count, threshold)
+               : dequantize2bit<false>(block, out, count, threshold);
   } else {
     accumulate ? dequantize1bit<true>(block, out, count) : dequantize1bit<false>(block, out, count);
   }
@@ -276,6 +278,6 @@ CodeDescriptor oneBit() {
 const CodeRegistration registeredTwoBit{twoBit()};
 const CodeRegistration registeredOneBit{oneBit()};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -7,9 +7,9 @@
 //     (r += t), else 0; r is the new residual. Value i is bits 2*(i%16) of word i/16: 0b01 is +t,
 //     0b10 is -t, 0b00 is 0. 16 values a word: 1/16 of float32.
 //   OneBit (sign with a scale): r = residual + add; scale = mean |r| over the chunk (summed in
-//     double, in any order, then rounded to float: the rounding hides the order); code +scale where r >= 0, else -scale;
-//     residual = r - code. Word 0 holds the scale's bits, value i is bit i%32 of word 1 + i/32 (1 is
-//     +scale). 32 values a word.
+//     double, in any order, then rounded to float: the rounding hides the order); code +scale where r >= 0, else
+//     -scale; residual = r - code. Word 0 holds the scale's bits, value i is bit i%32 of word 1 + i/32 (1 is +scale).
+//     32 values a word.
 // Words past `count`'s last value, up to the block's end, are zero (they decode to 0 / -scale and
 // are never read back: every block's count is known to both sides).
 //
@@ -35,10 +35,11 @@ constexpr int64_t blockWords(QuantizeKind kind, int64_t chunk) {
 
 // residual[i] += add[i] for i < count (add may be null: the residual already holds the values), then
 // the block (blockWords(kind, chunk) words) gets their codes and the residual keeps what was not sent.
-void quantizeCpu(
-    QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk, float threshold);
+void quantizeCpu(QuantizeKind kind, const float* add, float* residual, uint32_t* block, int64_t count, int64_t chunk,
+                 float threshold);
 
 // out[i] (+)= the value block codes for i < count: accumulated when `accumulate`, else assigned.
-void dequantizeCpu(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold, bool accumulate);
+void dequantizeCpu(QuantizeKind kind, const uint32_t* block, float* out, int64_t count, float threshold,
+                   bool accumulate);
 
-} // namespace chainermn
+}  // namespace chainermn

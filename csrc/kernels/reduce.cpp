@@ -69,15 +69,10 @@ void reduceTyped(void* dst, const void* const* sources, int numSources, int64_t 
   TORCH_CHECK(false, "chainermn: ", reduceKindName(op), " is not defined for this dtype");
 }
 
-} // namespace
+}  // namespace
 
-void reduceBuffers(
-    void* dst,
-    const void* const* sources,
-    int numSources,
-    int64_t count,
-    c10::ScalarType dtype,
-    ReduceKind op) {
+void reduceBuffers(void* dst, const void* const* sources, int numSources, int64_t count, c10::ScalarType dtype,
+                   ReduceKind op) {
   switch (dtype) {
     case c10::ScalarType::Float:
       return reduceTyped<float>(dst, sources, numSources, count, op);
@@ -101,4 +96,4 @@ void reduceBuffers(
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

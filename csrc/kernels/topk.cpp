@@ -76,7 +76,7 @@ uint64_t keepThreshold(const float* r, int64_t n, int64_t keep) {
   return keys[keep - 1];
 }
 
-} // namespace
+}  // namespace
 
 void encodeTopkCpu(const float* values, float* residual, uint8_t* row, int64_t count, int64_t block, int64_t keep) {
   const int64_t blockBytes = topkBlockBytes(keep);
@@ -159,10 +159,11 @@ CodeDescriptor described() {
   code.readsKeep = true;
   code.maxBlock = kTopkMaxBlock;  // in-block indices travel as 16 bits
   code.rowBytes = [](int64_t count, const CodeSettings& s) { return topkRowBytes(count, s.block, s.keep); };
-  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row,
-                  int64_t count) { encodeTopkCpu(values, residual, row, count, s.block, s.keep); };
+  code.encodeRow = [](const CodeSettings& s, const float* values, float* residual, uint8_t* row, int64_t count) {
+    encodeTopkCpu(values, residual, row, count, s.block, s.keep);
+  };
   code.decodeRows = [](const CodeSettings& s, const uint8_t* wire, int64_t rows, int64_t rowBytes, float* out,
-                   int64_t count, bool sum, bool accumulate) {
+                       int64_t count, bool sum, bool accumulate) {
     decodeTopkCpu(wire, rows, rowBytes, out, count, s.block, s.keep, sum, accumulate);
   };
   return code;
@@ -170,6 +171,6 @@ CodeDescriptor described() {
 
 const CodeRegistration registered{described()};
 
-} // namespace
+}  // namespace
 
-} // namespace chainermn
+}  // namespace chainermn

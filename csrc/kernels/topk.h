@@ -44,4 +44,4 @@ void encodeTopkCpu(const float* values, float* residual, uint8_t* row, int64_t c
 void decodeTopkCpu(const uint8_t* rows, int64_t rowCount, int64_t rowBytes, float* out, int64_t count, int64_t block,
                    int64_t keep, bool sum, bool accumulate);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -40,4 +40,4 @@ class LingerPolicy {
   int score_ = kMost;  // spin at first, as a latency-bound loop wants
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -32,4 +32,4 @@ std::string hostName() {
   return host;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -12,4 +12,4 @@ bool processAlive(int64_t pid);
 // This host's name, as gethostname() gives it.
 std::string hostName();
 
-} // namespace chainermn
+}  // namespace chainermn

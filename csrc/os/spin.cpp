@@ -57,7 +57,7 @@ bool oversubscribed(Spin::Clock::time_point now) {
   }
   return gOversubscribed.load(std::memory_order_relaxed);
 }
-} // namespace
+}  // namespace
 
 bool Spin::severalCpus() {
   static const bool several = [] {
@@ -108,4 +108,4 @@ void Spin::sawContention(Clock::time_point now) {
   gContendedAt.store(now.time_since_epoch().count(), std::memory_order_relaxed);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

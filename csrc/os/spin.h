@@ -123,4 +123,4 @@ class OwnWork {
   bool marks_;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

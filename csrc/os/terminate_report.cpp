@@ -32,8 +32,8 @@ void report() {
   writeAll("chainermn: std::terminate on thread ");
   writeAll(name);
   writeAll(std::current_exception() ? " (an exception escaped)"
-                                     : " (no exception: a joinable std::thread destroyed, or a thread ended by "
-                                       "pthread_exit inside a destructor)");
+                                    : " (no exception: a joinable std::thread destroyed, or a thread ended by "
+                                      "pthread_exit inside a destructor)");
   writeAll("; its native stack:\n");
   void* frames[64];
   const int depth = ::backtrace(frames, 64);
@@ -44,11 +44,11 @@ void report() {
   std::abort();
 }
 
-} // namespace
+}  // namespace
 
 void installTerminateReport() {
   static std::once_flag installed;
   std::call_once(installed, [] { gReplaced = std::set_terminate(report); });
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -9,4 +9,4 @@ namespace chainermn {
 // otherwise prints only "terminate called without an active exception", naming nothing.
 void installTerminateReport();
 
-} // namespace chainermn
+}  // namespace chainermn

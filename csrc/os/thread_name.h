@@ -15,4 +15,4 @@ inline void nameThisThread(const char* name) {
   pthread_setname_np(pthread_self(), cut);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -64,7 +64,7 @@ chainermn::TransportFactory glooFactory(py::function make) {
   };
 }
 
-} // namespace
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch-chainermn's C++ backend";
@@ -83,8 +83,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("ranks_of_node", &Topology::ranksOfNode)
       .def("__repr__", [](const Topology& t) {
         return "Topology(rank=" + std::to_string(t.rank) + ", size=" + std::to_string(t.size) +
-            ", intra_rank=" + std::to_string(t.intraRank) + ", intra_size=" + std::to_string(t.intraSize) +
-            ", inter_rank=" + std::to_string(t.interRank) + ", inter_size=" + std::to_string(t.interSize) + ")";
+               ", intra_rank=" + std::to_string(t.intraRank) + ", intra_size=" + std::to_string(t.intraSize) +
+               ", inter_rank=" + std::to_string(t.interRank) + ", inter_size=" + std::to_string(t.interSize) + ")";
       });
 
   // A group's transport plan (transport_plan.h), for options on a topology: what a group would carry
@@ -95,22 +95,22 @@ PYBIND11_MODULE(_C, m) {
         TORCH_CHECK_VALUE(hostLibrary == "mpi" || hostLibrary == "gloo",
                           "plan_transports: host_library must be 'mpi' or 'gloo', got '", hostLibrary, "'");
         const auto plan = chainermn::planTransports(options, topology, hostLibrary == "mpi" ? "mpi" : "gloo");
-        auto carrier = [](chainermn::cuda::Carrier c) { return c == chainermn::cuda::Carrier::Nccl ? "nccl" : "staged"; };
+        auto carrier = [](chainermn::cuda::Carrier c) {
+          return c == chainermn::cuda::Carrier::Nccl ? "nccl" : "staged";
+        };
         const auto& cuda = plan.cuda;
         py::dict plain;
         plain["host_library"] = plan.hostLibrary;
         plain["shared_memory"] = plan.sharedMemory;
         plain["cuda_transport"] = cuda.name;
-        plain["cuda_carriers"] = py::make_tuple(carrier(cuda.carriers.world), carrier(cuda.carriers.intra),
-                                                carrier(cuda.carriers.inter));
+        plain["cuda_carriers"] =
+            py::make_tuple(carrier(cuda.carriers.world), carrier(cuda.carriers.intra), carrier(cuda.carriers.inter));
         plain["cuda_launch_on_caller"] = cuda.allNccl;
         plain["cuda_launch_lock"] = cuda.someNccl;
         plain["cuda_bitwise"] = cuda.bitwise;
         return plain;
       },
-      py::arg("options"),
-      py::arg("topology"),
-      py::arg("host_library"));
+      py::arg("options"), py::arg("topology"), py::arg("host_library"));
   m.def("topology_from_names", &chainermn::topologyFromNames, py::arg("names"), py::arg("rank"));
   m.def("stop_workers_at_exit", &chainermn::stopWorkersAtExit, py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -118,10 +118,7 @@ PYBIND11_MODULE(_C, m) {
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& nodeName) {
         return chainermn::discoverTopology(*store, rank, size, nodeName);
       },
-      py::arg("store"),
-      py::arg("rank"),
-      py::arg("size"),
-      py::arg("node_name"),
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("node_name"),
       py::call_guard<py::gil_scoped_release>());
   m.attr("communicator_names") = chainermn::strategyNames();
 
@@ -133,26 +130,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shared_memory", &GroupOptions::sharedMemory)
       .def_readwrite("cuda_transport", &GroupOptions::cudaTransport)
       .def_property(
-          "checks",
-          [](const GroupOptions& options) { return chainermn::checkLevelName(options.checks); },
+          "checks", [](const GroupOptions& options) { return chainermn::checkLevelName(options.checks); },
           [](GroupOptions& options, const std::string& name) { options.checks = chainermn::checkLevelNamed(name); });
 
   py::class_<GroupSetup>(m, "GroupSetup", "who a group is, and the host library its ranks agreed on")
-      .def(
-          py::init([](const c10::intrusive_ptr<c10d::Store>& store,
-                      int rank,
-                      int size,
-                      std::chrono::milliseconds timeout,
-                      std::string name,
-                      Topology topology) {
-            return GroupSetup{store, rank, size, timeout, std::move(name), std::move(topology), nullptr};
-          }),
-          py::arg("store"),
-          py::arg("rank"),
-          py::arg("size"),
-          py::arg("timeout"),
-          py::arg("name"),
-          py::arg("topology"))
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::string name, Topology topology) {
+             return GroupSetup{store, rank, size, timeout, std::move(name), std::move(topology), nullptr};
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("name"), py::arg("topology"))
       .def_readwrite("shm_chunk_bytes", &GroupSetup::shmChunkBytes, "the shared-memory collectives' chunk in bytes")
       .def_readwrite("global_ranks", &GroupSetup::globalRanks, "the group's members by global rank (flight recorder)")
       .def(
@@ -160,9 +146,7 @@ PYBIND11_MODULE(_C, m) {
           [](GroupSetup& setup, int window, double marginMs, bool warn) {
             setup.stragglers = chainermn::StragglerSettings{window, marginMs, warn};
           },
-          py::arg("window"),
-          py::arg("margin_ms"),
-          py::arg("warn"),
+          py::arg("window"), py::arg("margin_ms"), py::arg("warn"),
           "the stragglers' summary: its window in collectives, the mean lateness that names a rank, whether "
           "rank 0 logs a line when one is named")
       .def(
@@ -171,8 +155,7 @@ PYBIND11_MODULE(_C, m) {
             setup.makeHost = glooFactory(std::move(make));
             setup.hostLibrary = "gloo";
           },
-          py::arg("make_gloo"),
-          "between ranks, Gloo groups made by make_gloo(key, rank, size)")
+          py::arg("make_gloo"), "between ranks, Gloo groups made by make_gloo(key, rank, size)")
 #ifdef CHAINERMN_WITH_MPI
       .def(
           "use_mpi",
@@ -182,24 +165,21 @@ PYBIND11_MODULE(_C, m) {
             };
             setup.hostLibrary = "mpi";
           },
-          py::arg("world_ranks"),
-          "between ranks, MPI over these MPI_COMM_WORLD ranks (group rank r is world_ranks[r])")
+          py::arg("world_ranks"), "between ranks, MPI over these MPI_COMM_WORLD ranks (group rank r is world_ranks[r])")
 #endif
       ;
 
-  py::class_<ProcessGroupChainerMN, c10d::Backend, c10::intrusive_ptr<ProcessGroupChainerMN>>(
-      m, "ProcessGroupChainerMN")
-      .def(
-          py::init([](const GroupSetup& setup, GroupOptions options) {
-            TORCH_CHECK(setup.makeHost, "chainermn: GroupSetup needs use_gloo() or use_mpi() first");
-            // The GIL is released for the construction only (it waits for the peers): pybind11
-            // registers the new instance after the factory returns, and doing that without the GIL
-            // corrupts its instance map when threads create groups at once (torchft's Manager does).
-            py::gil_scoped_release release;
-            return c10::make_intrusive<ProcessGroupChainerMN>(setup, std::move(options));
-          }),
-          py::arg("setup"),
-          py::arg("options"))
+  py::class_<ProcessGroupChainerMN, c10d::Backend, c10::intrusive_ptr<ProcessGroupChainerMN>>(m,
+                                                                                              "ProcessGroupChainerMN")
+      .def(py::init([](const GroupSetup& setup, GroupOptions options) {
+             TORCH_CHECK(setup.makeHost, "chainermn: GroupSetup needs use_gloo() or use_mpi() first");
+             // The GIL is released for the construction only (it waits for the peers): pybind11
+             // registers the new instance after the factory returns, and doing that without the GIL
+             // corrupts its instance map when threads create groups at once (torchft's Manager does).
+             py::gil_scoped_release release;
+             return c10::make_intrusive<ProcessGroupChainerMN>(setup, std::move(options));
+           }),
+           py::arg("setup"), py::arg("options"))
       .def("topology", &ProcessGroupChainerMN::topology, py::return_value_policy::copy)
       .def_property_readonly("transport", &ProcessGroupChainerMN::transport)
       // What torch's split_group deep-copies and passes back (as ProcessGroupNCCL's options).
@@ -210,16 +190,14 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cuda_transport", &ProcessGroupChainerMN::cudaTransport)
       .def("recv_message", &ProcessGroupChainerMN::recvMessage, py::arg("src"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
-      .def("send_message", &ProcessGroupChainerMN::sendMessage, py::arg("parts"), py::arg("offsets"),
-           py::arg("bytes"), py::arg("dst"), py::arg("tag"), py::call_guard<py::gil_scoped_release>())
+      .def("send_message", &ProcessGroupChainerMN::sendMessage, py::arg("parts"), py::arg("offsets"), py::arg("bytes"),
+           py::arg("dst"), py::arg("tag"), py::call_guard<py::gil_scoped_release>())
       .def(
           "mean_coalesced",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::ScalarType> wireDtype) {
             return pg.meanCoalesced(tensors, wireDtype);
           },
-          py::arg("tensors"),
-          py::arg("wire_dtype") = std::nullopt,
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("tensors"), py::arg("wire_dtype") = std::nullopt, py::call_guard<py::gil_scoped_release>())
       .def(
           "compressed_mean",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::Tensor> residual,
@@ -227,9 +205,7 @@ PYBIND11_MODULE(_C, m) {
             return pg.compressedMean(tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
                                      spec);
           },
-          py::arg("tensors"),
-          py::arg("residual"),
-          py::arg("second_residual"),
+          py::arg("tensors"), py::arg("residual"), py::arg("second_residual"),
           py::arg("spec"),  // a torch_chainermn.CompressionSpec (python/compression.cpp)
           py::call_guard<py::gil_scoped_release>())
       .def(
@@ -238,8 +214,7 @@ PYBIND11_MODULE(_C, m) {
             const chainermn::ResidualShape shape = pg.compressionResiduals(spec, count);
             return py::make_tuple(shape.first, shape.second, shape.secondOffset, shape.secondCount);
           },
-          py::arg("count"),
-          py::arg("spec"),
+          py::arg("count"), py::arg("spec"),
           "(first, second, second_offset, second_count): the residuals this rank keeps for `count` values")
       .def("scratch_bytes", &ProcessGroupChainerMN::scratchBytes)
       .def("ops_run_on_caller", &ProcessGroupChainerMN::opsRunOnCaller,
@@ -295,7 +270,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<chainermn::BackendOptions, c10d::Backend::Options, c10::intrusive_ptr<chainermn::BackendOptions>>(
       m, "BackendOptions")
       .def_readonly("group_options", &chainermn::BackendOptions::group)
-      .def("__copy__", [](const chainermn::BackendOptions& o) { return c10::make_intrusive<chainermn::BackendOptions>(o); })
+      .def("__copy__",
+           [](const chainermn::BackendOptions& o) { return c10::make_intrusive<chainermn::BackendOptions>(o); })
       .def("__deepcopy__", [](const chainermn::BackendOptions& o, py::dict) {
         return c10::make_intrusive<chainermn::BackendOptions>(o);
       });
@@ -313,12 +289,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("mpi_thread_multiple", &chainermn::mpi::threadMultiple);
   m.def("mpi_world_rank", &chainermn::mpi::worldRank);
   m.def("mpi_world_size", &chainermn::mpi::worldSize);
-  m.def(
-      "mpi_broadcast_string",
-      &chainermn::mpi::broadcastString,
-      py::arg("text"),
-      py::arg("root") = 0,
-      py::call_guard<py::gil_scoped_release>());
+  m.def("mpi_broadcast_string", &chainermn::mpi::broadcastString, py::arg("text"), py::arg("root") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("mpi_finalize", &chainermn::mpi::finalize, py::call_guard<py::gil_scoped_release>());
   m.def("mpi_abort", &chainermn::mpi::abortJob, py::arg("code") = 1, py::call_guard<py::gil_scoped_release>());
 #else

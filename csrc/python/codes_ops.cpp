@@ -50,7 +50,7 @@ int64_t wireRowBytesOp(c10::string_view codeName, int64_t count, int64_t block, 
   return wireRowBytes(code, count, settings);
 }
 
-} // namespace
+}  // namespace
 
 TORCH_LIBRARY(torch_chainermn, m) {
   m.def(
@@ -65,4 +65,4 @@ TORCH_LIBRARY_IMPL(torch_chainermn, CPU, m) {
   m.impl("decode", &decodeCpuOp);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

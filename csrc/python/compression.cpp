@@ -28,9 +28,9 @@ int64_t intSetting(const char* op, const char* name, const py::handle& value) {
 
 // A number (int or float, not a bool).
 double floatSetting(const char* op, const char* name, const py::handle& value) {
-  TORCH_CHECK_VALUE((py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)) &&
-                        !py::isinstance<py::bool_>(value),
-                    op, ": ", name, " must be a number, got ", std::string(py::repr(value)));
+  TORCH_CHECK_VALUE(
+      (py::isinstance<py::int_>(value) || py::isinstance<py::float_>(value)) && !py::isinstance<py::bool_>(value), op,
+      ": ", name, " must be a number, got ", std::string(py::repr(value)));
   return value.cast<double>();
 }
 
@@ -118,8 +118,8 @@ void bindCodes(py::module_& m) {
         settings.keep = intSetting(op.c_str(), "keep", keep);
         checkCodeSettings(found, settings, op.c_str());
       },
-      "A ValueError naming `op` unless `code` is registered and the settings it reads follow its rules",
-      py::arg("op"), py::arg("code"), py::arg("threshold") = 0.5, py::arg("block") = 256, py::arg("keep") = 8,
+      "A ValueError naming `op` unless `code` is registered and the settings it reads follow its rules", py::arg("op"),
+      py::arg("code"), py::arg("threshold") = 0.5, py::arg("block") = 256, py::arg("keep") = 8,
       py::arg("argument") = "code");
 
   py::class_<CompressionSpec>(m, "CompressionSpec", R"(A code and its settings: what a compressed exchange between
@@ -139,8 +139,8 @@ True (in the same code) or a code that carries sums. result_dtype: otherwise the
              return specOf(code, threshold, block, keep, compressResult, resultDtype, op, argument);
            }),
            py::arg("code"), py::kw_only(), py::arg("threshold") = 0.5, py::arg("block") = 256, py::arg("keep") = 8,
-           py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat,
-           py::arg("op") = "CompressionSpec", py::arg("argument") = "code")
+           py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("op") = "CompressionSpec",
+           py::arg("argument") = "code")
       .def_property_readonly("code", [](const CompressionSpec& spec) { return spec.code->name; })
       .def_property_readonly("threshold", [](const CompressionSpec& spec) { return spec.settings.threshold; })
       .def_property_readonly("block", [](const CompressionSpec& spec) { return spec.settings.block; })
@@ -149,32 +149,31 @@ True (in the same code) or a code that carries sums. result_dtype: otherwise the
       .def_property_readonly("result_dtype", [](const CompressionSpec& spec) { return spec.resultWire; })
       .def("settings", &settingsOf, "Every field, as the constructor takes them (code first)")
       .def_property_readonly(
-          "compared",
-          [](const CompressionSpec& spec) { return spec.named->fields; },
+          "compared", [](const CompressionSpec& spec) { return spec.named->fields; },
           "(name, value) of every field the ranks compare: the code and what it reads, compress_result, result_dtype")
       .def("__eq__",
            [](const CompressionSpec& a, const py::object& b) {
-             return py::isinstance<CompressionSpec>(b) && settingsOf(a).equal(settingsOf(b.cast<const CompressionSpec&>()));
+             return py::isinstance<CompressionSpec>(b) &&
+                    settingsOf(a).equal(settingsOf(b.cast<const CompressionSpec&>()));
            })
       .def("__hash__", [](const CompressionSpec& spec) { return spec.named->digest; })
       .def("__repr__",
            [](const CompressionSpec& spec) {
              return "CompressionSpec(" + std::string(py::repr(py::str(spec.code->name))) +
-                 ", threshold=" + std::string(py::repr(py::float_(spec.settings.threshold))) +
-                 ", block=" + std::to_string(spec.settings.block) + ", keep=" + std::to_string(spec.settings.keep) +
-                 ", compress_result=" + std::string(py::repr(compressResultOf(spec))) +
-                 ", result_dtype=" + std::string(py::str(py::cast(spec.resultWire))) + ")";
+                    ", threshold=" + std::string(py::repr(py::float_(spec.settings.threshold))) +
+                    ", block=" + std::to_string(spec.settings.block) + ", keep=" + std::to_string(spec.settings.keep) +
+                    ", compress_result=" + std::string(py::repr(compressResultOf(spec))) +
+                    ", result_dtype=" + std::string(py::str(py::cast(spec.resultWire))) + ")";
            })
-      .def(py::pickle(
-          [](const CompressionSpec& spec) { return settingsOf(spec); },
-          [](const py::dict& settings) {
-            return specOf(settings["code"].cast<std::string>(), settings["threshold"], settings["block"],
-                          settings["keep"], settings["compress_result"],
-                          settings["result_dtype"].cast<at::ScalarType>(), "CompressionSpec");
-          }));
+      .def(py::pickle([](const CompressionSpec& spec) { return settingsOf(spec); },
+                      [](const py::dict& settings) {
+                        return specOf(settings["code"].cast<std::string>(), settings["threshold"], settings["block"],
+                                      settings["keep"], settings["compress_result"],
+                                      settings["result_dtype"].cast<at::ScalarType>(), "CompressionSpec");
+                      }));
 }
 
 const bool registered = registerSubmodule("codes", "the registry of codes and the CompressionSpec value", bindCodes);
 
-} // namespace
-} // namespace chainermn
+}  // namespace
+}  // namespace chainermn

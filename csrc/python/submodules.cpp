@@ -19,7 +19,7 @@ std::vector<Submodule>& registered() {
   return submodules;
 }
 
-} // namespace
+}  // namespace
 
 bool registerSubmodule(const char* name, const char* doc, SubmoduleBinder bind) {
   registered().push_back(Submodule{name, doc, bind});
@@ -33,4 +33,4 @@ void bindRegisteredSubmodules(pybind11::module_& module) {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -20,4 +20,4 @@ bool registerSubmodule(const char* name, const char* doc, SubmoduleBinder bind);
 // Creates and binds each registered submodule under `module` (the module's init calls it once).
 void bindRegisteredSubmodules(pybind11::module_& module);
 
-} // namespace chainermn
+}  // namespace chainermn

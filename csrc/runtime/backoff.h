@@ -39,4 +39,4 @@ class Backoff {
   std::chrono::microseconds delay_{10};
 };
 
-} // namespace chainermn
+}  // namespace chainermn

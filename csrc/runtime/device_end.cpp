@@ -30,7 +30,7 @@ void Worker::State::checkFailed(const c10::intrusive_ptr<WorkChainerMN>& deviceW
     // Its kernels are queued on every rank that agreed to it: they would wait for the ranks that
     // did not, or reduce what they did not mean. Only aborting the device transports ends them.
     breakGroup(lock, "the group is unusable after " + deviceWork->description() +
-        " was queued on the GPU but failed its cross-rank check");
+                         " was queued on the GPU but failed its cross-rank check");
   }
 }
 
@@ -54,10 +54,8 @@ void Worker::launchFailed(const c10::intrusive_ptr<WorkChainerMN>& work, const s
   work->fail(state_->failed(*work, error));
 }
 
-void Worker::enqueueCheck(
-    c10::intrusive_ptr<WorkChainerMN> checkWork,
-    c10::intrusive_ptr<WorkChainerMN> deviceWork,
-    std::function<void()> check) {
+void Worker::enqueueCheck(c10::intrusive_ptr<WorkChainerMN> checkWork, c10::intrusive_ptr<WorkChainerMN> deviceWork,
+                          std::function<void()> check) {
   std::weak_ptr<State> weak = state_;
   enqueue(std::move(checkWork), [weak, deviceWork, check = std::move(check)]() -> Pending {
     try {
@@ -75,4 +73,4 @@ void Worker::enqueueCheck(
   });
 }
 
-} // namespace chainermn
+}  // namespace chainermn

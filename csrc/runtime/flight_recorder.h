@@ -108,8 +108,8 @@ class FlightRecorder {
     const char* direction = nullptr;  // "->" for a send, "<-" for a receive; null for the rest
     int rank = 0;
     int peer = -1;
-    int64_t createdNs = 0;        // wall clock, as torch's
-    int64_t startedNs = 0;        // 0: not yet
+    int64_t createdNs = 0;  // wall clock, as torch's
+    int64_t startedNs = 0;  // 0: not yet
     int64_t completedNs = 0;
     int64_t timeoutMs = 0;
     std::thread::id thread;

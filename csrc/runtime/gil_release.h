@@ -26,4 +26,4 @@ class GilReleased {
   PyThreadState* saved_;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -31,7 +31,7 @@ std::vector<uint8_t> bytes(const std::string& text) {
   return {text.begin(), text.end()};
 }
 
-} // namespace
+}  // namespace
 
 GroupHealth::GroupHealth(c10::intrusive_ptr<c10d::Store> store, const Topology& topology,
                          std::function<uint64_t()> collectivesIssued)
@@ -105,7 +105,7 @@ std::string GroupHealth::byNode(const std::vector<int>& ranks) const {
   std::string text;
   for (size_t i = 0; i < nodes.size(); ++i) {
     text += (text.empty() ? "" : "; ") + std::string(lists[i].find(',') == std::string::npos ? "rank " : "ranks ") +
-        lists[i] + " (host " + nodes[i] + ")";
+            lists[i] + " (host " + nodes[i] + ")";
   }
   return text;
 }
@@ -134,8 +134,8 @@ std::string GroupHealth::leftBefore(const std::vector<std::string>& whoAndGone, 
     const uint64_t taken = std::strtoull(gone.c_str() + space + 1, nullptr, 10);
     if (taken < waiter.getSequencenumber()) {
       return who(r, whoAndGone[r]) + " exited the group after its collective " + std::to_string(taken) +
-          " (it destroyed the group, or its process ended), so it will never take part in " + waiter.opName() +
-          " seq " + std::to_string(waiter.getSequencenumber());
+             " (it destroyed the group, or its process ended), so it will never take part in " + waiter.opName() +
+             " seq " + std::to_string(waiter.getSequencenumber());
     }
   }
   return "";
@@ -146,10 +146,9 @@ void GroupHealth::abort(const std::string& reason) {
 }
 
 void GroupHealth::waiting(const WorkChainerMN& work) {
-  courier_.run([store = store_, key = waitingKey(rank_),
-                value = work.opName() + " seq " + std::to_string(work.getSequencenumber())] {
-    store->set(key, bytes(value));
-  });
+  courier_.run(
+      [store = store_, key = waitingKey(rank_),
+       value = work.opName() + " seq " + std::to_string(work.getSequencenumber())] { store->set(key, bytes(value)); });
 }
 
 void GroupHealth::leaving() {
@@ -204,8 +203,8 @@ std::string GroupHealth::whoIsWhere(const WorkChainerMN& work) {
       }
     }
     return "the group's store did not answer rank " + std::to_string(rank_) + " (host " + nodeOfRank_[rank_] +
-        ") within " + std::to_string(kStorePatience.count()) + " s, so the network may be down between the nodes" +
-        (away.empty() ? "" : ": " + byNode(away) + " unreachable or did not take part");
+           ") within " + std::to_string(kStorePatience.count()) + " s, so the network may be down between the nodes" +
+           (away.empty() ? "" : ": " + byNode(away) + " unreachable or did not take part");
   }
   std::string waited, elsewhere;
   for (int r = 0; r < size_; ++r) {
@@ -213,7 +212,8 @@ std::string GroupHealth::whoIsWhere(const WorkChainerMN& work) {
     if (at == here) {
       waited += (waited.empty() ? "" : ",") + std::to_string(r);
     } else {
-      elsewhere += "; " + who(r, (*values)[r]) +
+      elsewhere +=
+          "; " + who(r, (*values)[r]) +
           (at.empty() ? " never waited in an op for a second (or could not reach the store)" : " last waited in " + at);
     }
   }
@@ -222,4 +222,4 @@ std::string GroupHealth::whoIsWhere(const WorkChainerMN& work) {
   return dead.empty() ? report : report + "; " + dead;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

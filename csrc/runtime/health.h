@@ -66,10 +66,10 @@ class GroupHealth : public Monitor {
   c10::intrusive_ptr<c10d::Store> store_;
   const int rank_;
   const int size_;
-  const std::string host_;                // this machine's host name: processes are checked here only
-  std::vector<std::string> nodeOfRank_;   // the node names ranks are known by (topology.h)
+  const std::string host_;               // this machine's host name: processes are checked here only
+  std::vector<std::string> nodeOfRank_;  // the node names ranks are known by (topology.h)
   StoreCourier courier_;
   std::function<uint64_t()> collectivesIssued_;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

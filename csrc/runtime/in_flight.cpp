@@ -89,7 +89,8 @@ bool Worker::State::progressInFlight() {
   {
     std::lock_guard<std::mutex> lock(mutex);
     for (auto& [request, error] : over) {
-      auto it = std::find_if(inFlight.begin(), inFlight.end(), [r = request](const InFlight& entry) { return entry.request.get() == r; });
+      auto it = std::find_if(inFlight.begin(), inFlight.end(),
+                             [r = request](const InFlight& entry) { return entry.request.get() == r; });
       if (it != inFlight.end()) {
         finished.emplace_back(std::move(*it), error);
         inFlight.erase(it);
@@ -109,4 +110,4 @@ bool Worker::State::progressInFlight() {
   return true;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

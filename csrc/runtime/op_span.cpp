@@ -4,8 +4,8 @@
 
 namespace chainermn {
 
-std::shared_ptr<OpSpan> OpSpan::ifProfiled(
-    const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+std::shared_ptr<OpSpan> OpSpan::ifProfiled(const char* op, const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& outputs) {
   if (C10_LIKELY(!at::getStepCallbacksUnlessEmpty(at::RecordScope::USER_SCOPE))) {
     return nullptr;
   }
@@ -75,4 +75,4 @@ OpSpan::Running::~Running() {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

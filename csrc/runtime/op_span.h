@@ -26,7 +26,7 @@ class OpSpan {
   // The profiler's thread-local state, applied on another thread for a scope and restored after.
   struct ProfilerState {
     std::shared_ptr<c10::ThreadLocalDebugInfo> debugInfo;  // the profiler's own state lives here
-    at::RecordFunctionTLS callbacks;  // its thread-local callbacks
+    at::RecordFunctionTLS callbacks;                       // its thread-local callbacks
   };
   class ProfilerScope {
    public:
@@ -42,8 +42,8 @@ class OpSpan {
 
   // Null when no profiler is active on the calling thread (one look at its callbacks). The span shows
   // the inputs' shapes and dtypes, then the outputs'.
-  static std::shared_ptr<OpSpan> ifProfiled(
-      const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
+  static std::shared_ptr<OpSpan> ifProfiled(const char* op, const std::vector<at::Tensor>& inputs,
+                                            const std::vector<at::Tensor>& outputs);
 
   // While a thread runs the op: the poster's profiler state applies there, the op's span has started
   // (once, whichever body of the op runs first), and phases are recorded. A null span does nothing.
@@ -67,12 +67,12 @@ class OpSpan {
  private:
   void start();
 
-  const ProfilerState state_;  // the poster's
-  const std::string title_;  // "chainermn:all_reduce"
+  const ProfilerState state_;        // the poster's
+  const std::string title_;          // "chainermn:all_reduce"
   std::vector<c10::IValue> inputs_;  // the op's tensors, for their shapes; dropped once started
   std::mutex mutex_;
   std::unique_ptr<at::RecordFunction> span_;
   bool ended_ = false;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -42,9 +42,8 @@ bool StoreCourier::run(std::function<void()> call) {
   // Another thread's call is out (the watchdog's and the worker's failure paths meet here): wait for
   // it within this call's patience, unless it already overran (the store does not answer).
   while (shared_->finished != shared_->posted) {
-    if (shared_->overran ||
-        (shared_->changed.wait_until(lock, deadline) == std::cv_status::timeout &&
-         shared_->finished != shared_->posted)) {
+    if (shared_->overran || (shared_->changed.wait_until(lock, deadline) == std::cv_status::timeout &&
+                             shared_->finished != shared_->posted)) {
       return false;
     }
   }
@@ -95,4 +94,4 @@ void StoreCourier::serve(const std::shared_ptr<Shared>& shared) {
   }
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -40,4 +40,4 @@ class StoreCourier {
   const std::chrono::milliseconds patience_;
 };
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -16,7 +16,7 @@ constexpr auto kAskPeersEvery = std::chrono::milliseconds(500);
 // While CUDA ops are queued, the device is asked this often whether they ended or failed (as often
 // as torch's NCCL watchdog asks).
 constexpr auto kAskDeviceEvery = std::chrono::milliseconds(100);
-} // namespace
+}  // namespace
 
 std::string describeError(const std::exception& error) {
   if (auto* c10error = dynamic_cast<const c10::Error*>(&error)) {
@@ -36,7 +36,7 @@ std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e) {
 std::string Worker::State::timeoutMessage(const WorkChainerMN& work) {
   const std::string where = monitor ? monitor->whoIsWhere(work) : "";
   return "chainermn " + work.description() + " timed out: a peer did not take part before the group timeout" +
-      (where.empty() ? " (a rank may have died, or the ranks issued different collectives)" : ": " + where);
+         (where.empty() ? " (a rank may have died, or the ranks issued different collectives)" : ": " + where);
 }
 
 std::exception_ptr Worker::State::failed(const WorkChainerMN& work, const std::exception& e) {
@@ -167,7 +167,8 @@ bool Worker::State::askPeers(std::unique_lock<std::mutex>& lock, Clock::time_poi
 // Completes the device ops whose end the device reached, and asks the device transports for an
 // asynchronous error (a peer gone, a network error: NCCL's kernels would wait forever). Returns true
 // when it broke the group. Lock held on entry and exit.
-bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now, Clock::time_point& nextCheck) {
+bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_point now,
+                                Clock::time_point& nextCheck) {
   std::string error;
   c10::intrusive_ptr<WorkChainerMN> failedOp;
   const size_t watched = onDevice.size();
@@ -225,15 +226,13 @@ bool Worker::State::watchDevice(std::unique_lock<std::mutex>& lock, Clock::time_
       return false;
     }
   }
-  failAndBreak(lock, *failedOp, "chainermn " + failedOp->description() + " failed on the GPU: " + error, "failed on the GPU");
+  failAndBreak(lock, *failedOp, "chainermn " + failedOp->description() + " failed on the GPU: " + error,
+               "failed on the GPU");
   return true;
 }
 
-void Worker::State::failAndBreak(
-    std::unique_lock<std::mutex>& lock,
-    WorkChainerMN& work,
-    const std::string& message,
-    const std::string& what) {
+void Worker::State::failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message,
+                                 const std::string& what) {
   // The reason first: a caller whose wait() raises may ask errored() at once (torchft does).
   const bool first = brokenReason.empty();
   if (first) {
@@ -296,4 +295,4 @@ bool Worker::State::wakesWatchdog(const WorkChainerMN& work) const {
   return std::min(work.deadline(), work.issued() + kAskPeersAfter) < watchdogWakesAt;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

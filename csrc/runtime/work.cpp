@@ -19,7 +19,7 @@ constexpr auto kWatchdogGrace = std::chrono::seconds(2);
 // the worker that runs the op shares the caller's one CPU (mpiexec binds a rank to a core): spin.h.
 constexpr auto kPollBeforeSleeping = std::chrono::microseconds(50);
 thread_local Progressor* tlsProgressor = nullptr;  // set on a group's worker thread
-} // namespace
+}  // namespace
 
 void setThreadProgressor(Progressor* progressor) {
   tlsProgressor = progressor;
@@ -29,13 +29,8 @@ std::exception_ptr backendError(const std::string& message) {
   return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, message));
 }
 
-WorkChainerMN::WorkChainerMN(
-    c10d::OpType opType,
-    Label label,
-    uint64_t sequence,
-    std::vector<at::Tensor> outputs,
-    Clock::time_point deadline,
-    std::vector<c10::Device> devices)
+WorkChainerMN::WorkChainerMN(c10d::OpType opType, Label label, uint64_t sequence, std::vector<at::Tensor> outputs,
+                             Clock::time_point deadline, std::vector<c10::Device> devices)
     : c10d::Work(label.rank, opType),
       label_(label),
       sequence_(sequence),
@@ -44,14 +39,13 @@ WorkChainerMN::WorkChainerMN(
       onDevice_(!devices.empty()),
       // With devices, markCompleted (on the worker, whose current stream is the group's) records an
       // event per device, and the future's wait()/then() make the waiter's streams wait on it.
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()),
-          std::move(devices))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::move(devices))) {}
 
 std::string WorkChainerMN::description() const {
   return std::string(label_.op) + " (seq " + std::to_string(sequence_) + ", rank " + std::to_string(label_.rank) +
-      " of " + std::to_string(label_.size) + ", " + label_.transport + ", timeout " +
-      std::to_string(label_.timeout.count()) + " ms)";
+         " of " + std::to_string(label_.size) + ", " + label_.transport + ", timeout " +
+         std::to_string(label_.timeout.count()) + " ms)";
 }
 
 bool WorkChainerMN::claim() {
@@ -127,10 +121,9 @@ bool WorkChainerMN::wait(std::chrono::milliseconds timeout) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
   if (!cv_.wait_until(lock, limit, [this] { return completed_ || queued_; })) {
-    const auto waited = timeout == ::kNoTimeout ? std::string("its group timeout")
-                                                    : std::to_string(timeout.count()) + " ms";
-    C10_THROW_ERROR(
-        DistBackendError, "chainermn " + description() + ": wait() timed out after " + waited);
+    const auto waited =
+        timeout == ::kNoTimeout ? std::string("its group timeout") : std::to_string(timeout.count()) + " ms";
+    C10_THROW_ERROR(DistBackendError, "chainermn " + description() + ": wait() timed out after " + waited);
   }
   if (exception_) {
     std::rethrow_exception(exception_);
@@ -176,4 +169,4 @@ void WorkChainerMN::setSourceRank(int rank) {
   sourceRank_.store(rank);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -33,13 +33,8 @@ class WorkChainerMN : public c10d::Work {
     bool collective;
   };
 
-  WorkChainerMN(
-      c10d::OpType opType,
-      Label label,
-      uint64_t sequence,
-      std::vector<at::Tensor> outputs,
-      Clock::time_point deadline,
-      std::vector<c10::Device> devices = {});
+  WorkChainerMN(c10d::OpType opType, Label label, uint64_t sequence, std::vector<at::Tensor> outputs,
+                Clock::time_point deadline, std::vector<c10::Device> devices = {});
 
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -119,7 +114,7 @@ class WorkChainerMN : public c10d::Work {
   const bool onDevice_;  // CUDA outputs: wait() also orders the caller's current stream after the op
   std::atomic<bool> claimed_{false};
   std::atomic<bool> queued_{false};  // completeQueued() ran (set under mutex_)
-  std::atomic<bool> done_{false};  // completed_, readable without the mutex (wait() polls it first)
+  std::atomic<bool> done_{false};    // completed_, readable without the mutex (wait() polls it first)
   std::atomic<int> sourceRank_{-1};
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::function<void()> hostSync_;
@@ -141,4 +136,4 @@ void setThreadProgressor(Progressor* progressor);
 // A c10::DistBackendError (torch.distributed.DistBackendError in Python) as an exception_ptr.
 std::exception_ptr backendError(const std::string& message);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -19,7 +19,7 @@ namespace chainermn {
 
 namespace {
 constexpr auto kLinger = std::chrono::microseconds(50);
-} // namespace
+}  // namespace
 
 // Set by stopWorkersAtExit(): the interpreter is about to finalise. A worker thread detached earlier (a
 // group destroyed while its op was stuck) may still end after that, holding the last reference to its
@@ -167,7 +167,8 @@ void Worker::State::workerLoop() {
         }
       }
       if ((queue.empty() || callerRunning) && !stopping && !moved) {
-        const bool poll = std::any_of(inFlight.begin(), inFlight.end(), [](const InFlight& entry) { return !entry.wakes; });
+        const bool poll =
+            std::any_of(inFlight.begin(), inFlight.end(), [](const InFlight& entry) { return !entry.wakes; });
         if (!poll) {
           // Nothing to poll: transfers in flight wake this thread when they are ready. Polling them
           // would wake it every millisecond, and on a core shared with the caller (a rank bound to
@@ -272,7 +273,8 @@ void Worker::stop() {
       state_->stopping = true;
     }
     for (auto& work : unfinished) {
-      work->fail(backendError("chainermn " + work->description() + ": not completed before the process group was destroyed"));
+      work->fail(
+          backendError("chainermn " + work->description() + ": not completed before the process group was destroyed"));
     }
     state_->wakeWorker.notify_all();
     state_->wakeWatchdog.notify_all();
@@ -370,9 +372,8 @@ void Worker::drain() {
         (state_->current && !state_->current->isCompleted()) || !state_->onDevice.empty()) {
       return false;
     }
-    return std::all_of(state_->inFlight.begin(), state_->inFlight.end(), [](const InFlight& entry) {
-      return entry.work->isCompleted();
-    });
+    return std::all_of(state_->inFlight.begin(), state_->inFlight.end(),
+                       [](const InFlight& entry) { return entry.work->isCompleted(); });
   });
 }
 
@@ -407,4 +408,4 @@ std::string Worker::brokenReason() const {
   return state_->brokenReason;
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -68,8 +68,8 @@ class AbortableComms {
 struct Pending {
   Pending() = default;
   Pending(RequestPtr transfer) : request(std::move(transfer)) {}  // NOLINT: a body returns its Request
-  RequestPtr request;    // null: the op is over
-  bool onDevice = false;  // the request marks queued device work: the Work completes at once
+  RequestPtr request;                                             // null: the op is over
+  bool onDevice = false;        // the request marks queued device work: the Work completes at once
   std::shared_ptr<void> scope;  // held until then: the device scope its completion records on
 };
 
@@ -106,10 +106,8 @@ class Worker {
   // the group's order on the worker. When it throws (the ranks disagree, or one refused the call),
   // `deviceWork` fails with its error and the group breaks, aborting the device transports: the
   // mismatched kernels would hang or reduce the wrong data.
-  void enqueueCheck(
-      c10::intrusive_ptr<WorkChainerMN> checkWork,
-      c10::intrusive_ptr<WorkChainerMN> deviceWork,
-      std::function<void()> check);
+  void enqueueCheck(c10::intrusive_ptr<WorkChainerMN> checkWork, c10::intrusive_ptr<WorkChainerMN> deviceWork,
+                    std::function<void()> check);
 
   // Blocks until everything enqueued so far has finished or failed, device work included (bounded
   // by the ops' deadlines).
@@ -148,4 +146,4 @@ class Worker {
 // killed by forced unwinding, which aborts the process when it crosses a destructor. Call without the GIL.
 void stopWorkersAtExit();
 
-} // namespace chainermn
+}  // namespace chainermn

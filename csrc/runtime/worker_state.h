@@ -31,7 +31,7 @@ struct InFlight {
 // A CUDA op queued on the group's stream, whose Work completed when queued (completeQueued).
 struct OnDevice {
   c10::intrusive_ptr<WorkChainerMN> work;
-  RequestPtr end;  // reached once the device has run the op
+  RequestPtr end;              // reached once the device has run the op
   bool awaitingCheck = false;  // its cross-rank check runs beside it and has not passed yet
 };
 
@@ -43,23 +43,22 @@ std::string describeError(const std::exception& error);
 // still in step. Anything else is the backend's failure.
 std::exception_ptr failure(const WorkChainerMN& work, const std::exception& e);
 
-
 struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   State(std::string name, std::shared_ptr<Monitor> monitor, std::shared_ptr<AbortableComms> comms)
       : groupName(std::move(name)), monitor(std::move(monitor)), comms(std::move(comms)) {}
 
   const std::string groupName;
-  const std::shared_ptr<Monitor> monitor;  // may be null
-  const std::shared_ptr<AbortableComms> comms;  // may be null
+  const std::shared_ptr<Monitor> monitor;             // may be null
+  const std::shared_ptr<AbortableComms> comms;        // may be null
   c10::intrusive_ptr<WorkChainerMN> reportedWaiting;  // watchdog only: the op the peers were told of
-  Clock::time_point nextDeviceAsk{};  // watchdog only: when to ask the device transports again
+  Clock::time_point nextDeviceAsk{};                  // watchdog only: when to ask the device transports again
   mutable std::mutex mutex;
   std::condition_variable wakeWorker;    // an op was queued, or stop
   std::condition_variable wakeWatchdog;  // a deadline started, or stop
   std::condition_variable idle;          // the queue emptied or the worker left a call
   std::deque<QueuedOp> queue;
   c10::intrusive_ptr<WorkChainerMN> current;  // the op inside a transport call
-  bool callerRunning = false;  // an op runs on its caller's thread (runIfIdle): take none meanwhile
+  bool callerRunning = false;                 // an op runs on its caller's thread (runIfIdle): take none meanwhile
   // That thread, while callerRunning: read without the mutex by enqueue(), whose thread it may be.
   std::atomic<std::thread::id> callerThread{};
   // The worker took an op from the queue and has not finished it (from before `current` is set):
@@ -71,11 +70,11 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   std::string brokenReason;
   // When the watchdog next wakes by itself (mutex): an op it must see sooner wakes it (wakesWatchdog).
   Clock::time_point watchdogWakesAt{};
-  std::atomic<bool> hasQueued{false};  // !queue.empty(), readable without the mutex
+  std::atomic<bool> hasQueued{false};     // !queue.empty(), readable without the mutex
   std::atomic<bool> requestReady{false};  // a request in flight may have completed (wakeWhenReady)
-  std::thread::id workerThread;        // set once, before the first op can be queued
-  bool closed = false;    // stop() began: enqueue refuses
-  bool stopping = false;  // the threads should leave
+  std::thread::id workerThread;           // set once, before the first op can be queued
+  bool closed = false;                    // stop() began: enqueue refuses
+  bool stopping = false;                  // the threads should leave
 
   void workerLoop();
   // Runs `op` on the calling thread, which set callerRunning: then lets the worker take ops again.
@@ -89,7 +88,8 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
   void breakGroup(std::unique_lock<std::mutex>& lock, const std::string& reason);
   // Tells the peers `message`, fails `work` with it and breaks the group ("unusable after <work>
   // <what>"). Lock held on entry and exit.
-  void failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message, const std::string& what);
+  void failAndBreak(std::unique_lock<std::mutex>& lock, WorkChainerMN& work, const std::string& message,
+                    const std::string& what);
   std::exception_ptr failed(const WorkChainerMN& work, const std::exception& e);
   // The flight recorder's dump of the group's break (runtime/flight_recorder.h), written once: every
   // thread that fails ops for the break calls this first, without the lock, and so waits for the dump.
@@ -120,4 +120,4 @@ struct Worker::State : std::enable_shared_from_this<Worker::State>, Progressor {
 // group: it is never done with the mutex held.
 void failAll(std::deque<QueuedOp>& ops, const std::string& why);
 
-} // namespace chainermn
+}  // namespace chainermn

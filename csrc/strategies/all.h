@@ -16,4 +16,4 @@ std::unique_ptr<Strategy> makePureNccl();
 // does the whole reduction as one allreduce over all ranks and returns true.
 bool singleLevel(TransportSet& transports, const FlatBuffer& buf, ReduceKind op);
 
-} // namespace chainermn
+}  // namespace chainermn

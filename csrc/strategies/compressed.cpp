@@ -29,14 +29,8 @@ int64_t countOfChunk(int64_t count, int64_t chunk, int index) {
 // Steps 2 to 4 on a node leader: `sum` (nodes * chunk floats of room, `count` of them used) holds the
 // node's sum and becomes the sum of what every node sent, in `result` (returned: `sum`, or with a
 // 16-bit result wire, a scratch buffer of that dtype).
-void* exchangeBetweenNodes(
-    Transport& inter,
-    Scratch& scratch,
-    float* sum,
-    int64_t count,
-    const CompressionSpec& spec,
-    float* residual,
-    float* secondResidual) {
+void* exchangeBetweenNodes(Transport& inter, Scratch& scratch, float* sum, int64_t count, const CompressionSpec& spec,
+                           float* residual, float* secondResidual) {
   const int nodes = inter.size();
   const int node = inter.rank();
   const int64_t chunk = compressionChunk(count, nodes, spec);
@@ -84,7 +78,7 @@ void* exchangeBetweenNodes(
   return result;
 }
 
-} // namespace
+}  // namespace
 
 CompressionSpec compressionSpec(const std::string& code, const CodeSettings& settings, bool compressResult,
                                 const std::string& resultCode, c10::ScalarType resultWire, const char* op,
@@ -154,14 +148,9 @@ ResidualShape residualShape(const Topology& topology, const CompressionSpec& spe
   return shape;
 }
 
-void compressedMean(
-    TransportSet& transports,
-    Scratch& scratch,
-    const Topology& topology,
-    const std::vector<FlatBuffer>& parts,
-    const CompressionSpec& spec,
-    float* residual,
-    float* secondResidual) {
+void compressedMean(TransportSet& transports, Scratch& scratch, const Topology& topology,
+                    const std::vector<FlatBuffer>& parts, const CompressionSpec& spec, float* residual,
+                    float* secondResidual) {
   int64_t count = 0;
   for (const auto& part : parts) {
     count += part.count;
@@ -212,4 +201,4 @@ void compressedMean(
   scratch.unpack(result, resultType, parts, mean);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

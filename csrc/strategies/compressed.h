@@ -40,7 +40,7 @@ struct CompressionSpec {
   bool compressResult = false;
   Code resultCode = nullptr;  // the sums' code with compressResult: `code`, or a code that carriesSums
   c10::ScalarType resultWire = c10::ScalarType::Float;  // the sums' dtype when not compressed
-  std::shared_ptr<const NamedSettings> named;  // the fields above, named; shared: no copy per call
+  std::shared_ptr<const NamedSettings> named;           // the fields above, named; shared: no copy per call
 };
 
 // A spec from its Python spelling: a code's name, the settings, and the sums' code ("": the code
@@ -71,13 +71,8 @@ int64_t compressionChunk(int64_t count, int nodes, const CompressionSpec& spec);
 
 // Every part (floating dtypes) becomes the mean over the group of what the nodes sent. `residual` and
 // `secondResidual` are float32 on the scratch's device, as residualShape gives them (null when none).
-void compressedMean(
-    TransportSet& transports,
-    Scratch& scratch,
-    const Topology& topology,
-    const std::vector<FlatBuffer>& parts,
-    const CompressionSpec& spec,
-    float* residual,
-    float* secondResidual);
+void compressedMean(TransportSet& transports, Scratch& scratch, const Topology& topology,
+                    const std::vector<FlatBuffer>& parts, const CompressionSpec& spec, float* residual,
+                    float* secondResidual);
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -14,10 +14,10 @@ class Flat : public Strategy {
   }
 };
 
-} // namespace
+}  // namespace
 
 std::unique_ptr<Strategy> makeFlat() {
   return std::make_unique<Flat>();
 }
 
-} // namespace chainermn
+}  // namespace chainermn

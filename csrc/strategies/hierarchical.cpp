@@ -24,10 +24,10 @@ class Hierarchical : public Strategy {
   }
 };
 
-} // namespace
+}  // namespace
 
 std::unique_ptr<Strategy> makeHierarchical() {
   return std::make_unique<Hierarchical>();
 }
 
-} // namespace chainermn
+}  // namespace chainermn

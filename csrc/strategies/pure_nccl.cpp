@@ -21,10 +21,10 @@ class PureNccl : public Strategy {
   }
 };
 
-} // namespace
+}  // namespace
 
 std::unique_ptr<Strategy> makePureNccl() {
   return std::make_unique<PureNccl>();
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -16,15 +16,14 @@ class SingleNode : public Strategy {
   }
 };
 
-} // namespace
+}  // namespace
 
 std::unique_ptr<Strategy> makeSingleNode(const Topology& topology) {
   TORCH_CHECK_VALUE(
       topology.interSize == 1,
       "chainermn communicator 'single_node' needs every rank of the group on one node, but the group spans ",
-      topology.interSize,
-      " nodes (use 'hierarchical' or 'two_dimensional')");
+      topology.interSize, " nodes (use 'hierarchical' or 'two_dimensional')");
   return std::make_unique<SingleNode>();
 }
 
-} // namespace chainermn
+}  // namespace chainermn

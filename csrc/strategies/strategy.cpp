@@ -6,13 +6,8 @@
 
 namespace chainermn {
 
-void Strategy::allreduceParts(
-    TransportSet& transports,
-    Scratch& scratch,
-    const std::vector<FlatBuffer>& parts,
-    c10::ScalarType wire,
-    ReduceKind op,
-    Scaling scaling) {
+void Strategy::allreduceParts(TransportSet& transports, Scratch& scratch, const std::vector<FlatBuffer>& parts,
+                              c10::ScalarType wire, ReduceKind op, Scaling scaling) {
   int64_t total = 0;
   for (const auto& part : parts) {
     total += part.count;
@@ -49,8 +44,8 @@ bool singleLevel(TransportSet& transports, const FlatBuffer& buf, ReduceKind op)
 }
 
 const std::vector<std::string>& strategyNames() {
-  static const std::vector<std::string> names{
-      "naive", "flat", "hierarchical", "two_dimensional", "single_node", "pure_nccl"};
+  static const std::vector<std::string> names{"naive",           "flat",        "hierarchical",
+                                              "two_dimensional", "single_node", "pure_nccl"};
   return names;
 }
 
@@ -80,4 +75,4 @@ std::unique_ptr<Strategy> makeStrategy(const std::string& name, const Topology& 
   TORCH_CHECK_VALUE(false, "unknown chainermn communicator '", name, "' (choose from: ", allowed, ")");
 }
 
-} // namespace chainermn
+}  // namespace chainermn

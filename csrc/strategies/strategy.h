@@ -44,13 +44,8 @@ class Strategy {
   // of `wire` (cast and scaled by `before` in the same pass: one kernel launch on CUDA), reduced by
   // allreduce(), and unpacked (cast back, scaled by `after`). A single part already of `wire` is
   // reduced where it lies. `naive` runs this flow part by part instead of packing.
-  virtual void allreduceParts(
-      TransportSet& transports,
-      Scratch& scratch,
-      const std::vector<FlatBuffer>& parts,
-      c10::ScalarType wire,
-      ReduceKind op,
-      Scaling scaling);
+  virtual void allreduceParts(TransportSet& transports, Scratch& scratch, const std::vector<FlatBuffer>& parts,
+                              c10::ScalarType wire, ReduceKind op, Scaling scaling);
 };
 
 // The communicator names users choose from.
@@ -60,4 +55,4 @@ const std::vector<std::string>& strategyNames();
 // topology the strategy cannot serve (single_node over several nodes).
 std::unique_ptr<Strategy> makeStrategy(const std::string& name, const Topology& topology);
 
-} // namespace chainermn
+}  // namespace chainermn

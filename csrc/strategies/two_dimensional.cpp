@@ -38,7 +38,7 @@ class TwoDimensional : public Strategy {
   }
 };
 
-} // namespace
+}  // namespace
 
 std::unique_ptr<Strategy> makeTwoDimensional(const Topology& topology) {
   for (const auto& node : topology.ranksOfNode) {
@@ -49,4 +49,4 @@ std::unique_ptr<Strategy> makeTwoDimensional(const Topology& topology) {
   return std::make_unique<TwoDimensional>();
 }
 
-} // namespace chainermn
+}  // namespace chainermn

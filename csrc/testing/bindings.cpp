@@ -36,17 +36,18 @@ using testing::RankGroup;
 using testing::RunOptions;
 
 ReduceKind reduceKind(const std::string& name) {
-  static const std::map<std::string, ReduceKind> kinds{
-      {"sum", ReduceKind::Sum},      {"product", ReduceKind::Product}, {"min", ReduceKind::Min},
-      {"max", ReduceKind::Max},      {"band", ReduceKind::BitAnd},     {"bor", ReduceKind::BitOr},
-      {"bxor", ReduceKind::BitXor}};
+  static const std::map<std::string, ReduceKind> kinds{{"sum", ReduceKind::Sum},     {"product", ReduceKind::Product},
+                                                       {"min", ReduceKind::Min},     {"max", ReduceKind::Max},
+                                                       {"band", ReduceKind::BitAnd}, {"bor", ReduceKind::BitOr},
+                                                       {"bxor", ReduceKind::BitXor}};
   const auto found = kinds.find(name);
   TORCH_CHECK_VALUE(found != kinds.end(), "unknown reduction '", name, "' (sum, product, min, max, band, bor, bxor)");
   return found->second;
 }
 
 RunOptions runOptions(bool sharedMemory, double timeoutSeconds, size_t shmChunkBytes = shm::kDefaultChunkBytes) {
-  return RunOptions{sharedMemory, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)), shmChunkBytes};
+  return RunOptions{sharedMemory, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000)),
+                    shmChunkBytes};
 }
 
 // A tensor's memory as a transport sees it; an absent tensor (a non-root's recv) is no memory.
@@ -94,13 +95,10 @@ using Case = std::pair<std::string, std::vector<at::Tensor>>;
 
 // The cases in order on one set of ranks, each with its strategy and Scratch reused from case to case
 // as in a process group. Returns every case's result on every rank; the inputs are not modified.
-std::vector<std::vector<at::Tensor>> allreduceCases(
-    const std::string& strategy,
-    const std::vector<std::string>& nodeNames,
-    const std::vector<Case>& cases,
-    bool sharedMemory,
-    double timeout,
-    size_t shmChunkBytes) {
+std::vector<std::vector<at::Tensor>> allreduceCases(const std::string& strategy,
+                                                    const std::vector<std::string>& nodeNames,
+                                                    const std::vector<Case>& cases, bool sharedMemory, double timeout,
+                                                    size_t shmChunkBytes) {
   std::vector<ReduceKind> kinds;
   std::vector<std::vector<at::Tensor>> outputs;
   for (const auto& [op, inputs] : cases) {
@@ -118,23 +116,18 @@ std::vector<std::vector<at::Tensor>> allreduceCases(
     Scratch scratch(at::kCPU);
     for (size_t c = 0; c < cases.size(); ++c) {
       at::Tensor& tensor = outputs[c][group.topology.rank];
-      algorithm->allreduce(
-          group.transports, scratch, FlatBuffer{tensor.data_ptr(), tensor.numel(), tensor.scalar_type()}, kinds[c]);
+      algorithm->allreduce(group.transports, scratch,
+                           FlatBuffer{tensor.data_ptr(), tensor.numel(), tensor.scalar_type()}, kinds[c]);
     }
   });
   return outputs;
 }
 
-
 // The compressed mean of inputs[r] on rank r (threads), `steps` times with the same inputs, each rank
 // keeping its residuals as a process group's caller would. Returns [step][rank] results, and the
 // residuals every rank ends with.
-py::tuple compressedMeanSteps(
-    const std::vector<std::string>& nodeNames,
-    const std::vector<at::Tensor>& inputs,
-    int steps,
-    const CompressionSpec& spec,
-    bool sharedMemory) {
+py::tuple compressedMeanSteps(const std::vector<std::string>& nodeNames, const std::vector<at::Tensor>& inputs,
+                              int steps, const CompressionSpec& spec, bool sharedMemory) {
   TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
   const size_t size = inputs.size();
   std::vector<std::vector<at::Tensor>> results(steps, std::vector<at::Tensor>(size));
@@ -159,7 +152,8 @@ py::tuple compressedMeanSteps(
   return py::make_tuple(results, first, second);
 }
 
-py::list run(const std::vector<std::string>& nodeNames, const py::function& perRank, bool sharedMemory, double timeout) {
+py::list run(const std::vector<std::string>& nodeNames, const py::function& perRank, bool sharedMemory,
+             double timeout) {
   std::vector<py::object> results(nodeNames.size());
   {
     py::gil_scoped_release release;
@@ -189,38 +183,75 @@ void bindTransport(py::module_& testing) {
       .def_property_readonly("rank", &T::rank)
       .def_property_readonly("size", &T::size)
       .def_property_readonly("library", &T::library)
-      .def("allreduce", [](T& t, Tensor& x, const std::string& op) {
-        t.allreduce(data(x), x.numel(), x.scalar_type(), reduceKind(op)); }, py::arg("tensor"), py::arg("op") = "sum", noGil)
-      .def("broadcast", [](T& t, Tensor& x, int root) {
-        t.broadcast(data(x), x.numel(), x.scalar_type(), root); }, py::arg("tensor"), py::arg("root"), noGil)
-      .def("reduce", [](T& t, Tensor& send, Maybe recv, const std::string& op, int root) {
-        t.reduce(data(send), data(recv), send.numel(), send.scalar_type(), reduceKind(op), root);
-      }, py::arg("send"), py::arg("recv"), py::arg("op"), py::arg("root"), noGil)
-      .def("allgather", [](T& t, Tensor& send, Tensor& recv) {
-        t.allgather(data(send), data(recv), send.numel(), send.scalar_type()); }, noGil)
-      .def("gather", [](T& t, Tensor& send, Maybe recv, int root) {
-        t.gather(data(send), data(recv), send.numel(), send.scalar_type(), root); }, noGil)
-      .def("scatter", [](T& t, Maybe send, Tensor& recv, int root) {
-        t.scatter(data(send), data(recv), recv.numel(), recv.scalar_type(), root); }, noGil)
-      .def("reduce_scatter", [](T& t, Tensor& send, Tensor& recv, const std::string& op) {
-        t.reduceScatter(data(send), data(recv), recv.numel(), recv.scalar_type(), reduceKind(op));
-      }, py::arg("send"), py::arg("recv"), py::arg("op") = "sum", noGil)
-      .def("alltoallv", [](T& t, Tensor& send, const std::vector<int64_t>& sendCounts, Tensor& recv,
-                           const std::vector<int64_t>& recvCounts) {
-        t.alltoallv(data(send), sendCounts, data(recv), recvCounts, send.scalar_type()); }, noGil)
-      .def("send", [](T& t, Tensor& x, int peer, int tag) {
-        return PyRequest{x, t.send(data(x), x.numel(), x.scalar_type(), peer, tag)}; },
-        py::arg("tensor"), py::arg("peer"), py::arg("tag") = 0, noGil)
-      .def("recv", [](T& t, Tensor& x, int peer, int tag) {
-        return PyRequest{x, t.recv(data(x), x.numel(), x.scalar_type(), peer, tag)}; },
-        py::arg("tensor"), py::arg("peer") = kAnySource, py::arg("tag") = 0, noGil)
-      .def("recv_any_size", [](T& t, int peer, int tag) {
-        auto received = std::make_shared<at::Tensor>();
-        auto request = t.recvAnySize(peer, tag, [received](int64_t count, c10::ScalarType dtype) {
-          *received = at::empty({count}, at::TensorOptions().dtype(dtype));
-          return received->data_ptr();
-        });
-        return PyAnySize{received, std::move(request)}; }, py::arg("peer"), py::arg("tag") = 0, noGil)
+      .def(
+          "allreduce",
+          [](T& t, Tensor& x, const std::string& op) {
+            t.allreduce(data(x), x.numel(), x.scalar_type(), reduceKind(op));
+          },
+          py::arg("tensor"), py::arg("op") = "sum", noGil)
+      .def(
+          "broadcast", [](T& t, Tensor& x, int root) { t.broadcast(data(x), x.numel(), x.scalar_type(), root); },
+          py::arg("tensor"), py::arg("root"), noGil)
+      .def(
+          "reduce",
+          [](T& t, Tensor& send, Maybe recv, const std::string& op, int root) {
+            t.reduce(data(send), data(recv), send.numel(), send.scalar_type(), reduceKind(op), root);
+          },
+          py::arg("send"), py::arg("recv"), py::arg("op"), py::arg("root"), noGil)
+      .def(
+          "allgather",
+          [](T& t, Tensor& send, Tensor& recv) {
+            t.allgather(data(send), data(recv), send.numel(), send.scalar_type());
+          },
+          noGil)
+      .def(
+          "gather",
+          [](T& t, Tensor& send, Maybe recv, int root) {
+            t.gather(data(send), data(recv), send.numel(), send.scalar_type(), root);
+          },
+          noGil)
+      .def(
+          "scatter",
+          [](T& t, Maybe send, Tensor& recv, int root) {
+            t.scatter(data(send), data(recv), recv.numel(), recv.scalar_type(), root);
+          },
+          noGil)
+      .def(
+          "reduce_scatter",
+          [](T& t, Tensor& send, Tensor& recv, const std::string& op) {
+            t.reduceScatter(data(send), data(recv), recv.numel(), recv.scalar_type(), reduceKind(op));
+          },
+          py::arg("send"), py::arg("recv"), py::arg("op") = "sum", noGil)
+      .def(
+          "alltoallv",
+          [](T& t, Tensor& send, const std::vector<int64_t>& sendCounts, Tensor& recv,
+             const std::vector<int64_t>& recvCounts) {
+            t.alltoallv(data(send), sendCounts, data(recv), recvCounts, send.scalar_type());
+          },
+          noGil)
+      .def(
+          "send",
+          [](T& t, Tensor& x, int peer, int tag) {
+            return PyRequest{x, t.send(data(x), x.numel(), x.scalar_type(), peer, tag)};
+          },
+          py::arg("tensor"), py::arg("peer"), py::arg("tag") = 0, noGil)
+      .def(
+          "recv",
+          [](T& t, Tensor& x, int peer, int tag) {
+            return PyRequest{x, t.recv(data(x), x.numel(), x.scalar_type(), peer, tag)};
+          },
+          py::arg("tensor"), py::arg("peer") = kAnySource, py::arg("tag") = 0, noGil)
+      .def(
+          "recv_any_size",
+          [](T& t, int peer, int tag) {
+            auto received = std::make_shared<at::Tensor>();
+            auto request = t.recvAnySize(peer, tag, [received](int64_t count, c10::ScalarType dtype) {
+              *received = at::empty({count}, at::TensorOptions().dtype(dtype));
+              return received->data_ptr();
+            });
+            return PyAnySize{received, std::move(request)};
+          },
+          py::arg("peer"), py::arg("tag") = 0, noGil)
       .def("barrier", &T::barrier, noGil);
   py::class_<RankGroup>(testing, "Rank")
       .def_property_readonly("rank", [](const RankGroup& g) { return g.topology.rank; })
@@ -256,9 +287,9 @@ int waiterPoolRounds(int inFlight, int rounds, double timeout) {
       });
     }
     std::unique_lock<std::mutex> lock(meeting->mutex);
-    TORCH_CHECK(meeting->changed.wait_for(lock, limit * 2, [&] { return meeting->finished == inFlight; }) &&
-                    meeting->allMet,
-                "waiter_pool: the ", inFlight, " jobs of round ", round, " did not all run at once");
+    TORCH_CHECK(
+        meeting->changed.wait_for(lock, limit * 2, [&] { return meeting->finished == inFlight; }) && meeting->allMet,
+        "waiter_pool: the ", inFlight, " jobs of round ", round, " did not all run at once");
     lock.unlock();
     const auto deadline = std::chrono::steady_clock::now() + limit;
     while (pool.threadsIdle() < pool.threadsStarted() && std::chrono::steady_clock::now() < deadline) {
@@ -268,7 +299,7 @@ int waiterPoolRounds(int inFlight, int rounds, double timeout) {
   return pool.threadsStarted();
 }
 
-} // namespace
+}  // namespace
 
 // _C.testing exists in the builds that link this file: the test build (tools/build_sources.py).
 static const bool registered =
@@ -276,38 +307,40 @@ static const bool registered =
 
 void bindTesting(py::module_& testing) {
   testing.attr("any_source") = kAnySource;
-  testing.def(
-      "allreduce_cases", &allreduceCases,
-      "Strategy allreduce of each case (op, [input of rank r]) in order on one set of ranks (threads); "
-      "returns [case][rank] results",
-      py::arg("strategy"), py::arg("node_names"), py::arg("cases"), py::arg("shared_memory") = false,
-      py::arg("timeout") = 30.0, py::arg("shm_chunk_bytes") = shm::kDefaultChunkBytes);
+  testing.def("allreduce_cases", &allreduceCases,
+              "Strategy allreduce of each case (op, [input of rank r]) in order on one set of ranks (threads); "
+              "returns [case][rank] results",
+              py::arg("strategy"), py::arg("node_names"), py::arg("cases"), py::arg("shared_memory") = false,
+              py::arg("timeout") = 30.0, py::arg("shm_chunk_bytes") = shm::kDefaultChunkBytes);
   testing.def(
       "allreduce",
       [](const std::string& strategy, const std::vector<std::string>& nodeNames, const std::vector<at::Tensor>& inputs,
          const std::string& op, bool sharedMemory, double timeout) {
-        return allreduceCases(strategy, nodeNames, {Case{op, inputs}}, sharedMemory, timeout, shm::kDefaultChunkBytes).front();
+        return allreduceCases(strategy, nodeNames, {Case{op, inputs}}, sharedMemory, timeout, shm::kDefaultChunkBytes)
+            .front();
       },
-      "Strategy allreduce of inputs[r] on rank r (ranks as threads); returns every rank's result",
-      py::arg("strategy"), py::arg("node_names"), py::arg("inputs"), py::arg("op") = "sum",
-      py::arg("shared_memory") = false, py::arg("timeout") = 30.0);
+      "Strategy allreduce of inputs[r] on rank r (ranks as threads); returns every rank's result", py::arg("strategy"),
+      py::arg("node_names"), py::arg("inputs"), py::arg("op") = "sum", py::arg("shared_memory") = false,
+      py::arg("timeout") = 30.0);
   testing.def(
       "algorithm",
       [](const std::string& strategy, const std::vector<std::string>& nodeNames) {
         return std::string(makeStrategy(strategy, topologyFromNames(nodeNames, 0))->name());
       },
       "The algorithm the named strategy runs on these nodes", py::arg("strategy"), py::arg("node_names"));
-  testing.def(
-      "compressed_mean_steps", &compressedMeanSteps,
-      "Gradient compression's mean of inputs[r] on rank r (threads), `steps` times; returns "
-      "([step][rank] results, first residuals, second residuals)",
-      py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("spec"), py::arg("shared_memory") = false);
+  testing.def("compressed_mean_steps", &compressedMeanSteps,
+              "Gradient compression's mean of inputs[r] on rank r (threads), `steps` times; returns "
+              "([step][rank] results, first residuals, second residuals)",
+              py::arg("node_names"), py::arg("inputs"), py::arg("steps"), py::arg("spec"),
+              py::arg("shared_memory") = false);
   testing.def(
       "quantize",
-      [](const std::string& kind, std::optional<at::Tensor> add, at::Tensor& residual, int64_t chunk, double threshold) {
+      [](const std::string& kind, std::optional<at::Tensor> add, at::Tensor& residual, int64_t chunk,
+         double threshold) {
         const Code which = codeNamed(kind, "quantize");
         TORCH_CHECK_VALUE(which->needsResidual, "quantize: a code that needs a residual (2bit, 1bit)");
-        TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous(), "residual: contiguous float32");
+        TORCH_CHECK_VALUE(residual.scalar_type() == at::kFloat && residual.is_contiguous(),
+                          "residual: contiguous float32");
         TORCH_CHECK_VALUE(chunk >= residual.numel(), "chunk must hold the residual's values");
         TORCH_CHECK_VALUE(!add || (add->scalar_type() == at::kFloat && add->numel() == residual.numel() &&
                                    add->device() == residual.device()),
@@ -316,12 +349,12 @@ void bindTesting(py::module_& testing) {
         at::Tensor block = at::empty({wireRowBytes(which, chunk, settings) / 4}, residual.options().dtype(at::kInt));
         const at::Tensor values = add ? add->contiguous() : at::Tensor();  // kept alive through the call
         moverFor(residual.device())
-            ->encode(which, settings, add ? values.data_ptr<float>() : nullptr,
-                     residual.data_ptr<float>(), block.data_ptr<int32_t>(), 1, block.numel() * 4, residual.numel());
+            ->encode(which, settings, add ? values.data_ptr<float>() : nullptr, residual.data_ptr<float>(),
+                     block.data_ptr<int32_t>(), 1, block.numel() * 4, residual.numel());
         return block;
       },
-      "One block of codes for residual (+ add), updating residual in place (kernels/quantize.h)",
-      py::arg("kind"), py::arg("add"), py::arg("residual"), py::arg("chunk"), py::arg("threshold") = 0.5);
+      "One block of codes for residual (+ add), updating residual in place (kernels/quantize.h)", py::arg("kind"),
+      py::arg("add"), py::arg("residual"), py::arg("chunk"), py::arg("threshold") = 0.5);
   testing.def(
       "dequantize",
       [](const std::string& kind, const at::Tensor& block, at::Tensor& out, int64_t count, double threshold,
@@ -332,20 +365,20 @@ void bindTesting(py::module_& testing) {
         TORCH_CHECK_VALUE(which->needsResidual, "dequantize: a code that needs a residual (2bit, 1bit)");
         const CodeSettings settings{static_cast<float>(threshold)};
         TORCH_CHECK_VALUE(block.scalar_type() == at::kInt && block.is_contiguous() &&
-                              block.numel() * 4 >= wireRowBytes(which, count, settings) && block.device() == out.device(),
+                              block.numel() * 4 >= wireRowBytes(which, count, settings) &&
+                              block.device() == out.device(),
                           "block: contiguous int32 words enough for count values, on out's device");
         moverFor(out.device())
-            ->decode(which, settings, block.data_ptr<int32_t>(), 1, block.numel() * 4,
-                     out.data_ptr<float>(), count, /*sum=*/true, accumulate);
+            ->decode(which, settings, block.data_ptr<int32_t>(), 1, block.numel() * 4, out.data_ptr<float>(), count,
+                     /*sum=*/true, accumulate);
       },
-      "out (+)= the values a block of codes carries (kernels/quantize.h)",
-      py::arg("kind"), py::arg("block"), py::arg("out"), py::arg("count"), py::arg("threshold") = 0.5,
-      py::arg("accumulate") = false);
-  testing.def(
-      "waiter_pool", &waiterPoolRounds,
-      "`rounds` rounds of `in_flight` WaiterPool jobs that each wait until all of the round run at once; "
-      "returns the threads started (raises if a round's jobs did not all run at once)",
-      py::arg("in_flight"), py::arg("rounds"), py::arg("timeout") = 10.0, py::call_guard<py::gil_scoped_release>());
+      "out (+)= the values a block of codes carries (kernels/quantize.h)", py::arg("kind"), py::arg("block"),
+      py::arg("out"), py::arg("count"), py::arg("threshold") = 0.5, py::arg("accumulate") = false);
+  testing.def("waiter_pool", &waiterPoolRounds,
+              "`rounds` rounds of `in_flight` WaiterPool jobs that each wait until all of the round run at once; "
+              "returns the threads started (raises if a round's jobs did not all run at once)",
+              py::arg("in_flight"), py::arg("rounds"), py::arg("timeout") = 10.0,
+              py::call_guard<py::gil_scoped_release>());
   testing.def(
       "linger_decisions",
       [](const std::vector<double>& gapsUs, int64_t lingerUs) {
@@ -393,7 +426,8 @@ void bindTesting(py::module_& testing) {
         }
         return verdicts;
       },
-      "Spin::yieldedTooLong's verdicts on five yields (spin.h); see the test", py::call_guard<py::gil_scoped_release>());
+      "Spin::yieldedTooLong's verdicts on five yields (spin.h); see the test",
+      py::call_guard<py::gil_scoped_release>());
   testing.def(
       "store_courier",
       [](int64_t patienceMs) {
@@ -407,7 +441,8 @@ void bindTesting(py::module_& testing) {
         auto timed = [&](std::function<void()> call) {
           const auto start = std::chrono::steady_clock::now();
           const bool ok = courier.run(std::move(call));
-          seen.emplace_back(ok, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+          seen.emplace_back(
+              ok, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
         };
         timed([] {});
         timed([open] { open.wait(); });
@@ -419,7 +454,8 @@ void bindTesting(py::module_& testing) {
         timed([] {});
         timed([] { throw std::runtime_error("the store refused"); });
         // Two threads at once (the watchdog's and the worker's failure paths): the second waits its turn.
-        std::thread other([&courier] { courier.run([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }); });
+        std::thread other(
+            [&courier] { courier.run([] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }); });
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         timed([] {});
         other.join();
@@ -435,16 +471,15 @@ void bindTesting(py::module_& testing) {
           std::terminate();
         }).join();
       },
-      "Ends the process with std::terminate on a new thread called `name` (terminate_report.h's test)",
-      py::arg("name"), py::call_guard<py::gil_scoped_release>());
+      "Ends the process with std::terminate on a new thread called `name` (terminate_report.h's test)", py::arg("name"),
+      py::call_guard<py::gil_scoped_release>());
   bindTransport(testing);
   bindWorkerTesting(testing);
   bindCallerTesting(testing);
   bindStragglersTesting(testing);
   bindFlightRecorderTesting(testing);
-  testing.def(
-      "run", &run, "per_rank(Rank) on one thread per rank; returns its results, or raises the first error",
-      py::arg("node_names"), py::arg("per_rank"), py::arg("shared_memory") = false, py::arg("timeout") = 30.0);
+  testing.def("run", &run, "per_rank(Rank) on one thread per rank; returns its results, or raises the first error",
+              py::arg("node_names"), py::arg("per_rank"), py::arg("shared_memory") = false, py::arg("timeout") = 30.0);
 }
 
-} // namespace chainermn
+}  // namespace chainermn

@@ -16,4 +16,4 @@ void bindStragglersTesting(pybind11::module_& testing);
 // testing.FlightRecorderRing (bindings_flight_recorder.cpp): a flight recorder of a chosen size.
 void bindFlightRecorderTesting(pybind11::module_& testing);
 
-} // namespace chainermn
+}  // namespace chainermn

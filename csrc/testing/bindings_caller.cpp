@@ -65,9 +65,9 @@ std::map<std::string, std::string> callerOpOutcome(const std::string& how) {
     auto worker = std::make_unique<Worker>("caller-op", nullptr, std::make_shared<AbortsTransport>(world));
     const auto timeout = std::chrono::milliseconds(how == "timeout" ? 300 : 30000);
     auto makeWork = [&](uint64_t sequence) {
-      return c10::make_intrusive<WorkChainerMN>(
-          c10d::OpType::BARRIER, WorkChainerMN::Label{"barrier", "shm", 0, 2, timeout, true}, sequence,
-          std::vector<at::Tensor>{}, Clock::now() + timeout);
+      return c10::make_intrusive<WorkChainerMN>(c10d::OpType::BARRIER,
+                                                WorkChainerMN::Label{"barrier", "shm", 0, 2, timeout, true}, sequence,
+                                                std::vector<at::Tensor>{}, Clock::now() + timeout);
     };
     std::string waitEnded = "returned";
     std::atomic<bool> entered{false};
@@ -138,7 +138,7 @@ std::map<std::string, std::string> callerOpOutcome(const std::string& how) {
   return outcome;
 }
 
-} // namespace
+}  // namespace
 
 void bindCallerTesting(py::module_& testing) {
   testing.def("caller_op_outcome", &callerOpOutcome, py::call_guard<py::gil_scoped_release>(),
@@ -148,4 +148,4 @@ void bindCallerTesting(py::module_& testing) {
               py::arg("how"));
 }
 
-} // namespace chainermn
+}  // namespace chainermn

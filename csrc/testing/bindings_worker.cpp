@@ -47,11 +47,11 @@ class ScriptedDevice : public AbortableComms {
 // What the test's device has done, and what the watchdog has seen of it: the events a test waits for
 // before it says that something has not happened yet (no sleep stands in for them).
 struct DeviceCounters {
-  std::atomic<int> finished{0};  // ops the device has run (finish())
-  std::atomic<int> endPolls{0};  // times the watchdog asked whether an op's end is reached
-  std::atomic<int> endsSeen{0};  // ... and was told yes
+  std::atomic<int> finished{0};         // ops the device has run (finish())
+  std::atomic<int> endPolls{0};         // times the watchdog asked whether an op's end is reached
+  std::atomic<int> endsSeen{0};         // ... and was told yes
   std::atomic<int> verdictsAwaited{0};  // cross-rank checks the worker has begun to wait for
-  std::atomic<int> verdictsTaken{0};  // cross-rank verdicts the worker has taken (check())
+  std::atomic<int> verdictsTaken{0};    // cross-rank verdicts the worker has taken (check())
 };
 
 // The end of the op numbered `index` (from 0): reached once the test has finished that many ops.
@@ -130,8 +130,9 @@ class DeviceQueue {
     if (checked) {
       auto verdict = std::make_shared<Verdict>();
       verdicts_[index] = verdict;
-      worker_->enqueueCheck(makeWork(index, "gloo"), work,
-                            [verdict, counters = counters_] { verdict->await(counters->verdictsAwaited, counters->verdictsTaken); });
+      worker_->enqueueCheck(makeWork(index, "gloo"), work, [verdict, counters = counters_] {
+        verdict->await(counters->verdictsAwaited, counters->verdictsTaken);
+      });
     }
     return work;
   }
@@ -162,11 +163,8 @@ class DeviceQueue {
  private:
   c10::intrusive_ptr<WorkChainerMN> makeWork(int index, const char* transport) const {
     return c10::make_intrusive<WorkChainerMN>(
-        c10d::OpType::ALLREDUCE,
-        WorkChainerMN::Label{"all_reduce", transport, 0, 1, timeout_, true},
-        static_cast<uint64_t>(index + 1),
-        std::vector<at::Tensor>{},
-        Clock::now() + timeout_);
+        c10d::OpType::ALLREDUCE, WorkChainerMN::Label{"all_reduce", transport, 0, 1, timeout_, true},
+        static_cast<uint64_t>(index + 1), std::vector<at::Tensor>{}, Clock::now() + timeout_);
   }
 
   const std::chrono::milliseconds timeout_;
@@ -177,23 +175,23 @@ class DeviceQueue {
   std::map<int, std::shared_ptr<Verdict>> verdicts_;
 };
 
-} // namespace
+}  // namespace
 
 void bindWorkerTesting(py::module_& testing) {
   const auto noGil = py::call_guard<py::gil_scoped_release>();
-  py::class_<DeviceQueue>(
-      testing, "DeviceQueue", "A Worker whose ops end on a scripted device (the watchdog's CUDA path)")
+  py::class_<DeviceQueue>(testing, "DeviceQueue",
+                          "A Worker whose ops end on a scripted device (the watchdog's CUDA path)")
       .def(py::init<double>(), py::arg("timeout") = 30.0)
       .def("post", &DeviceQueue::post, noGil, "An all_reduce queued on the device; returns its Work")
       .def("launch", &DeviceQueue::launch, noGil,
            "An all_reduce launched on the caller's thread (as over NCCL); checked: its cross-rank check "
-           "waits for check()", py::arg("checked") = true)
+           "waits for check()",
+           py::arg("checked") = true)
       .def("check", &DeviceQueue::check, noGil, "The ranks' verdict on launched op `index`", py::arg("index"),
            py::arg("mismatch") = "")
       .def("drain", &DeviceQueue::drain, noGil, "Waits for everything posted, the device's work included")
       .def("finish", &DeviceQueue::finish, "The device has run the first `count` ops", py::arg("count"))
-      .def("set_error", &DeviceQueue::setError, "What the transports report as an asynchronous error",
-           py::arg("error"))
+      .def("set_error", &DeviceQueue::setError, "What the transports report as an asynchronous error", py::arg("error"))
       .def_property_readonly("aborts", &DeviceQueue::aborts, "How often the watchdog aborted the transports")
       .def_property_readonly(
           "end_polls", [](const DeviceQueue& q) { return q.counters().endPolls.load(); },
@@ -209,4 +207,4 @@ void bindWorkerTesting(py::module_& testing) {
           "Cross-rank verdicts the worker has taken");
 }
 
-} // namespace chainermn
+}  // namespace chainermn

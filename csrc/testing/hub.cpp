@@ -33,7 +33,7 @@ std::string messageOf(const std::exception_ptr& error) {
     return "an unknown exception";
   }
 }
-} // namespace
+}  // namespace
 
 void Run::abort(std::exception_ptr error, const std::string& where) {
   std::vector<Hub*> hubs;
@@ -89,7 +89,7 @@ std::string describe(const Post& post) {
   text << ")";
   return text.str();
 }
-} // namespace
+}  // namespace
 
 Hub::Hub(Run& run, std::string key, std::vector<int> ranks)
     : run_(run),
@@ -146,7 +146,8 @@ void Hub::leave(std::unique_lock<std::mutex>& lock, int index, const char* op) {
     run_.throwAborted(who(index) + " in " + op);
   }
   const std::string message = "thread transport " + key_ + ": " + who(index) + " waited " +
-      std::to_string(run_.timeout().count()) + " ms in " + op + " for rank(s) " + missing + " that never came";
+                              std::to_string(run_.timeout().count()) + " ms in " + op + " for rank(s) " + missing +
+                              " that never came";
   try {
     C10_THROW_ERROR(DistBackendError, message);
   } catch (...) {
@@ -176,16 +177,15 @@ void Hub::checkAgreement() const {
   for (int r = 1; r < size(); ++r) {
     const Post& other = posts_[r];
     const char* field = std::strcmp(other.op, first.op) != 0 ? "op"
-        : other.count != first.count                        ? "count"
-        : other.dtype != first.dtype                        ? "dtype"
-        : other.reduce != first.reduce                      ? "reduction"
-        : other.root != first.root                          ? "root"
-                                                            : nullptr;
+                        : other.count != first.count         ? "count"
+                        : other.dtype != first.dtype         ? "dtype"
+                        : other.reduce != first.reduce       ? "reduction"
+                        : other.root != first.root           ? "root"
+                                                             : nullptr;
     if (field != nullptr) {
-      C10_THROW_ERROR(
-          DistBackendError,
-          "thread transport " + key_ + ": the ranks disagree on the " + field + " of a collective: " + who(0) +
-              " calls " + describe(first) + ", " + who(r) + " calls " + describe(other));
+      C10_THROW_ERROR(DistBackendError, "thread transport " + key_ + ": the ranks disagree on the " + field +
+                                            " of a collective: " + who(0) + " calls " + describe(first) + ", " +
+                                            who(r) + " calls " + describe(other));
     }
   }
 }
@@ -240,9 +240,8 @@ std::shared_ptr<Transfer> Hub::send(int from, int to, int tag, const void* buf, 
 }
 
 std::shared_ptr<Transfer> Hub::recv(int at, int from, int tag, void* buf, int64_t count, c10::ScalarType dtype) {
-  TORCH_CHECK(
-      from == kAnySource || (from >= 0 && from < size() && from != at),
-      "thread transport ", key_, ": ", who(at), " cannot receive from ", from);
+  TORCH_CHECK(from == kAnySource || (from >= 0 && from < size() && from != at), "thread transport ", key_, ": ",
+              who(at), " cannot receive from ", from);
   Pending mine{from, tag, nullptr, buf, count, dtype, std::make_shared<Transfer>()};
   std::lock_guard<std::mutex> lock(mutex_);
   auto& waiting = sends_[at];
@@ -262,11 +261,10 @@ void Hub::cancel(const std::shared_ptr<Transfer>& transfer) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto* queues : {&sends_, &recvs_}) {
     for (auto& queue : *queues) {
-      queue.erase(
-          std::remove_if(queue.begin(), queue.end(), [&](const Pending& p) { return p.transfer == transfer; }),
-          queue.end());
+      queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const Pending& p) { return p.transfer == transfer; }),
+                  queue.end());
     }
   }
 }
 
-} // namespace chainermn::testing
+}  // namespace chainermn::testing

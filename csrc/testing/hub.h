@@ -141,13 +141,13 @@ class Hub {
   const std::vector<int> ranks_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  uint64_t step_ = 0;           // completed rendezvous (exchange and close each count one)
-  std::vector<bool> arrived_;   // at the current rendezvous
-  std::vector<bool> gaveUp_;    // came, waited the timeout and left: not one that "never came"
+  uint64_t step_ = 0;          // completed rendezvous (exchange and close each count one)
+  std::vector<bool> arrived_;  // at the current rendezvous
+  std::vector<bool> gaveUp_;   // came, waited the timeout and left: not one that "never came"
   int arrivals_ = 0;
   std::vector<Post> posts_;
   std::vector<std::vector<Pending>> sends_;  // per receiver, in posting order
   std::vector<std::vector<Pending>> recvs_;  // per receiver, in posting order
 };
 
-} // namespace chainermn::testing
+}  // namespace chainermn::testing

@@ -10,10 +10,8 @@
 
 namespace chainermn::testing {
 
-void runRanks(
-    const std::vector<std::string>& nodeNames,
-    const RunOptions& options,
-    const std::function<void(RankGroup&)>& perRank) {
+void runRanks(const std::vector<std::string>& nodeNames, const RunOptions& options,
+              const std::function<void(RankGroup&)>& perRank) {
   TORCH_CHECK_VALUE(!nodeNames.empty(), "runRanks: at least one rank is needed");
   const int size = static_cast<int>(nodeNames.size());
   auto run = std::make_shared<Run>(options.timeout);
@@ -26,15 +24,13 @@ void runRanks(
     try {
       RankGroup group;
       group.topology = topologyFromNames(nodeNames, rank);
-      group.transports = makeTransportSet(group.topology, [&](const Level& level) {
-        return createThreadTransport(run, level);
-      });
+      group.transports =
+          makeTransportSet(group.topology, [&](const Level& level) { return createThreadTransport(run, level); });
       const Topology& t = group.topology;
       if (options.sharedMemory && t.intraSize > 1) {
         const bool wholeGroup = t.interSize == 1;  // as backend/host_transports.cpp
-        auto shared = shm::createTransport(
-            *store, "chainermn/shm/" + std::to_string(t.interRank), group.transports.intra, options.timeout, wholeGroup,
-            options.shmChunkBytes);
+        auto shared = shm::createTransport(*store, "chainermn/shm/" + std::to_string(t.interRank),
+                                           group.transports.intra, options.timeout, wholeGroup, options.shmChunkBytes);
         group.transports.world = wholeGroup ? shared : group.transports.world;
         group.transports.intra = shared;
       }
@@ -56,4 +52,4 @@ void runRanks(
   run->rethrowFirstError();
 }
 
-} // namespace chainermn::testing
+}  // namespace chainermn::testing

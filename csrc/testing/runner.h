@@ -34,9 +34,7 @@ struct RankGroup {
 // topology (topologyFromNames) and transports (makeTransportSet over thread transports), runs
 // `perRank` on one thread per rank, joins them all and rethrows the first error of any rank; the
 // others, if they were waiting for it, have been woken with an error that names it.
-void runRanks(
-    const std::vector<std::string>& nodeNames,
-    const RunOptions& options,
-    const std::function<void(RankGroup&)>& perRank);
+void runRanks(const std::vector<std::string>& nodeNames, const RunOptions& options,
+              const std::function<void(RankGroup&)>& perRank);
 
-} // namespace chainermn::testing
+}  // namespace chainermn::testing

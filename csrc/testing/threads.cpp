@@ -94,9 +94,8 @@ class ThreadTransport : public Transport {
   void allreduce(void* buf, int64_t count, c10::ScalarType dtype, ReduceKind op) override {
     guarded("allreduce", [&] {
       // Into staging first, and into buf only once every peer is done reading it.
-      step(Post{"allreduce", count, dtype, static_cast<int>(op), -1, buf, buf}, [&](const auto& posts) {
-        reduceBlock(posts, 0, count, dtype, op);
-      });
+      step(Post{"allreduce", count, dtype, static_cast<int>(op), -1, buf, buf},
+           [&](const auto& posts) { reduceBlock(posts, 0, count, dtype, op); });
       copyBytes(buf, staging_.data(), bytes(count, dtype));
     });
   }
@@ -152,22 +151,16 @@ class ThreadTransport : public Transport {
     guarded("reduceScatter", [&] {
       const size_t block = bytes(count, dtype);
       checkDisjoint("reduceScatter", send, block * size(), recv, block);
-      step(Post{"reduceScatter", count, dtype, static_cast<int>(op), -1, send, recv}, [&](const auto& posts) {
-        copyBytes(recv, reduceBlock(posts, index_ * count, count, dtype, op), block);
-      });
+      step(Post{"reduceScatter", count, dtype, static_cast<int>(op), -1, send, recv},
+           [&](const auto& posts) { copyBytes(recv, reduceBlock(posts, index_ * count, count, dtype, op), block); });
     });
   }
 
-  void alltoallv(
-      const void* send,
-      const std::vector<int64_t>& sendCounts,
-      void* recv,
-      const std::vector<int64_t>& recvCounts,
-      c10::ScalarType dtype) override {
+  void alltoallv(const void* send, const std::vector<int64_t>& sendCounts, void* recv,
+                 const std::vector<int64_t>& recvCounts, c10::ScalarType dtype) override {
     guarded("alltoallv", [&] {
-      TORCH_CHECK(
-          static_cast<int>(sendCounts.size()) == size() && static_cast<int>(recvCounts.size()) == size(),
-          "thread transport alltoallv: ", size(), " counts expected each way");
+      TORCH_CHECK(static_cast<int>(sendCounts.size()) == size() && static_cast<int>(recvCounts.size()) == size(),
+                  "thread transport alltoallv: ", size(), " counts expected each way");
       const size_t width = c10::elementSize(dtype);
       const int64_t sent = std::accumulate(sendCounts.begin(), sendCounts.end(), int64_t{0});
       const int64_t received = std::accumulate(recvCounts.begin(), recvCounts.end(), int64_t{0});
@@ -178,12 +171,11 @@ class ThreadTransport : public Transport {
           const auto& theirs = *posts[p].counts;
           // Peer p's block for this rank follows its blocks for the ranks before this one.
           const int64_t from = std::accumulate(theirs.begin(), theirs.begin() + index_, int64_t{0});
-          TORCH_CHECK(
-              theirs[index_] == recvCounts[p], "thread transport ", hub_.key(), " alltoallv: rank ", hub_.ranks()[p],
-              " sends ", theirs[index_], " elements to rank ", hub_.ranks()[index_], ", which expects ", recvCounts[p]);
-          copyBytes(
-              static_cast<char*>(recv) + into * width, static_cast<const char*>(posts[p].send) + from * width,
-              recvCounts[p] * width);
+          TORCH_CHECK(theirs[index_] == recvCounts[p], "thread transport ", hub_.key(), " alltoallv: rank ",
+                      hub_.ranks()[p], " sends ", theirs[index_], " elements to rank ", hub_.ranks()[index_],
+                      ", which expects ", recvCounts[p]);
+          copyBytes(static_cast<char*>(recv) + into * width, static_cast<const char*>(posts[p].send) + from * width,
+                    recvCounts[p] * width);
           into += recvCounts[p];
         }
       });
@@ -192,7 +184,8 @@ class ThreadTransport : public Transport {
 
   RequestPtr send(const void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
     auto transfer = hub_.send(index_, peer, tag, buf, count, dtype);
-    return std::make_unique<ThreadRequest>(run_, hub_, std::move(transfer), where("send to " + std::to_string(peer), tag));
+    return std::make_unique<ThreadRequest>(run_, hub_, std::move(transfer),
+                                           where("send to " + std::to_string(peer), tag));
   }
 
   RequestPtr recv(void* buf, int64_t count, c10::ScalarType dtype, int peer, int tag) override {
@@ -211,8 +204,8 @@ class ThreadTransport : public Transport {
   }
 
   std::string where(const std::string& what, int tag) const {
-    return "thread transport " + hub_.key() + ": rank " + std::to_string(hub_.ranks()[index_]) + " " + what +
-        " (tag " + std::to_string(tag) + ")";
+    return "thread transport " + hub_.key() + ": rank " + std::to_string(hub_.ranks()[index_]) + " " + what + " (tag " +
+           std::to_string(tag) + ")";
   }
 
   // A collective that fails on one rank can never complete on the others: abort the run, so they
@@ -271,13 +264,13 @@ class ThreadTransport : public Transport {
   static void checkDisjoint(const char* op, const void* send, size_t sendBytes, const void* recv, size_t recvBytes) {
     const auto* a = static_cast<const char*>(send);
     const auto* b = static_cast<const char*>(recv);
-    TORCH_CHECK(
-        sendBytes == 0 || recvBytes == 0 || a + sendBytes <= b || b + recvBytes <= a,
-        "thread transport ", op, ": send and recv overlap, which comm/transport.h does not allow");
+    TORCH_CHECK(sendBytes == 0 || recvBytes == 0 || a + sendBytes <= b || b + recvBytes <= a, "thread transport ", op,
+                ": send and recv overlap, which comm/transport.h does not allow");
   }
 
   // Element-wise reduction of block [offset, offset + count) of every rank's send, into staging.
-  const void* reduceBlock(const std::vector<Post>& posts, int64_t offset, int64_t count, c10::ScalarType dtype, ReduceKind op) {
+  const void* reduceBlock(const std::vector<Post>& posts, int64_t offset, int64_t count, c10::ScalarType dtype,
+                          ReduceKind op) {
     staging_.resize(bytes(count, dtype));
     sources_.resize(posts.size());
     for (size_t r = 0; r < posts.size(); ++r) {
@@ -296,10 +289,10 @@ class ThreadTransport : public Transport {
   std::vector<const void*> sources_;
 };
 
-} // namespace
+}  // namespace
 
 TransportPtr createThreadTransport(const std::shared_ptr<Run>& run, const Level& level) {
   return std::make_shared<ThreadTransport>(run, run->hub(level.key, level.ranks), level.index);
 }
 
-} // namespace chainermn::testing
+}  // namespace chainermn::testing

@@ -18,4 +18,4 @@ namespace chainermn::testing {
 // This thread's transport at `level` (rank level.index of level.ranks), over the run's hub for it.
 TransportPtr createThreadTransport(const std::shared_ptr<Run>& run, const Level& level);
 
-} // namespace chainermn::testing
+}  // namespace chainermn::testing

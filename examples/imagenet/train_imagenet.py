@@ -37,6 +37,7 @@ all ranks; --out writes the same as JSON. --iterations caps the steps per epoch.
 
 CPU only for now (the backend's CUDA paths are not there yet): pure_nccl cannot be chosen.
 """
+
 import argparse
 import json
 import math
@@ -74,8 +75,11 @@ def parse_args():
     data = parser.add_argument_group("data")
     data.add_argument("--train", type=Path, help="training image folder, one subfolder per class")
     data.add_argument("--val", type=Path, help="validation image folder (same classes as --train)")
-    data.add_argument("--synthetic", action="store_true", help="random images instead of folders (the default "
-                      "when --train is not given)")
+    data.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="random images instead of folders (the default when --train is not given)",
+    )
     data.add_argument("--synthetic-train-size", type=int, default=1024, help="synthetic training samples")
     data.add_argument("--synthetic-val-size", type=int, default=256, help="synthetic validation samples")
     data.add_argument("--classes", type=int, default=10, help="number of synthetic classes")
@@ -84,14 +88,22 @@ def parse_args():
     model = parser.add_argument_group("model")
     model.add_argument("--depth", type=int, choices=sorted(DEPTHS), default=18, help="ResNet depth")
     model.add_argument("--width", type=int, default=16, help="channels of the first stage (ResNet: 64)")
-    model.add_argument("--no-mnbn", dest="mnbn", action="store_false",
-                       help="per-rank BatchNorm instead of multi-node BatchNorm")
+    model.add_argument(
+        "--no-mnbn", dest="mnbn", action="store_false", help="per-rank BatchNorm instead of multi-node BatchNorm"
+    )
     training = parser.add_argument_group("training")
-    training.add_argument("--communicator", default="hierarchical", choices=CPU_COMMUNICATORS,
-                          help="ChainerMN allreduce communicator (default: hierarchical)")
+    training.add_argument(
+        "--communicator",
+        default="hierarchical",
+        choices=CPU_COMMUNICATORS,
+        help="ChainerMN allreduce communicator (default: hierarchical)",
+    )
     training.add_argument("--fp16", action="store_true", help="float16 gradients on the wire")
-    training.add_argument("--double-buffering", action="store_true",
-                          help="overlap each step's gradient allreduce with the next step (one step stale)")
+    training.add_argument(
+        "--double-buffering",
+        action="store_true",
+        help="overlap each step's gradient allreduce with the next step (one step stale)",
+    )
     training.add_argument("--batchsize", "-B", type=int, default=32, help="minibatch size per process")
     training.add_argument("--epoch", "-E", type=int, default=10, help="number of epochs")
     training.add_argument("--iterations", type=int, help="at most this many steps per epoch")
@@ -122,6 +134,7 @@ def parse_args():
 # ---------------------------------------------------------------------------------------------- data
 # Rank 0 makes a list of sample descriptors, (path, label) or (index, label); scatter_dataset deals
 # them out; each rank turns its own descriptors into images.
+
 
 def list_image_folder(root: Path, classes=None):
     """[(path, label)] of every image under root/<class>/, and the sorted class names."""
@@ -164,8 +177,10 @@ class ImageFiles(Dataset):
         with Image.open(path) as image:
             image = image.convert("RGB")
             scale = math.ceil(self.size * 8 / 7) / min(image.size)
-            image = image.resize((max(self.size, round(image.width * scale)), max(self.size, round(image.height * scale))),
-                                 Image.BILINEAR)
+            image = image.resize(
+                (max(self.size, round(image.width * scale)), max(self.size, round(image.height * scale))),
+                Image.BILINEAR,
+            )
         width, height = image.size
         if self.train:
             left, top = np.random.randint(0, width - self.size + 1), np.random.randint(0, height - self.size + 1)
@@ -210,14 +225,19 @@ def load_datasets(args, comm):
     if comm.rank == 0:
         if args.synthetic:
             train = synthetic_descriptors(args.synthetic_train_size, args.classes, args.seed)
-            val = [(args.synthetic_train_size + i, label) for i, label in
-                   synthetic_descriptors(args.synthetic_val_size, args.classes, args.seed + 1)]
+            val = [
+                (args.synthetic_train_size + i, label)
+                for i, label in synthetic_descriptors(args.synthetic_val_size, args.classes, args.seed + 1)
+            ]
             classes = [str(c) for c in range(args.classes)]
         else:
             train, classes = list_image_folder(args.train)
             val = list_image_folder(args.val, classes)[0] if args.val is not None else []
-        print(f"data: {'synthetic' if args.synthetic else args.train}  classes: {len(classes)}  "
-              f"train: {len(train)}  val: {len(val)}  image size: {args.image_size}", flush=True)
+        print(
+            f"data: {'synthetic' if args.synthetic else args.train}  classes: {len(classes)}  "
+            f"train: {len(train)}  val: {len(val)}  image size: {args.image_size}",
+            flush=True,
+        )
     else:
         train = val = classes = None
     n_classes, n_val = comm.bcast_obj((len(classes), len(val)) if comm.rank == 0 else None)
@@ -226,12 +246,17 @@ def load_datasets(args, comm):
     train = torch_chainermn.scatter_dataset(train, comm, shuffle=True, seed=args.seed)
     val = torch_chainermn.scatter_dataset(val, comm, shuffle=True, seed=args.seed, force_equal_length=False)
     if args.synthetic:
-        return (SyntheticImages(train, args.image_size, n_classes, args.seed),
-                SyntheticImages(val, args.image_size, n_classes, args.seed), n_classes, n_val)
+        return (
+            SyntheticImages(train, args.image_size, n_classes, args.seed),
+            SyntheticImages(val, args.image_size, n_classes, args.seed),
+            n_classes,
+            n_val,
+        )
     return ImageFiles(train, args.image_size, True), ImageFiles(val, args.image_size, False), n_classes, n_val
 
 
 # ---------------------------------------------------------------------------------------------- model
+
 
 class BasicBlock(nn.Module):
     def __init__(self, in_channels: int, channels: int, stride: int):
@@ -242,8 +267,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_channels != channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, channels, 1, stride, bias=False),
-                                          nn.BatchNorm2d(channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
+            )
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
@@ -259,11 +285,12 @@ class ResNet(nn.Module):
         if small_images:
             self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
         else:
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+            )
         stages, in_channels = [], width
         for i, count in enumerate(blocks):
-            channels = width * 2 ** i
+            channels = width * 2**i
             for j in range(count):
                 stages.append(BasicBlock(in_channels, channels, 2 if i > 0 and j == 0 else 1))
                 in_channels = channels
@@ -282,6 +309,7 @@ class ResNet(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- output
 
+
 def write_json_atomically(path: Path, payload) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -292,6 +320,7 @@ def write_json_atomically(path: Path, payload) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- training
+
 
 @torch.no_grad()
 def evaluate(model, loader):
@@ -310,31 +339,38 @@ def evaluate(model, loader):
 
 def main():
     args = parse_args()
-    comm = torch_chainermn.create_communicator(args.communicator,
-                                               allreduce_grad_dtype=torch.float16 if args.fp16 else None)
+    comm = torch_chainermn.create_communicator(
+        args.communicator, allreduce_grad_dtype=torch.float16 if args.fp16 else None
+    )
     if "OMP_NUM_THREADS" not in os.environ:
         # The ranks on a node share its cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.intra_size))
     if comm.rank == 0:
-        print(f"world size: {comm.size} ({comm.inter_size} node(s))  communicator: {comm.communicator_name}  "
-              f"transport: {torch_chainermn.transport(comm.group)}  allreduce_grad_dtype: {comm.allreduce_grad_dtype}  "
-              f"double buffering: {args.double_buffering}  multi-node BatchNorm: {args.mnbn}", flush=True)
+        print(
+            f"world size: {comm.size} ({comm.inter_size} node(s))  communicator: {comm.communicator_name}  "
+            f"transport: {torch_chainermn.transport(comm.group)}  allreduce_grad_dtype: {comm.allreduce_grad_dtype}  "
+            f"double buffering: {args.double_buffering}  multi-node BatchNorm: {args.mnbn}",
+            flush=True,
+        )
 
     train, val, n_classes, n_val = load_datasets(args, comm)
     loader_options = {"num_workers": args.loaderjob}
     if args.loaderjob > 0:
         # Forking a process that holds MPI and communication threads is unsafe (ChainerMN's advice).
-        loader_options.update(multiprocessing_context=multiprocessing.get_context("forkserver"),
-                              persistent_workers=True)
+        loader_options.update(
+            multiprocessing_context=multiprocessing.get_context("forkserver"), persistent_workers=True
+        )
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + comm.rank)
     # drop_last: every rank's batches have the same size, and BatchNorm never sees a batch of one.
-    train_loader = DataLoader(train, batch_size=args.batchsize, shuffle=True, drop_last=True, generator=generator,
-                              **loader_options)
+    train_loader = DataLoader(
+        train, batch_size=args.batchsize, shuffle=True, drop_last=True, generator=generator, **loader_options
+    )
     val_loader = DataLoader(val, batch_size=args.batchsize, **loader_options)
     steps = len(train_loader) if args.iterations is None else min(args.iterations, len(train_loader))
     if steps == 0:
-        raise SystemExit(f"rank {comm.rank}: a training shard of {len(train)} samples makes no batch of "
-                         f"{args.batchsize}")
+        raise SystemExit(
+            f"rank {comm.rank}: a training shard of {len(train)} samples makes no batch of {args.batchsize}"
+        )
 
     torch.manual_seed(args.seed)
     model = ResNet(DEPTHS[args.depth], args.width, n_classes, small_images=args.image_size <= 64)
@@ -343,23 +379,32 @@ def main():
     average_buffers = None if args.mnbn else torch_chainermn.AllreducePersistent(model, comm)
     optimizer = torch_chainermn.create_multi_node_optimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay),
-        comm, double_buffering=args.double_buffering)
+        comm,
+        double_buffering=args.double_buffering,
+    )
     # Cosine decay over all steps (the multi-node optimizer shares the wrapped one's param_groups).
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epoch * steps)
-    evaluator = torch_chainermn.create_multi_node_evaluator(lambda: evaluate(model, val_loader), comm,
-                                                            weight=len(val))
+    evaluator = torch_chainermn.create_multi_node_evaluator(lambda: evaluate(model, val_loader), comm, weight=len(val))
     if comm.rank == 0:
         parameters = sum(p.numel() for p in model.parameters())
-        print(f"model: ResNet-{args.depth} width {args.width}, {parameters / 1e6:.2f} M parameters  "
-              f"batch size: {args.batchsize} per rank, {args.batchsize * comm.size} in all  steps per epoch: {steps}",
-              flush=True)
+        print(
+            f"model: ResNet-{args.depth} width {args.width}, {parameters / 1e6:.2f} M parameters  "
+            f"batch size: {args.batchsize} per rank, {args.batchsize * comm.size} in all  steps per epoch: {steps}",
+            flush=True,
+        )
 
     history = []
     for epoch in range(1, args.epoch + 1):
         model.train()
         # On stderr, rank 0 only: redrawn in place on a terminal, every few seconds to a file or pipe.
-        progress = tqdm(total=steps, desc=f"epoch {epoch}", disable=not (args.progress and comm.rank == 0),
-                        file=sys.stderr, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 5.0)
+        progress = tqdm(
+            total=steps,
+            desc=f"epoch {epoch}",
+            disable=not (args.progress and comm.rank == 0),
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.1 if sys.stderr.isatty() else 5.0,
+        )
         dist.barrier(group=comm.group)  # every rank starts the clock together
         start = time.perf_counter()
         loss_sum, images = 0.0, 0
@@ -372,8 +417,9 @@ def main():
             loss_sum += loss.item() * len(t)
             images += len(t)
             seconds = time.perf_counter() - start
-            progress.set_postfix_str(f"loss {loss.item():.3f}  {images * comm.size / seconds:.1f} images/s",
-                                     refresh=False)
+            progress.set_postfix_str(
+                f"loss {loss.item():.3f}  {images * comm.size / seconds:.1f} images/s", refresh=False
+            )
             progress.update()
             if step == steps:
                 break
@@ -387,30 +433,44 @@ def main():
             average_buffers()  # per-rank BatchNorm: validate with the ranks' mean running statistics
         # Collective; skipped by every rank alike when there is no validation set at all.
         metrics = evaluator() if n_val > 0 else {"loss": float("nan"), "accuracy": float("nan")}
-        history.append({"epoch": epoch, "train/loss": float(totals[0] / totals[1]), "val/loss": metrics["loss"],
-                        "val/accuracy": metrics["accuracy"], "images": int(totals[1]), "seconds": seconds,
-                        "images_per_second": float(throughput)})
+        history.append(
+            {
+                "epoch": epoch,
+                "train/loss": float(totals[0] / totals[1]),
+                "val/loss": metrics["loss"],
+                "val/accuracy": metrics["accuracy"],
+                "images": int(totals[1]),
+                "seconds": seconds,
+                "images_per_second": float(throughput),
+            }
+        )
         if comm.rank == 0:
-            print(f"epoch {epoch}  train/loss {history[-1]['train/loss']:.4f}  val/loss {metrics['loss']:.4f}  "
-                  f"val/accuracy {metrics['accuracy']:.4f}  {int(totals[1])} images in {seconds:.1f}s  "
-                  f"throughput {throughput:.1f} images/s", flush=True)
+            print(
+                f"epoch {epoch}  train/loss {history[-1]['train/loss']:.4f}  val/loss {metrics['loss']:.4f}  "
+                f"val/accuracy {metrics['accuracy']:.4f}  {int(totals[1])} images in {seconds:.1f}s  "
+                f"throughput {throughput:.1f} images/s",
+                flush=True,
+            )
 
     if comm.rank == 0 and args.out is not None:
-        write_json_atomically(args.out, {
-            "world_size": comm.size,
-            "communicator": comm.communicator_name,
-            "transport": torch_chainermn.transport(comm.group),
-            "fp16": args.fp16,
-            "allreduce_grad_dtype": str(comm.allreduce_grad_dtype),
-            "double_buffering": args.double_buffering,
-            "mnbn": args.mnbn,
-            "synthetic": args.synthetic,
-            "depth": args.depth,
-            "width": args.width,
-            "image_size": args.image_size,
-            "steps_per_epoch": steps,
-            "history": history,
-        })
+        write_json_atomically(
+            args.out,
+            {
+                "world_size": comm.size,
+                "communicator": comm.communicator_name,
+                "transport": torch_chainermn.transport(comm.group),
+                "fp16": args.fp16,
+                "allreduce_grad_dtype": str(comm.allreduce_grad_dtype),
+                "double_buffering": args.double_buffering,
+                "mnbn": args.mnbn,
+                "synthetic": args.synthetic,
+                "depth": args.depth,
+                "width": args.width,
+                "image_size": args.image_size,
+                "steps_per_epoch": steps,
+                "history": history,
+            },
+        )
     dist.destroy_process_group()
 
 

@@ -20,6 +20,7 @@ allreduce with the next step (ChainerMN's double buffering: the update is one st
 --threshold, or the sign and a scale), keeping what was not sent for later steps; with one node there
 is nothing to compress (CHAINERMN_RANKS_PER_NODE=2 makes 4 processes two simulated nodes).
 """
+
 import argparse
 import gzip
 import json
@@ -52,17 +53,29 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, the shuffling and the digits split")
     parser.add_argument("--data-dir", type=Path, help="directory holding the MNIST IDX files (default: sklearn digits)")
     parser.add_argument("--out", type=Path, help="rank 0 writes a JSON summary of the run here")
-    parser.add_argument("--compress", choices=sorted(WIRE_DTYPES), default="none",
-                        help="dtype of the gradients on the wire (chainermn backend only)")
-    parser.add_argument("--compression", choices=("none", "2bit", "1bit"), default="none",
-                        help="MXNet's gradient compression between nodes (chainermn backend only)")
+    parser.add_argument(
+        "--compress",
+        choices=sorted(WIRE_DTYPES),
+        default="none",
+        help="dtype of the gradients on the wire (chainermn backend only)",
+    )
+    parser.add_argument(
+        "--compression",
+        choices=("none", "2bit", "1bit"),
+        default="none",
+        help="MXNet's gradient compression between nodes (chainermn backend only)",
+    )
     parser.add_argument("--threshold", type=float, default=0.5, help="2-bit compression's threshold")
-    parser.add_argument("--double-buffering", action="store_true",
-                        help="apply the previous step's mean gradient while this step's allreduce runs")
+    parser.add_argument(
+        "--double-buffering",
+        action="store_true",
+        help="apply the previous step's mean gradient while this step's allreduce runs",
+    )
     return parser.parse_args()
 
 
 # ---------------------------------------------------------------------------------------------- data
+
 
 def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file (the format MNIST is distributed in), gzipped or not."""
@@ -107,6 +120,7 @@ def to_dataset(split) -> TensorDataset:
 
 # ---------------------------------------------------------------------------------------------- model
 
+
 class MLP(nn.Module):
     """The tutorial's network: two hidden ReLU layers of n_units each."""
 
@@ -123,6 +137,7 @@ class MLP(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- training
+
 
 def train_one_epoch(model, loader, optimizer):
     """Train on this rank's shard; return the training loss averaged over every rank's samples."""
@@ -199,8 +214,10 @@ def main():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     transport = torch_chainermn.transport() if args.backend == "chainermn" else None
     if rank == 0:
-        print(f"world size: {world_size}  backend: {args.backend}"
-              + (f"  transport: {transport}" if transport else ""), flush=True)
+        print(
+            f"world size: {world_size}  backend: {args.backend}" + (f"  transport: {transport}" if transport else ""),
+            flush=True,
+        )
 
     if args.data_dir is not None:
         train_split, test_split = load_mnist(args.data_dir)
@@ -209,8 +226,11 @@ def main():
     train_set, test_set = to_dataset(train_split), to_dataset(test_split)
     if rank == 0:
         source = args.data_dir or "sklearn digits"
-        print(f"data: {source}  train: {len(train_set)}  test: {len(test_set)}  "
-              f"batch size: {args.batchsize} per rank, {args.batchsize * world_size} in all", flush=True)
+        print(
+            f"data: {source}  train: {len(train_set)}  test: {len(test_set)}  "
+            f"batch size: {args.batchsize} per rank, {args.batchsize * world_size} in all",
+            flush=True,
+        )
 
     # The sampler pads the shards to equal length, so every rank runs the same number of steps,
     # which DDP needs: each step's gradient all-reduce is a collective over all ranks.
@@ -233,11 +253,21 @@ def main():
         train_loss = train_one_epoch(model, train_loader, optimizer)
         test_loss, test_accuracy = evaluate(model, test_loader)
         elapsed = time.perf_counter() - start
-        history.append({"epoch": epoch, "train/loss": train_loss, "test/loss": test_loss,
-                        "test/accuracy": test_accuracy, "elapsed": elapsed})
+        history.append(
+            {
+                "epoch": epoch,
+                "train/loss": train_loss,
+                "test/loss": test_loss,
+                "test/accuracy": test_accuracy,
+                "elapsed": elapsed,
+            }
+        )
         if rank == 0:
-            print(f"epoch {epoch}  train/loss {train_loss:.4f}  test/loss {test_loss:.4f}  "
-                  f"test/accuracy {test_accuracy:.4f}  elapsed {elapsed:.1f}s", flush=True)
+            print(
+                f"epoch {epoch}  train/loss {train_loss:.4f}  test/loss {test_loss:.4f}  "
+                f"test/accuracy {test_accuracy:.4f}  elapsed {elapsed:.1f}s",
+                flush=True,
+            )
 
     if double_buffering is not None:
         double_buffering.flush()
@@ -245,18 +275,21 @@ def main():
     if rank == 0:
         print(f"final test accuracy: {final_accuracy:.4f}", flush=True)
         if args.out is not None:
-            write_json_atomically(args.out, {
-                "world_size": world_size,
-                "backend": args.backend,
-                "transport": transport,
-                "epochs": args.epoch,
-                "compress": args.compress,
-                "compression": args.compression,
-                "threshold": args.threshold,
-                "double_buffering": args.double_buffering,
-                "final_accuracy": final_accuracy,
-                "history": history,
-            })
+            write_json_atomically(
+                args.out,
+                {
+                    "world_size": world_size,
+                    "backend": args.backend,
+                    "transport": transport,
+                    "epochs": args.epoch,
+                    "compress": args.compress,
+                    "compression": args.compression,
+                    "threshold": args.threshold,
+                    "double_buffering": args.double_buffering,
+                    "final_accuracy": final_accuracy,
+                    "history": history,
+                },
+            )
 
     dist.destroy_process_group()
 

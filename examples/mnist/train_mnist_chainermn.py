@@ -31,6 +31,7 @@ has saved epoch N, rank 1 (rank 0 in a world of one) exits with status 1, as a k
 CPU only: the backend's CUDA paths are not there yet, so every communicator but pure_nccl (which is
 NCCL-only) can be chosen.
 """
+
 import argparse
 import os
 import sys
@@ -56,27 +57,48 @@ GRAD_DTYPES = {"none": None, "float16": torch.float16, "bfloat16": torch.bfloat1
 
 def parse_args():
     parser = argparse.ArgumentParser(description="ChainerMN example: MNIST, the ChainerMN way")
-    parser.add_argument("--communicator", default="hierarchical", choices=CPU_COMMUNICATORS,
-                        help="ChainerMN allreduce communicator (default: hierarchical)")
-    parser.add_argument("--allreduce-grad-dtype", choices=sorted(GRAD_DTYPES), default="none",
-                        help="dtype of the gradients on the wire (default: $CHAINERMN_ALLREDUCE_GRAD_DTYPE, "
-                        "else their own, float32)")
-    parser.add_argument("--double-buffering", action="store_true",
-                        help="overlap each step's gradient allreduce with the next step (one step stale)")
+    parser.add_argument(
+        "--communicator",
+        default="hierarchical",
+        choices=CPU_COMMUNICATORS,
+        help="ChainerMN allreduce communicator (default: hierarchical)",
+    )
+    parser.add_argument(
+        "--allreduce-grad-dtype",
+        choices=sorted(GRAD_DTYPES),
+        default="none",
+        help="dtype of the gradients on the wire (default: $CHAINERMN_ALLREDUCE_GRAD_DTYPE, else their own, float32)",
+    )
+    parser.add_argument(
+        "--double-buffering",
+        action="store_true",
+        help="overlap each step's gradient allreduce with the next step (one step stale)",
+    )
     parser.add_argument("--batchsize", "-b", type=int, default=100, help="minibatch size per process")
     parser.add_argument("--epoch", "-e", type=int, default=20, help="number of sweeps over the training set")
     parser.add_argument("--unit", "-u", type=int, default=1000, help="number of units in each hidden layer")
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, the data split and the shuffling")
     parser.add_argument("--data-dir", type=Path, help="directory holding the MNIST IDX files (default: sklearn digits)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("result") / "checkpoints",
-                        help="where every rank saves its snapshots (default: result/checkpoints)")
-    parser.add_argument("--checkpoint-name", default="mnist",
-                        help="snapshots are <checkpoint-dir>/<name>.<rank>.<epoch> (default: mnist)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path("result") / "checkpoints",
+        help="where every rank saves its snapshots (default: result/checkpoints)",
+    )
+    parser.add_argument(
+        "--checkpoint-name",
+        default="mnist",
+        help="snapshots are <checkpoint-dir>/<name>.<rank>.<epoch> (default: mnist)",
+    )
     parser.add_argument("--keep-checkpoints", action="store_true", help="do not remove the snapshots at the end")
     parser.add_argument("--out", type=Path, help="rank 0 writes a JSON summary of the run here")
-    parser.add_argument("--die-after-epoch", type=int, metavar="N",
-                        help="testing: once epoch N is saved everywhere, rank 1 exits with status 1")
+    parser.add_argument(
+        "--die-after-epoch",
+        type=int,
+        metavar="N",
+        help="testing: once epoch N is saved everywhere, rank 1 exits with status 1",
+    )
     return parser.parse_args()
 
 
@@ -128,19 +150,25 @@ def main():
     # The checkpoint directories this run makes (result/checkpoints and result/ by default), deepest
     # first: looked at before any rank can make them (create_communicator is the first collective).
     made = [d for d in (args.checkpoint_dir, *args.checkpoint_dir.parents) if not d.exists()]
-    comm = torch_chainermn.create_communicator(args.communicator,
-                                               allreduce_grad_dtype=GRAD_DTYPES[args.allreduce_grad_dtype])
+    comm = torch_chainermn.create_communicator(
+        args.communicator, allreduce_grad_dtype=GRAD_DTYPES[args.allreduce_grad_dtype]
+    )
     transport = torch_chainermn.transport(comm.group)
     if comm.rank == 0:
-        print(f"world size: {comm.size}  communicator: {comm.communicator_name}  transport: {transport}  "
-              f"allreduce_grad_dtype: {comm.allreduce_grad_dtype}  double buffering: {args.double_buffering}",
-              flush=True)
+        print(
+            f"world size: {comm.size}  communicator: {comm.communicator_name}  transport: {transport}  "
+            f"allreduce_grad_dtype: {comm.allreduce_grad_dtype}  double buffering: {args.double_buffering}",
+            flush=True,
+        )
 
     # Step 2: rank 0 reads the data; every rank receives its shard.
     train, test = load_dataset(args) if comm.rank == 0 else (None, None)
     if comm.rank == 0:
-        print(f"data: {args.data_dir or 'sklearn digits'}  train: {len(train)}  test: {len(test)}  "
-              f"batch size: {args.batchsize} per rank, {args.batchsize * comm.size} in all", flush=True)
+        print(
+            f"data: {args.data_dir or 'sklearn digits'}  train: {len(train)}  test: {len(test)}  "
+            f"batch size: {args.batchsize} per rank, {args.batchsize * comm.size} in all",
+            flush=True,
+        )
     # Training shards have equal length (ceil(n/size), a few samples repeated), so every rank runs the
     # same number of steps, as the optimizer's allreduce needs. Test shards do not repeat samples: with
     # the evaluator weighting each rank by its shard's size, the result is the whole test set's.
@@ -153,15 +181,16 @@ def main():
 
     # Step 3: the multi-node optimizer.
     optimizer = torch_chainermn.create_multi_node_optimizer(
-        torch.optim.Adam(model.parameters(), lr=args.lr), comm, double_buffering=args.double_buffering)
+        torch.optim.Adam(model.parameters(), lr=args.lr), comm, double_buffering=args.double_buffering
+    )
 
     # Step 4: the multi-node evaluator.
-    evaluator = torch_chainermn.create_multi_node_evaluator(lambda: evaluate(model, test_loader), comm,
-                                                            weight=len(test))
+    evaluator = torch_chainermn.create_multi_node_evaluator(
+        lambda: evaluate(model, test_loader), comm, weight=len(test)
+    )
 
     # Step 5: the multi-node checkpointer; resume if every rank has a snapshot.
-    checkpointer = torch_chainermn.create_multi_node_checkpointer(args.checkpoint_name, comm,
-                                                                  path=args.checkpoint_dir)
+    checkpointer = torch_chainermn.create_multi_node_checkpointer(args.checkpoint_name, comm, path=args.checkpoint_dir)
     state, resumed_from = checkpointer.maybe_load()
     history = []
     if state is not None:
@@ -182,21 +211,32 @@ def main():
         totals = comm.allreduce(np.array([loss_sum, count], dtype=np.float64))
         metrics = evaluator()
         elapsed = time.perf_counter() - start
-        history.append({"epoch": epoch, "train/loss": float(totals[0] / totals[1]), "test/loss": metrics["loss"],
-                        "test/accuracy": metrics["accuracy"], "elapsed": elapsed})
+        history.append(
+            {
+                "epoch": epoch,
+                "train/loss": float(totals[0] / totals[1]),
+                "test/loss": metrics["loss"],
+                "test/accuracy": metrics["accuracy"],
+                "elapsed": elapsed,
+            }
+        )
         if comm.rank == 0:
-            print(f"epoch {epoch}  train/loss {history[-1]['train/loss']:.4f}  test/loss {metrics['loss']:.4f}  "
-                  f"test/accuracy {metrics['accuracy']:.4f}  elapsed {elapsed:.1f}s", flush=True)
+            print(
+                f"epoch {epoch}  train/loss {history[-1]['train/loss']:.4f}  test/loss {metrics['loss']:.4f}  "
+                f"test/accuracy {metrics['accuracy']:.4f}  elapsed {elapsed:.1f}s",
+                flush=True,
+            )
 
         if args.double_buffering:
             optimizer.flush()  # no allreduce in flight while saving (its mean is applied next step)
-        checkpointer.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                           "epoch": epoch, "history": history}, epoch)
+        checkpointer.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "history": history},
+            epoch,
+        )
         if epoch == args.die_after_epoch:
             dist.barrier(group=comm.group)  # every rank's snapshot of this epoch is on disk
             if comm.rank == min(1, comm.size - 1):
-                print(f"rank {comm.rank}: dying after epoch {epoch} (--die-after-epoch)", file=sys.stderr,
-                      flush=True)
+                print(f"rank {comm.rank}: dying after epoch {epoch} (--die-after-epoch)", file=sys.stderr, flush=True)
                 os._exit(1)
 
     if not args.keep_checkpoints:
@@ -209,17 +249,20 @@ def main():
     if comm.rank == 0:
         print(f"final test accuracy: {final_accuracy:.4f}", flush=True)
         if args.out is not None:
-            write_json_atomically(args.out, {
-                "world_size": comm.size,
-                "communicator": comm.communicator_name,
-                "transport": transport,
-                "allreduce_grad_dtype": str(comm.allreduce_grad_dtype).removeprefix("torch.").lower(),
-                "double_buffering": args.double_buffering,
-                "epochs": args.epoch,
-                "resumed_from": resumed_from,
-                "final_accuracy": final_accuracy,
-                "history": history,
-            })
+            write_json_atomically(
+                args.out,
+                {
+                    "world_size": comm.size,
+                    "communicator": comm.communicator_name,
+                    "transport": transport,
+                    "allreduce_grad_dtype": str(comm.allreduce_grad_dtype).removeprefix("torch.").lower(),
+                    "double_buffering": args.double_buffering,
+                    "epochs": args.epoch,
+                    "resumed_from": resumed_from,
+                    "final_accuracy": final_accuracy,
+                    "history": history,
+                },
+            )
     dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ same loss; allgather's backward sums every rank's gradient for a member's predic
 (a reduce-scatter), so the loss is divided by the number of members to count it once. All ranks read
 the same batches (same seed). Rank 0 reports the ensemble's test accuracy and each member's own.
 """
+
 import argparse
 import os
 import sys
@@ -76,14 +77,27 @@ def main():
             accuracy = (y.argmax(1) == t).float().mean().item()
             members = [a.item() for a in comm.allgather((own.argmax(1) == t).float().mean())]
         if comm.rank == 0:
-            print(f"epoch {epoch}  ensemble test/accuracy {accuracy:.4f}  members "
-                  f"{' '.join(f'{a:.4f}' for a in members)}  elapsed {time.perf_counter() - start:.1f}s", flush=True)
+            print(
+                f"epoch {epoch}  ensemble test/accuracy {accuracy:.4f}  members "
+                f"{' '.join(f'{a:.4f}' for a in members)}  elapsed {time.perf_counter() - start:.1f}s",
+                flush=True,
+            )
     if comm.rank == 0:
-        print(f"final test accuracy: {accuracy:.4f} (ensemble of {comm.size}; members "
-              f"{' '.join(f'{a:.4f}' for a in members)})", flush=True)
+        print(
+            f"final test accuracy: {accuracy:.4f} (ensemble of {comm.size}; members "
+            f"{' '.join(f'{a:.4f}' for a in members)})",
+            flush=True,
+        )
         if args.out is not None:
-            write_json_atomically(args.out, {"world_size": comm.size, "final_accuracy": accuracy,
-                                             "member_accuracies": members, "epochs": args.epoch})
+            write_json_atomically(
+                args.out,
+                {
+                    "world_size": comm.size,
+                    "final_accuracy": accuracy,
+                    "member_accuracies": members,
+                    "epochs": args.epoch,
+                },
+            )
     torch.distributed.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ With one process the whole MLP is a single component.
 
 Data: scikit-learn's 8x8 digits (no download), or the MNIST IDX files of --data-dir.
 """
+
 import argparse
 import copy
 import os
@@ -46,8 +47,11 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for the model, the data split and the shuffling")
     parser.add_argument("--pipeline", type=int, default=1, metavar="M", help="micro-batches per batch (default 1)")
-    parser.add_argument("--check-single", action="store_true",
-                        help="rank 0 also trains the whole MLP on its own, and reports both accuracies")
+    parser.add_argument(
+        "--check-single",
+        action="store_true",
+        help="rank 0 also trains the whole MLP on its own, and reports both accuracies",
+    )
     parser.add_argument("--data-dir", type=Path, help="directory holding the MNIST IDX files (default: sklearn digits)")
     parser.add_argument("--out", type=Path, help="rank 0 writes a JSON summary of the run here")
     return parser.parse_args()
@@ -59,7 +63,7 @@ def split_layers(mlp: MLP, parts: int) -> list[torch.nn.Sequential]:
     if not 1 <= parts <= len(layers):
         raise SystemExit(f"this example splits its 3 layers over 1 to 3 processes, not {parts}")
     bounds = [round(i * len(layers) / parts) for i in range(parts + 1)]
-    return [torch.nn.Sequential(*layers[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+    return [torch.nn.Sequential(*layers[bounds[i] : bounds[i + 1]]) for i in range(parts)]
 
 
 def build_chain(comm, mlp: MLP, micro_batches: int) -> torch_chainermn.MultiNodeChainList:
@@ -95,8 +99,11 @@ def main():
         torch.set_num_threads(1)  # several ranks share few cores
     comm = torch_chainermn.create_communicator("naive")
     if comm.rank == 0:
-        print(f"world size: {comm.size}  transport: {torch_chainermn.transport(comm.group)}  "
-              f"micro-batches: {args.pipeline}", flush=True)
+        print(
+            f"world size: {comm.size}  transport: {torch_chainermn.transport(comm.group)}  "
+            f"micro-batches: {args.pipeline}",
+            flush=True,
+        )
 
     # Rank 0 alone has data; it tells the others how many batches an epoch has.
     train = test = None
@@ -116,8 +123,9 @@ def main():
     history, start = [], time.perf_counter()
     for epoch in range(1, args.epoch + 1):
         model.train()
-        loader = DataLoader(train, batch_size=args.batchsize, shuffle=True, generator=generator) \
-            if comm.rank == 0 else None
+        loader = (
+            DataLoader(train, batch_size=args.batchsize, shuffle=True, generator=generator) if comm.rank == 0 else None
+        )
         n_batches = comm.bcast_obj(len(loader) if comm.rank == 0 else None)
         batches = iter(loader) if comm.rank == 0 else None
         loss_sum = 0.0
@@ -137,8 +145,12 @@ def main():
             optimizer.step()
         accuracy = evaluate(comm, model, test)
         if comm.rank == 0:
-            entry = {"epoch": epoch, "train/loss": loss_sum / len(train), "test/accuracy": accuracy,
-                     "elapsed": time.perf_counter() - start}
+            entry = {
+                "epoch": epoch,
+                "train/loss": loss_sum / len(train),
+                "test/accuracy": accuracy,
+                "elapsed": time.perf_counter() - start,
+            }
             line = f"epoch {epoch}  train/loss {entry['train/loss']:.4f}  test/accuracy {accuracy:.4f}"
             if single is not None:
                 single.eval()
@@ -153,10 +165,18 @@ def main():
         final = history[-1]
         print(f"final test accuracy: {final['test/accuracy']:.4f}", flush=True)
         if args.out is not None:
-            write_json_atomically(args.out, {
-                "world_size": comm.size, "transport": torch_chainermn.transport(comm.group),
-                "micro_batches": args.pipeline, "epochs": args.epoch, "final_accuracy": final["test/accuracy"],
-                "single_accuracy": final.get("single/accuracy"), "history": history})
+            write_json_atomically(
+                args.out,
+                {
+                    "world_size": comm.size,
+                    "transport": torch_chainermn.transport(comm.group),
+                    "micro_batches": args.pipeline,
+                    "epochs": args.epoch,
+                    "final_accuracy": final["test/accuracy"],
+                    "single_accuracy": final.get("single/accuracy"),
+                    "history": history,
+                },
+            )
     torch_chainermn.functions.drain(comm)
     torch.distributed.destroy_process_group()
 

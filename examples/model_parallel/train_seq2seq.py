@@ -11,6 +11,7 @@ delegate variable its RNN returned, which receives the gradient of the state fro
 draw the same synthetic batches (same seed); evaluation decodes greedily on rank 1 and reports
 token and whole-sequence accuracy.
 """
+
 import argparse
 import os
 import time
@@ -46,8 +47,9 @@ class Encoder(torch.nn.Module):
     def __init__(self, comm, unit):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, unit)
-        self.rnn = create_multi_node_n_step_rnn(torch.nn.LSTM(unit, unit, batch_first=True), comm,
-                                                rank_in=None, rank_out=1)
+        self.rnn = create_multi_node_n_step_rnn(
+            torch.nn.LSTM(unit, unit, batch_first=True), comm, rank_in=None, rank_out=1
+        )
 
     def forward(self, src):
         _, _, delegate = self.rnn(self.embed(src))
@@ -58,8 +60,9 @@ class Decoder(torch.nn.Module):
     def __init__(self, comm, unit):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB + 1, unit)
-        self.rnn = create_multi_node_n_step_rnn(torch.nn.LSTM(unit, unit, batch_first=True), comm,
-                                                rank_in=0, rank_out=None)
+        self.rnn = create_multi_node_n_step_rnn(
+            torch.nn.LSTM(unit, unit, batch_first=True), comm, rank_in=0, rank_out=None
+        )
         self.out = torch.nn.Linear(unit, VOCAB)
 
     def forward(self, tgt):
@@ -113,12 +116,17 @@ def main():
             predicted = model.greedy(len(tgt), args.length)
             tokens = (predicted == tgt).float().mean().item()
             sequences = (predicted == tgt).all(1).float().mean().item()
-            print(f"greedy decoding of 1000 unseen sequences: token accuracy {tokens:.4f}  "
-                  f"sequence accuracy {sequences:.4f}", flush=True)
+            print(
+                f"greedy decoding of 1000 unseen sequences: token accuracy {tokens:.4f}  "
+                f"sequence accuracy {sequences:.4f}",
+                flush=True,
+            )
             if args.out is not None:
                 import json
-                args.out.write_text(json.dumps({"token_accuracy": tokens, "sequence_accuracy": sequences,
-                                                "steps": args.steps}) + "\n")
+
+                args.out.write_text(
+                    json.dumps({"token_accuracy": tokens, "sequence_accuracy": sequences, "steps": args.steps}) + "\n"
+                )
     torch_chainermn.functions.drain(comm)
     torch.distributed.destroy_process_group()
 

@@ -8,6 +8,7 @@ created first, with chainermn; Accelerate then uses the group it finds. The rest
 loop: prepare, backward through the accelerator, gather for metrics. Rank 0 prints the loss of each
 epoch and a checksum of the final weights of every rank (DDP keeps the replicas equal).
 """
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
@@ -45,9 +46,11 @@ def main():
         accelerator.print(f"epoch {epoch} loss {mean:.6f}")
     checksum = torch.tensor(sum(p.detach().double().sum().item() for p in model.parameters())).reshape(1)
     every = accelerator.gather(checksum)
-    accelerator.print(f"backend {dist.get_backend()} ranks {accelerator.num_processes} "
-                      f"weights {' '.join(f'{c.item():.12f}' for c in every)} "
-                      f"chainermn {torch_chainermn.get_options().communicator}")
+    accelerator.print(
+        f"backend {dist.get_backend()} ranks {accelerator.num_processes} "
+        f"weights {' '.join(f'{c.item():.12f}' for c in every)} "
+        f"chainermn {torch_chainermn.get_options().communicator}"
+    )
     accelerator.end_training()  # destroys the process group too
 
 

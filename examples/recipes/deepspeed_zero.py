@@ -15,6 +15,7 @@ each step and a digest of every rank's final full parameters (stage 3 gathers th
 `--backends chainermn gloo` the whole run is repeated on gloo (the group destroyed and created anew),
 so the digests can be compared.
 """
+
 import argparse
 import hashlib
 
@@ -52,8 +53,12 @@ def train(stage: int, steps: int, batch: int = 8) -> tuple[list, str, float]:
     before = [p.detach().clone() for p in model.parameters()]
     # stage3_param_persistence_threshold 0: stage 3 partitions even parameters this small (by default it
     # keeps those under 100k elements whole on every rank).
-    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     generator = torch.Generator().manual_seed(0)
@@ -90,10 +95,15 @@ def main():
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, final)
             if dist.get_rank() == 0:
-                print(f"backend {dist.get_backend()} stage {stage} losses {' '.join(f'{v:.6f}' for v in losses)}",
-                      flush=True)
-                print(f"backend {dist.get_backend()} stage {stage} ranks {dist.get_world_size()} moved {moved:.6f} "
-                      f"weights {' '.join(every)}", flush=True)
+                print(
+                    f"backend {dist.get_backend()} stage {stage} losses {' '.join(f'{v:.6f}' for v in losses)}",
+                    flush=True,
+                )
+                print(
+                    f"backend {dist.get_backend()} stage {stage} ranks {dist.get_world_size()} moved {moved:.6f} "
+                    f"weights {' '.join(every)}",
+                    flush=True,
+                )
         deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups: the next backend starts clean
 
 

@@ -15,6 +15,7 @@ mode, the DDP wrapper) and a digest of every rank's final parameters (DDP keeps 
 bit-equal). With `--backends chainermn gloo` the whole run is repeated on gloo (the group destroyed
 and created anew), so the digests can be compared.
 """
+
 import argparse
 import hashlib
 import os
@@ -65,9 +66,20 @@ def train(steps: int) -> None:
     args = TrainingArguments(
         use_cpu=True,  # without it, on a machine without a GPU, no DDP: every rank trains alone
         output_dir=os.path.join(tempfile.gettempdir(), "hf_trainer_recipe"),
-        max_steps=steps, per_device_train_batch_size=8, learning_rate=0.1, lr_scheduler_type="constant",
-        optim="sgd", logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
-        remove_unused_columns=False, dataloader_pin_memory=False, ddp_find_unused_parameters=False)
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=0.1,
+        lr_scheduler_type="constant",
+        optim="sgd",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        remove_unused_columns=False,
+        dataloader_pin_memory=False,
+        ddp_find_unused_parameters=False,
+    )
     torch.manual_seed(0)
     model = Regression()
     before = [p.detach().clone() for p in model.parameters()]
@@ -80,10 +92,14 @@ def train(steps: int) -> None:
         backend = dist.get_backend()
         losses = [float(entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
         print(f"backend {backend} losses {' '.join(f'{v:.6f}' for v in losses)}", flush=True)
-        print(f"backend {backend} trainer world_size {args.world_size} parallel_mode {args.parallel_mode.value} "
-              f"model {type(trainer.model_wrapped).__name__}", flush=True)
-        print(f"backend {backend} ranks {dist.get_world_size()} moved {moved:.6f} weights {' '.join(every)}",
-              flush=True)
+        print(
+            f"backend {backend} trainer world_size {args.world_size} parallel_mode {args.parallel_mode.value} "
+            f"model {type(trainer.model_wrapped).__name__}",
+            flush=True,
+        )
+        print(
+            f"backend {backend} ranks {dist.get_world_size()} moved {moved:.6f} weights {' '.join(every)}", flush=True
+        )
 
 
 def main():

@@ -8,6 +8,7 @@ the logged values over the ranks (an all_reduce with AVG; its batch-size counter
 which chainermn averages as NCCL does). Rank 0 prints the logged loss of each epoch and a checksum of
 the final weights, which every rank computes alike (DDP keeps the replicas equal).
 """
+
 import os
 
 import torch
@@ -48,17 +49,27 @@ def data(samples: int = 512) -> TensorDataset:
 def main():
     L.seed_everything(0, verbose=False)
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=DDPStrategy(process_group_backend="chainermn"),
-                        max_epochs=int(os.environ.get("EPOCHS", "3")), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=DDPStrategy(process_group_backend="chainermn"),
+        max_epochs=int(os.environ.get("EPOCHS", "3")),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = Regression()
     trainer.fit(model, DataLoader(data(), batch_size=32))
     checksum = torch.tensor(sum(p.detach().double().sum().item() for p in model.parameters()))
     every = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
     dist.all_gather(every, checksum)
     if dist.get_rank() == 0:
-        print(f"backend {dist.get_backend()} ranks {dist.get_world_size()} "
-              f"weights {' '.join(f'{c.item():.12f}' for c in every)}", flush=True)
+        print(
+            f"backend {dist.get_backend()} ranks {dist.get_world_size()} "
+            f"weights {' '.join(f'{c.item():.12f}' for c in every)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

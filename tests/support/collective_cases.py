@@ -8,6 +8,7 @@ The case factories take a `device`: the inputs are made on it and the results co
 with references computed there, so tests/test_cuda_collectives.py runs these same cases on CUDA
 tensors.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -39,6 +40,7 @@ PREMUL_FACTOR = 2.0
 
 
 # ---- inputs and references -----------------------------------------------------------------------
+
 
 def small_values(rank: int, shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     """Values in {1, 2, 3} (bool: alternating), so sums and products stay exact in every dtype."""
@@ -101,8 +103,11 @@ def reference_reduce(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     if op == "SUM":
         out = wide.sum(0)
     elif op == "AVG":  # integers: NCCL's rule, the sum divided by the size, truncating
-        out = wide.sum(0) / len(inputs) if dtype.is_floating_point else torch.div(
-            wide.sum(0), len(inputs), rounding_mode="trunc")
+        out = (
+            wide.sum(0) / len(inputs)
+            if dtype.is_floating_point
+            else torch.div(wide.sum(0), len(inputs), rounding_mode="trunc")
+        )
     elif op == "PREMUL_SUM":
         out = wide.sum(0) * PREMUL_FACTOR
     elif op == "PRODUCT":
@@ -158,6 +163,7 @@ def value_errors(calls) -> list:
 # Factories take the dtype, the device the tensors live on and, for reductions, the ops to try. A
 # combination that must be refused is called anyway and must raise the ValueError `refusal` names.
 
+
 def all_reduce_case(dtype_name: str, op: str, device="cpu"):
     dtype = DTYPES[dtype_name]
 
@@ -171,6 +177,7 @@ def all_reduce_case(dtype_name: str, op: str, device="cpu"):
             dist.all_reduce(tensor, op=reduce_op(op))
             expected = reference_reduce([small_values(r, shape, dtype) for r in range(size)], op)
             assert_same(tensor, expected, f"all_reduce {op} {dtype_name} {shape}")
+
     return case
 
 
@@ -194,9 +201,13 @@ def all_reduce_async_case(device="cpu"):
             value = future.wait()
             assert isinstance(value, list) and value[0] is not None
             assert_same(value[0], expected, "future value")
-        chained = dist.all_reduce(torch.ones(3, device=device), async_op=True).get_future().then(
-            lambda fut: fut.value()[0] * 2)
+        chained = (
+            dist.all_reduce(torch.ones(3, device=device), async_op=True)
+            .get_future()
+            .then(lambda fut: fut.value()[0] * 2)
+        )
         assert_same(chained.wait(), torch.full((3,), 2.0 * size), "then() callback")
+
     return case
 
 
@@ -275,13 +286,13 @@ def all_reduce_coalesced_case(dtype_name: str, device="cpu"):
         tensors = [small_values(rank, shape, dtype, device) for shape in SHAPES]
         words = refusal("MAX", dtype_name, device)
         if words:
-            expect_value_error(lambda: dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX), "all_reduce",
-                               *words)
+            expect_value_error(lambda: dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX), "all_reduce", *words)
             return
         dist.all_reduce_coalesced(tensors, op=dist.ReduceOp.MAX)
         for shape, tensor in zip(SHAPES, tensors):
             expected = reference_reduce([small_values(r, shape, dtype) for r in range(size)], "MAX")
             assert_same(tensor, expected, f"all_reduce_coalesced {dtype_name} {shape}")
+
     return case
 
 
@@ -295,6 +306,7 @@ def broadcast_case(dtype_name: str, device="cpu"):
                 tensor = tagged_values(rank, n, dtype, device=device).reshape(shape)
                 dist.broadcast(tensor, src=root)
                 assert_same(tensor, tagged_values(root, n, dtype).reshape(shape), f"broadcast from {root}")
+
     return case
 
 
@@ -316,6 +328,7 @@ def reduce_case(dtype_name: str, device="cpu", ops=("SUM", "MAX", "AVG")):
                     assert_same(tensor, expected, f"reduce {op} to {root}")
                 else:
                     assert_same(tensor, before, "reduce leaves non-root inputs unchanged")
+
     return case
 
 
@@ -330,6 +343,7 @@ def all_gather_case(dtype_name: str, device="cpu"):
             dist.all_gather(outputs, mine)
             for r in range(size):
                 assert_same(outputs[r], tagged_values(r, n, dtype).reshape(shape), f"all_gather block {r}")
+
     return case
 
 
@@ -346,6 +360,7 @@ def all_gather_into_tensor_case(dtype_name: str, device="cpu"):
             flat = torch.empty(size * n, dtype=dtype, device=device)
             dist.all_gather_into_tensor(flat, mine)
             assert_same(flat, expected.reshape(-1), "all_gather_into_tensor (concatenated)")
+
     return case
 
 
@@ -360,6 +375,7 @@ def gather_case(dtype_name: str, device="cpu"):
             if rank == root:
                 for r in range(size):
                     assert_same(gathered[r], tagged_values(r, 4, dtype), f"gather block {r}")
+
     return case
 
 
@@ -368,11 +384,13 @@ def scatter_case(dtype_name: str, device="cpu"):
 
     def case(rank, size):
         for root in sorted({0, size - 1}):
-            pieces = ([tagged_values(r, 3, dtype, salt=root, device=device) for r in range(size)]
-                      if rank == root else None)
+            pieces = (
+                [tagged_values(r, 3, dtype, salt=root, device=device) for r in range(size)] if rank == root else None
+            )
             out = torch.empty(3, dtype=dtype, device=device)
             dist.scatter(out, pieces, src=root)
             assert_same(out, tagged_values(rank, 3, dtype, salt=root), f"scatter from {root}")
+
     return case
 
 
@@ -385,12 +403,12 @@ def reduce_scatter_case(dtype_name: str, device="cpu", ops=("SUM", "MIN", "AVG")
             out = torch.empty(2, 2, dtype=dtype, device=device)
             words = refusal(op, dtype_name, device)
             if words:
-                expect_value_error(lambda: dist.reduce_scatter(out, inputs, op=reduce_op(op)), "reduce_scatter",
-                                   *words)
+                expect_value_error(lambda: dist.reduce_scatter(out, inputs, op=reduce_op(op)), "reduce_scatter", *words)
                 continue
             dist.reduce_scatter(out, inputs, op=reduce_op(op))
             expected = reference_reduce([small_values(r + 7 * rank, (2, 2), dtype) for r in range(size)], op)
             assert_same(out, expected, f"reduce_scatter {op}")
+
     return case
 
 
@@ -404,13 +422,15 @@ def reduce_scatter_tensor_case(dtype_name: str, device="cpu", ops=("SUM", "MAX",
             out = torch.empty(3, dtype=dtype, device=device)
             words = refusal(op, dtype_name, device)
             if words:
-                expect_value_error(lambda: dist.reduce_scatter_tensor(out, whole, op=reduce_op(op)),
-                                   "reduce_scatter_tensor", *words)
+                expect_value_error(
+                    lambda: dist.reduce_scatter_tensor(out, whole, op=reduce_op(op)), "reduce_scatter_tensor", *words
+                )
                 continue
             dist.reduce_scatter_tensor(out, whole, op=reduce_op(op))
             expected = reference_reduce([small_values(r, (size * 3,), dtype) for r in range(size)], op)
-            assert_same(out, expected[rank * 3:(rank + 1) * 3], f"reduce_scatter_tensor {op}")
+            assert_same(out, expected[rank * 3 : (rank + 1) * 3], f"reduce_scatter_tensor {op}")
             assert_same(whole, before, "reduce_scatter_tensor leaves its input unchanged")
+
     return case
 
 
@@ -424,6 +444,7 @@ def all_to_all_case(dtype_name: str, device="cpu"):
         dist.all_to_all(outputs, inputs)
         for r in range(size):
             assert_same(outputs[r], tagged_values(r, (r + rank) % 3 + 1, dtype, salt=rank), f"all_to_all from {r}")
+
     return case
 
 
@@ -441,13 +462,14 @@ def all_to_all_single_case(dtype_name: str, device="cpu"):
         mine = tagged_values(rank, size * 2, dtype, device=device)
         out = torch.empty(size * 2, dtype=dtype, device=device)
         dist.all_to_all_single(out, mine)
-        expected = torch.cat([tagged_values(r, size * 2, dtype)[rank * 2:(rank + 1) * 2] for r in range(size)])
+        expected = torch.cat([tagged_values(r, size * 2, dtype)[rank * 2 : (rank + 1) * 2] for r in range(size)])
         assert_same(out, expected, "all_to_all_single (even)")
         # Uneven splits of 2-column rows.
         send = torch.cat([block(rank, p) for p in range(size)]).to(device)
         recv = torch.empty(sum(rows(r, rank) for r in range(size)), 2, dtype=dtype, device=device)
         dist.all_to_all_single(recv, send, [rows(r, rank) for r in range(size)], [rows(rank, p) for p in range(size)])
         assert_same(recv, torch.cat([block(r, rank) for r in range(size)]), "all_to_all_single (uneven)")
+
     return case
 
 
@@ -465,6 +487,7 @@ def send_recv_case(dtype_name: str):
             send.wait()
             recv.wait()
             assert_same(out, tagged_values(left, n, dtype).reshape(shape), "ring send/recv")
+
     return case
 
 
@@ -495,8 +518,12 @@ def directed_send_recv_case(dtype_name: str, device="cpu"):
                             assert dist.recv(out, src=src, tag=7) == src
                         else:
                             dist.irecv(out, src=src, tag=7).wait()
-                        assert_same(out, tagged_values(src, n, dtype, salt=dst).reshape(shape),
-                                    f"{kind} {shape} from {src} to {dst}")
+                        assert_same(
+                            out,
+                            tagged_values(src, n, dtype, salt=dst).reshape(shape),
+                            f"{kind} {shape} from {src} to {dst}",
+                        )
+
     return case
 
 
@@ -545,17 +572,23 @@ def abandoned_batch_case(rank, size):
     torch in Python (a peer outside the group, after the first transfer reached the backend)."""
     right, left = (rank + 1) % size, (rank - 1) % size
     strided = torch.zeros(4)[::2]
-    expect_value_error(lambda: dist.batch_isend_irecv(
-        [dist.P2POp(dist.irecv, torch.zeros(2), left), dist.P2POp(dist.isend, strided, right)]), "contiguous")
+    expect_value_error(
+        lambda: dist.batch_isend_irecv(
+            [dist.P2POp(dist.irecv, torch.zeros(2), left), dist.P2POp(dist.isend, strided, right)]
+        ),
+        "contiguous",
+    )
     try:
-        dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(2), left),
-                                dist.P2POp(dist.isend, torch.ones(2), size + 5)])
+        dist.batch_isend_irecv(
+            [dist.P2POp(dist.irecv, torch.zeros(2), left), dist.P2POp(dist.isend, torch.ones(2), size + 5)]
+        )
         raise AssertionError("a peer outside the group was accepted")
     except ValueError:
         pass
     recv = torch.zeros(3)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, left),
-                                        dist.P2POp(dist.isend, torch.full((3,), float(rank)), right)]):
+    for work in dist.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, recv, left), dist.P2POp(dist.isend, torch.full((3,), float(rank)), right)]
+    ):
         work.wait()
     assert_same(recv, torch.full((3,), float(left)), "batch after an abandoned one")
     plain = torch.zeros(1)
@@ -583,6 +616,7 @@ def receive_first_batch_isend_irecv_case(dtype_name: str, device="cpu"):
         assert [t.data_ptr() for t in result] == [recv.data_ptr(), send.data_ptr()], "the batch's result"
         works[0].wait()
         assert_same(recv, tagged_values(left, 5, dtype, salt=rank), "batch_isend_irecv")
+
     return case
 
 
@@ -664,11 +698,18 @@ def coalesced_case(dtype_name: str, device="cpu", ops=("SUM",)):
             opts.reduceOp = reduce_op(op)
             if words:
                 parts = [torch.empty(n, dtype=dtype, device=device) for n in blocks]
-                expect_value_error(lambda: group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait(),
-                                   "reduce_scatter_tensor_coalesced", *words)
+                expect_value_error(
+                    lambda: group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait(),
+                    "reduce_scatter_tensor_coalesced",
+                    *words,
+                )
                 continue
-            expected = [reference_reduce([small_values(r + i, (size * n,), dtype) for r in range(size)], op)
-                        [rank * n:(rank + 1) * n] for i, n in enumerate(blocks)]
+            expected = [
+                reference_reduce([small_values(r + i, (size * n,), dtype) for r in range(size)], op)[
+                    rank * n : (rank + 1) * n
+                ]
+                for i, n in enumerate(blocks)
+            ]
             parts = [torch.empty(n, dtype=dtype, device=device) for n in blocks]
             group.reduce_scatter_tensor_coalesced(parts, whole, opts).wait()
             for part, reference in zip(parts, expected):
@@ -681,13 +722,17 @@ def coalesced_case(dtype_name: str, device="cpu", ops=("SUM",)):
             for part, reference in zip(parts, expected):
                 assert_same(part, reference, f"reduce_scatter_tensor {op} under _coalescing_manager")
 
-        lists = [[torch.empty(2, dtype=dtype, device=device), torch.empty(3, dtype=dtype, device=device)]
-                 for _ in range(size)]
-        dist.all_gather_coalesced(lists, [tagged_values(rank, 2, dtype, device=device),
-                                          tagged_values(rank, 3, dtype, salt=1, device=device)])
+        lists = [
+            [torch.empty(2, dtype=dtype, device=device), torch.empty(3, dtype=dtype, device=device)]
+            for _ in range(size)
+        ]
+        dist.all_gather_coalesced(
+            lists, [tagged_values(rank, 2, dtype, device=device), tagged_values(rank, 3, dtype, salt=1, device=device)]
+        )
         for r in range(size):
             assert_same(lists[r][0], tagged_values(r, 2, dtype), "all_gather_coalesced")
             assert_same(lists[r][1], tagged_values(r, 3, dtype, salt=1), "all_gather_coalesced")
+
     return case
 
 
@@ -700,24 +745,29 @@ def bad_input_case(rank, size):
     expect_value_error(lambda: dist.broadcast(torch.ones(3), src=size), "broadcast", "src")
     expect_value_error(lambda: dist.reduce(torch.ones(3), dst=size + 3), "reduce", "dst")
     expect_value_error(lambda: dist.send(torch.ones(3), dst=size), "send", "dst")
-    expect_value_error(lambda: dist.all_gather([torch.ones(3)] * (size + 1), torch.ones(3)), "all_gather", "tensor_list")
+    expect_value_error(
+        lambda: dist.all_gather([torch.ones(3)] * (size + 1), torch.ones(3)), "all_gather", "tensor_list"
+    )
     expect_value_error(lambda: dist.all_gather([torch.ones(2)] * size, torch.ones(3)), "all_gather", "elements")
     # Mixed dtypes: torch's own check answers before the backend is reached.
     expect_value_error(lambda: dist.all_gather([torch.ones(3, dtype=torch.int64)] * size, torch.ones(3)), "dtype")
     expect_value_error(
-        lambda: dist.all_gather_into_tensor(torch.empty(size * 3 + 1), torch.ones(3)), "all_gather_into_tensor")
+        lambda: dist.all_gather_into_tensor(torch.empty(size * 3 + 1), torch.ones(3)), "all_gather_into_tensor"
+    )
     expect_value_error(
-        lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(size * 2 + 1)), "reduce_scatter_tensor", "input")
+        lambda: dist.reduce_scatter_tensor(torch.empty(2), torch.ones(size * 2 + 1)), "reduce_scatter_tensor", "input"
+    )
     expect_value_error(
         lambda: dist.all_to_all_single(torch.empty(size), torch.ones(size), None, [size + 1] + [0] * (size - 1)),
-        "all_to_all_single", "split")
+        "all_to_all_single",
+        "split",
+    )
     expect_value_error(lambda: dist.recv(torch.ones(1), src=0, tag=-4), "recv", "tag")
     expect_value_error(lambda: dist.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.float64)]), "dtype")
     # Nothing was queued: the group still works, on every rank, in step.
     check = torch.ones(2)
     dist.all_reduce(check)
     assert_same(check, torch.full((2,), float(size)), "all_reduce after rejected calls")
-
 
 
 def _build_cases() -> dict:

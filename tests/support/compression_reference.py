@@ -1,6 +1,7 @@
 """Gradient compression written plainly in PyTorch, value by value, as kernels/codes.h (int8.h, int4.h,
 quantize.h, topk.h) and strategies/compressed.h specify it: what the kernels and the backend's mean must equal
 bit for bit."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ def words_of(codes: torch.Tensor, per_word: int) -> torch.Tensor:
     (32 // per_word) * (i % per_word), as int32."""
     bits = 32 // per_word
     padded = torch.zeros(math.ceil(codes.numel() / per_word) * per_word, dtype=torch.int64)
-    padded[:codes.numel()] = codes.to(torch.int64)
+    padded[: codes.numel()] = codes.to(torch.int64)
     shifts = torch.arange(per_word, dtype=torch.int64) * bits
     words = (padded.view(-1, per_word) << shifts).sum(dim=1)
     return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
@@ -32,7 +33,7 @@ def block_code(kind: str, r: torch.Tensor, block: int):
     levels = LEVELS[kind]
     sent = torch.zeros_like(r)
     for start in range(0, r.numel(), block):
-        piece = r[start:start + block]
+        piece = r[start : start + block]
         largest = piece.abs().max()
         scale = largest / levels
         if largest > 0:
@@ -40,7 +41,7 @@ def block_code(kind: str, r: torch.Tensor, block: int):
             # two roundings, which moves a code at a tie).
             inverse = torch.tensor(levels, dtype=torch.float32) / largest
             codes = torch.round(piece * inverse).clamp(-levels, levels)
-            sent[start:start + block] = codes * scale
+            sent[start : start + block] = codes * scale
     return r - sent, sent
 
 
@@ -56,7 +57,7 @@ def topk_code(r: torch.Tensor, block: int, keep: int):
     codes against scale = largest |r| / 127 (code = round_half_even(r x (127 / largest))), 0 elsewhere."""
     sent = torch.zeros_like(r)
     for start in range(0, r.numel(), block):
-        piece = r[start:start + block]
+        piece = r[start : start + block]
         largest = piece.abs().max()
         if largest > 0:
             chosen = topk_chosen(piece, keep)
@@ -86,7 +87,7 @@ def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: floa
         new = torch.where(pos, r - t, torch.where(neg, r + t, r))
         block = torch.zeros(math.ceil(chunk / 16), dtype=torch.int32)
         codes = words_of(pos.to(torch.int64) | (neg.to(torch.int64) << 1), 16)
-        block[:codes.numel()] = codes
+        block[: codes.numel()] = codes
         return block, new, sent
     scale = torch.tensor(float(r.abs().double().sum() / count) if count else 0.0, dtype=torch.float32)
     positive = r >= 0
@@ -94,7 +95,7 @@ def quantize(kind: str, residual: torch.Tensor, add, chunk: int, threshold: floa
     block = torch.zeros(1 + math.ceil(chunk / 32), dtype=torch.int32)
     block[0] = scale.view(torch.int32)
     signs = words_of(positive.to(torch.int64), 32)
-    block[1:1 + signs.numel()] = signs
+    block[1 : 1 + signs.numel()] = signs
     return block, r - sent, sent
 
 
@@ -119,8 +120,18 @@ def chunk_for(count: int, nodes: int, kind: str, compress_result=False, block: i
     return chunk_of(count, nodes, kind if kind in BLOCK_KINDS else sums, block)
 
 
-def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_result=False,
-                          result_dtype=torch.float32, residuals=None, block=256, keep=8):
+def compressed_mean_steps(
+    inputs,
+    nodes,
+    steps,
+    kind,
+    threshold=0.5,
+    compress_result=False,
+    result_dtype=torch.float32,
+    residuals=None,
+    block=256,
+    keep=8,
+):
     """The backend's compressed mean of inputs[step][rank] (flat float32), step after step.
 
     nodes: the ranks of each node, in order. residuals: each node's starting first residual.
@@ -149,12 +160,14 @@ def compressed_mean_steps(inputs, nodes, steps, kind, threshold=0.5, compress_re
             lo, hi = min(i * chunk, count), min((i + 1) * chunk, count)
             chunk_sum = None
             for j in range(len(nodes)):
-                _, first[j][lo:hi], sent = quantize(kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold, block,
-                                                    keep)
+                _, first[j][lo:hi], sent = quantize(
+                    kind, first[j][lo:hi], sums[j][lo:hi], chunk, threshold, block, keep
+                )
                 chunk_sum = sent if chunk_sum is None else chunk_sum + sent
             if compress_result:
-                _, second[i][:hi - lo], chunk_sum = quantize(result_kind, second[i][:hi - lo], chunk_sum, chunk,
-                                                             threshold, block, keep)
+                _, second[i][: hi - lo], chunk_sum = quantize(
+                    result_kind, second[i][: hi - lo], chunk_sum, chunk, threshold, block, keep
+                )
             elif result_dtype != torch.float32:
                 chunk_sum = chunk_sum.to(result_dtype).float()
             result[lo:hi] = chunk_sum

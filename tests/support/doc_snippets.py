@@ -9,6 +9,7 @@ page and line. Between pages the default group a page made is destroyed, so the 
 `dist.init_process_group` starts afresh. The first snippet that raises ends the job (its peers would
 wait for it in a collective): rank 0 prints `ok PAGE:LINE` for every snippet that ran and
 `FAILED PAGE:LINE` with the traceback for the one that broke, and the job exits 1."""
+
 import json
 import os
 import sys

@@ -9,6 +9,7 @@ says it has), so the launcher restarts the workers against the store that still 
 attempt's keys. The attempt that survives trains a small model data-parallel and checkpoints it; rank 0
 writes OUT_DIR/result.json.
 """
+
 import datetime
 import json
 import os

@@ -1,4 +1,5 @@
 """torch_chainermn.fsdp on real ranks: FSDP2 with two-hop collectives against FSDP2's own, same group."""
+
 from __future__ import annotations
 
 import warnings
@@ -27,8 +28,11 @@ def sharded_model(reshard_after_forward=True, mixed=False, device="cpu"):
     from torch.distributed.tensor import DeviceMesh
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed
         else MixedPrecisionPolicy()
+    )
     model = make_model().to(device)
     for module in (model[0], model[2], model):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -50,12 +54,21 @@ def trained(two_hop: bool, reshard_after_forward=True, mixed=False, codes=None, 
     """(the full parameters after STEPS of SGD, the FSDP modules' comm objects). codes: (gradients,
     weights) between nodes, else two hops at full precision (two_hop) or FSDP2's own collectives."""
     model = sharded_model(reshard_after_forward, mixed, device)
-    modules = (torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": codes[0]}, weights=codes[1],
-                                                           block=8, threshold=THRESHOLD) if codes
-               else torch_chainermn.fsdp.two_hop(model) if two_hop else [])
+    modules = (
+        torch_chainermn.fsdp.compress_between_nodes(
+            model, compression={"type": codes[0]}, weights=codes[1], block=8, threshold=THRESHOLD
+        )
+        if codes
+        else torch_chainermn.fsdp.two_hop(model)
+        if two_hop
+        else []
+    )
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), STEPS, device=device)
-    comms = [(group._reduce_scatter_comm, group._all_gather_comm)
-             for m in modules for group in m._get_fsdp_state()._fsdp_param_groups]
+    comms = [
+        (group._reduce_scatter_comm, group._all_gather_comm)
+        for m in modules
+        for group in m._get_fsdp_state()._fsdp_param_groups
+    ]
     return [p.full_tensor().detach().float().cpu().clone() for p in model.parameters()], comms
 
 
@@ -64,16 +77,22 @@ def matches_fsdp2() -> dict:
     two hops ran (their buffers exist only once a two-hop call was made)."""
     two_nodes_of_many = torch_chainermn.topology().intra_size > 1
     out = {}
-    for name, kwargs in (("plain", {}), ("hpZ", {"reshard_after_forward": 2}), ("bf16 params", {"mixed": True}),
-                         ("no reshard", {"reshard_after_forward": False})):
+    for name, kwargs in (
+        ("plain", {}),
+        ("hpZ", {"reshard_after_forward": 2}),
+        ("bf16 params", {"mixed": True}),
+        ("no reshard", {"reshard_after_forward": False}),
+    ):
         if name == "hpZ" and not two_nodes_of_many:
             continue
         expected, _ = trained(False, **kwargs)
         got, comms = trained(True, **kwargs)
         assert all(isinstance(rs, TwoHopReduceScatter) and isinstance(ag, TwoHopAllGather) for rs, ag in comms)
-        out[name] = {"difference": max((a - b).abs().max().item() for a, b in zip(got, expected)),
-                     "moved": max((a - b).abs().max().item() for a, b in zip(got, make_model().parameters())),
-                     "two hops ran": all(rs._node_sums is not None and ag._across is not None for rs, ag in comms)}
+        out[name] = {
+            "difference": max((a - b).abs().max().item() for a, b in zip(got, expected)),
+            "moved": max((a - b).abs().max().item() for a, b in zip(got, make_model().parameters())),
+            "two hops ran": all(rs._node_sums is not None and ag._across is not None for rs, ag in comms),
+        }
     return out
 
 
@@ -85,10 +104,12 @@ def coded_training(gradients: str, weights: str = "int8") -> dict:
     mine = torch.cat([p.reshape(-1) for p in got])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return {"difference": max((a - b).abs().max().item() for a, b in zip(got, expected)),
-            "moved": max((a - b).abs().max().item() for a, b in zip(got, make_model().parameters())),
-            "replicas agree": all(torch.equal(e, everyone[0]) for e in everyone),
-            "residuals kept": all(rs.residual is not None and rs.residual.abs().sum() > 0 for rs, _ in comms)}
+    return {
+        "difference": max((a - b).abs().max().item() for a, b in zip(got, expected)),
+        "moved": max((a - b).abs().max().item() for a, b in zip(got, make_model().parameters())),
+        "replicas agree": all(torch.equal(e, everyone[0]) for e in everyone),
+        "residuals kept": all(rs.residual is not None and rs.residual.abs().sum() > 0 for rs, _ in comms),
+    }
 
 
 def quantized(values: torch.Tensor, block: int) -> torch.Tensor:
@@ -96,11 +117,11 @@ def quantized(values: torch.Tensor, block: int) -> torch.Tensor:
     out = torch.zeros_like(values)
     for row in range(values.shape[0]):
         for start in range(0, values.shape[1], block):
-            piece = values[row, start:start + block]
+            piece = values[row, start : start + block]
             largest = piece.abs().max()
             if largest > 0:
                 codes = torch.round(piece * (127.0 / largest)).clamp(-127, 127)
-                out[row, start:start + block] = codes * (largest / 127.0)
+                out[row, start : start + block] = codes * (largest / 127.0)
     return out
 
 
@@ -108,8 +129,9 @@ def carried(code: str, rows: torch.Tensor, block: int, threshold: float, keep: i
     """What each row's code carries (int8: quantized; the others: tests/compression_reference)."""
     if code == "int8":
         return quantized(rows, block)
-    return torch.stack([compression_reference.quantize(code, row, None, row.numel(), threshold, block, keep)[2]
-                        for row in rows])
+    return torch.stack(
+        [compression_reference.quantize(code, row, None, row.numel(), threshold, block, keep)[2] for row in rows]
+    )
 
 
 def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
@@ -146,8 +168,9 @@ def coded_exchange_matches_reference(code: str, device="cpu") -> dict:
         expected = sum(sent[(n, intra)][node] for n in range(nodes))
         worst["reduce-scatter"] = max(worst["reduce-scatter"], (got.cpu() - expected).abs().max().item())
 
-        weights = [torch.randn(shard, generator=torch.Generator().manual_seed(7000 + 100 * step + r))
-                   for r in range(world)]
+        weights = [
+            torch.randn(shard, generator=torch.Generator().manual_seed(7000 + 100 * step + r)) for r in range(world)
+        ]
         gathered = torch.empty(world * shard, device=device)
         all_gather(gathered, weights[rank].to(device), dist.group.WORLD)
         expected = torch.cat([carried(weights_code, w[None], block, threshold, keep)[0] for w in weights])
@@ -162,23 +185,33 @@ def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
     must be equal, and the residuals must not be zero (they were carried). The root holds no
     parameters of its own: 2 residuals, the Linear layers'."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     def run():
         model = sharded_model()
-        torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": gradients, "block": 8,
-                                                                        "threshold": THRESHOLD}, weights="int8")
+        torch_chainermn.fsdp.compress_between_nodes(
+            model, compression={"type": gradients, "block": 8, "threshold": THRESHOLD}, weights="int8"
+        )
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def state_of(model, optimizer):
-        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-                "residuals": torch_chainermn.fsdp.state_dict(model)}
+        return {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+            "residuals": torch_chainermn.fsdp.state_dict(model),
+        }
 
     def finished(model):
         residuals = torch_chainermn.fsdp.state_dict(model)
-        return ([p.full_tensor().detach().clone() for p in model.parameters()],
-                [residuals[k].to_local().clone() for k in sorted(residuals)])
+        return (
+            [p.full_tensor().detach().clone() for p in model.parameters()],
+            [residuals[k].to_local().clone() for k in sorted(residuals)],
+        )
 
     model, optimizer = run()
     train(model, optimizer, 3)
@@ -194,15 +227,18 @@ def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
     torch_chainermn.fsdp.load_state_dict(model, state["residuals"])
     train(model, optimizer, 2, first_step=3)
     resumed = finished(model)
-    return {"parameters equal": all(torch.equal(a, b) for a, b in zip(unbroken[0], resumed[0])),
-            "residuals equal": all(torch.equal(a, b) for a, b in zip(unbroken[1], resumed[1])),
-            "residuals": len(unbroken[1]),
-            "residuals carried": all(r.abs().sum() > 0 for r in unbroken[1])}
+    return {
+        "parameters equal": all(torch.equal(a, b) for a, b in zip(unbroken[0], resumed[0])),
+        "residuals equal": all(torch.equal(a, b) for a, b in zip(unbroken[1], resumed[1])),
+        "residuals": len(unbroken[1]),
+        "residuals carried": all(r.abs().sum() > 0 for r in unbroken[1]),
+    }
 
 
 def bad_input() -> list:
     def sharded():
         from torch.distributed.fsdp import fully_shard
+
         return fully_shard(make_model())
 
     def mismatched_state():
@@ -210,18 +246,23 @@ def bad_input() -> list:
         torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": "2bit"})
         torch_chainermn.fsdp.load_state_dict(model, {"0": torch.zeros(1)})
 
-    return value_errors([lambda: torch_chainermn.fsdp.two_hop(make_model()),
-                         lambda: _gloo_fsdp(),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(
-                             sharded(), compression={"type": "2bit"}, threshold=0.0),
-                         mismatched_state,
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(
-                             sharded(), compression={"type": "int8", "compress_result": True}),
-                         lambda: torch_chainermn.fsdp.compress_between_nodes(
-                             sharded(), gradients="2bit", compression={"type": "2bit"})])
+    return value_errors(
+        [
+            lambda: torch_chainermn.fsdp.two_hop(make_model()),
+            lambda: _gloo_fsdp(),
+            lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
+            lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
+            lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
+            lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), compression={"type": "2bit"}, threshold=0.0),
+            mismatched_state,
+            lambda: torch_chainermn.fsdp.compress_between_nodes(
+                sharded(), compression={"type": "int8", "compress_result": True}
+            ),
+            lambda: torch_chainermn.fsdp.compress_between_nodes(
+                sharded(), gradients="2bit", compression={"type": "2bit"}
+            ),
+        ]
+    )
 
 
 def differing_settings() -> dict:
@@ -230,18 +271,31 @@ def differing_settings() -> dict:
     from torch.distributed.fsdp import fully_shard
 
     first = dist.get_rank() == 0
-    cases = {"old spelling": {"gradients": "2bit", "threshold": 0.5 if first else 0.25},
-             "threshold": {"compression": {"type": "2bit", "threshold": 0.5 if first else 0.25}},
-             "type": {"compression": {"type": "2bit" if first else "1bit"}},
-             "block": {"compression": {"type": "int8", "block": 256 if first else 128}},
-             "keep": {"compression": {"type": "topk", "keep": 8 if first else 4}},
-             "weights": {"weights": "int8" if first else "float32"},
-             "object": {"compression": torch_chainermn.hooks.GradientCompressionState(
-                 type="2bit", threshold=0.5 if first else 0.25)},
-             "refused": {"block": 8 if first else 0}}
-    return dict(zip(cases, value_errors(
-        [lambda kwargs=kwargs: torch_chainermn.fsdp.compress_between_nodes(fully_shard(make_model()), **kwargs)
-         for kwargs in cases.values()])))
+    cases = {
+        "old spelling": {"gradients": "2bit", "threshold": 0.5 if first else 0.25},
+        "threshold": {"compression": {"type": "2bit", "threshold": 0.5 if first else 0.25}},
+        "type": {"compression": {"type": "2bit" if first else "1bit"}},
+        "block": {"compression": {"type": "int8", "block": 256 if first else 128}},
+        "keep": {"compression": {"type": "topk", "keep": 8 if first else 4}},
+        "weights": {"weights": "int8" if first else "float32"},
+        "object": {
+            "compression": torch_chainermn.hooks.GradientCompressionState(type="2bit", threshold=0.5 if first else 0.25)
+        },
+        "refused": {"block": 8 if first else 0},
+    }
+    return dict(
+        zip(
+            cases,
+            value_errors(
+                [
+                    lambda kwargs=kwargs: torch_chainermn.fsdp.compress_between_nodes(
+                        fully_shard(make_model()), **kwargs
+                    )
+                    for kwargs in cases.values()
+                ]
+            ),
+        )
+    )
 
 
 def _gloo_fsdp():
@@ -266,13 +320,15 @@ def old_spelling_warns() -> list:
 
 def cases(directory: str) -> dict:
     # The disagreements first: the cases after them show the group still in step.
-    return {"differing": differing_settings(),
-            "old spelling": old_spelling_warns(),
-            "configs": matches_fsdp2(),
-            "training": {code: coded_training(code) for code in ("int8", "2bit")},
-            "exchange": {code: coded_exchange_matches_reference(code) for code in torch_chainermn.codes.CODES},
-            "checkpoint": checkpoint_resumes_exactly(directory),
-            "errors": bad_input()}
+    return {
+        "differing": differing_settings(),
+        "old spelling": old_spelling_warns(),
+        "configs": matches_fsdp2(),
+        "training": {code: coded_training(code) for code in ("int8", "2bit")},
+        "exchange": {code: coded_exchange_matches_reference(code) for code in torch_chainermn.codes.CODES},
+        "checkpoint": checkpoint_resumes_exactly(directory),
+        "errors": bad_input(),
+    }
 
 
 def cuda_cases() -> dict:

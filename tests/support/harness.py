@@ -22,6 +22,7 @@ the test declared a death or said the group may break (`group_may_break=True`).
 `run_job` runs any command line that way (a launcher and the ranks it starts), for tests that check
 what a whole job does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,9 @@ def cached_launch(launch):
                 outcomes[args] = (False, error)
         succeeded, value = outcomes[args]
         if not succeeded:
-            raise RankFailure(f"the shared launch {launch.__name__}{args} failed (reported once per test "
-                              f"that needs it):\n{value}") from value
+            raise RankFailure(
+                f"the shared launch {launch.__name__}{args} failed (reported once per test that needs it):\n{value}"
+            ) from value
         return value
 
     return cached
@@ -78,8 +80,15 @@ def free_port() -> int:
 
 def torchrun(nproc: int) -> list:
     """torchrun on this machine with `nproc` ranks and a store on a free port: append the script."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port())]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+    ]
 
 
 def _reference(fn) -> str:
@@ -94,8 +103,9 @@ def _resolve(reference: str):
     return target
 
 
-def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_s: float,
-              group_may_break: bool = False) -> None:
+def rank_main(
+    reference: str, args_path: str, out_dir: str, init: bool, timeout_s: float, group_may_break: bool = False
+) -> None:
     """Body of every rank: init, run, write the result (or the traceback) to out_dir/<rank>.pkl, then leave
     together. `group_may_break`: the test means some ranks to die or the default group to break, so a
     broken default group is no failure and the closing barrier may fail."""
@@ -118,8 +128,10 @@ def rank_main(reference: str, args_path: str, out_dir: str, init: bool, timeout_
     if "error" not in outcome and not group_may_break and dist.is_initialized():
         broken = _broken_reason()
         if broken:  # nobody was meant to die and nothing was meant to break it: the run must say so
-            outcome["error"] = (f"the default group broke: {broken}\n(a test that means it to break declares "
-                                f"the death in run_spawn's dies=, or passes group_may_break=True)")
+            outcome["error"] = (
+                f"the default group broke: {broken}\n(a test that means it to break declares "
+                f"the death in run_spawn's dies=, or passes group_may_break=True)"
+            )
     tmp = Path(out_dir) / f".{rank}.tmp"
     with open(tmp, "wb") as f:
         pickle.dump(outcome, f)
@@ -210,7 +222,8 @@ class _TestOutput:
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch_chainermn"]
 IMPORT_TIME_VARIABLES = (
     "OMP_NUM_THREADS",  # by libgomp, when torch loads it
-    "CHAINERMN_FORCE_ABORT_ON_EXCEPTION", "CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS",  # torch_chainermn's except hook
+    "CHAINERMN_FORCE_ABORT_ON_EXCEPTION",
+    "CHAINERMN_FORCE_ABORT_ON_EXCEPTIONS",  # torch_chainermn's except hook
 )
 _forkserver_env: dict | None = None
 
@@ -271,8 +284,11 @@ def _outcomes(out_dir: Path, world_size: int) -> list:
 def _collect(out_dir: Path, world_size: int, how: str) -> list:
     """Every rank's result; RankFailure naming each rank that raised or wrote none (`how`: how the job ended)."""
     outcomes = _outcomes(out_dir, world_size)
-    errors = [f"rank {rank}: no result ({how})" if outcome is None else f"rank {rank} raised:\n{outcome['error']}"
-              for rank, outcome in enumerate(outcomes) if outcome is None or "error" in outcome]
+    errors = [
+        f"rank {rank}: no result ({how})" if outcome is None else f"rank {rank} raised:\n{outcome['error']}"
+        for rank, outcome in enumerate(outcomes)
+        if outcome is None or "error" in outcome
+    ]
     if errors:
         raise RankFailure("\n".join(errors))
     return [outcome["value"] for outcome in outcomes]
@@ -285,7 +301,15 @@ def _write_args(tmp: Path, args, kwargs) -> str:
     return str(path)
 
 
-RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+RENDEZVOUS_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
 
 
 def launcher_free_environment(drop_prefixes: tuple = ()) -> dict:
@@ -326,8 +350,9 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str = "the job",
-           merged: bool = False) -> subprocess.CompletedProcess:
+def launch(
+    command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str = "the job", merged: bool = False
+) -> subprocess.CompletedProcess:
     """Run `command` in a session of its own, its output captured as text (stdout and stderr apart,
     or `merged` into stdout).
 
@@ -336,9 +361,17 @@ def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str
     """
     # stdin from /dev/null: a job never reads the test's input, and mpiexec then forwards none to
     # rank 0 (its forwarding of an open stdin is one more thing that can keep it alive at the end).
-    proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -348,8 +381,9 @@ def launch(command: list, env: dict, timeout: float = 300.0, cwd=REPO, what: str
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise RankFailure(f"{what} was still running after {timeout:.0f} s and was killed. Output:\n"
-                          f"{(out + (err or ''))[-4000:]}") from None
+        raise RankFailure(
+            f"{what} was still running after {timeout:.0f} s and was killed. Output:\n{(out + (err or ''))[-4000:]}"
+        ) from None
     return subprocess.CompletedProcess(command, proc.returncode, out, err or "")
 
 
@@ -359,8 +393,19 @@ def run_job(command: list, env: dict, timeout: float, cwd=REPO, what: str = "the
     return result.returncode, result.stdout
 
 
-def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0, op_timeout=60.0,
-              init=True, dies=None, group_may_break=False, **kwargs) -> list:
+def run_spawn(
+    fn,
+    world_size: int,
+    *args,
+    env=None,
+    rank_env=None,
+    timeout=120.0,
+    op_timeout=60.0,
+    init=True,
+    dies=None,
+    group_may_break=False,
+    **kwargs,
+) -> list:
     """Run fn on world_size new processes (env:// rendezvous, Gloo transport).
 
     `dies`: {rank: how it must end} for the ranks the test means to die, as the harness describes an end
@@ -372,17 +417,20 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
     dies = dict(dies or {})
     port = free_port()
     # Each rank's whole environment: a forkserver's child starts from the server's, not from ours.
-    rank_envs = [{
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        **_base_env(env),
-        **((rank_env or {}).get(rank, {})),
-    } for rank in range(world_size)]
+    rank_envs = [
+        {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            **_base_env(env),
+            **((rank_env or {}).get(rank, {})),
+        }
+        for rank in range(world_size)
+    ]
     ctx = _rank_context(rank_envs)
     with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
         tmp = Path(tmp_name)
@@ -391,8 +439,16 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
         for rank_vars in rank_envs:
             p = ctx.Process(
                 target=_forked_target if ctx.get_start_method() == "forkserver" else _spawn_target,
-                args=(_reference(fn), args_path, str(tmp), init, op_timeout, bool(dies) or group_may_break,
-                      rank_vars, _TestOutput()),
+                args=(
+                    _reference(fn),
+                    args_path,
+                    str(tmp),
+                    init,
+                    op_timeout,
+                    bool(dies) or group_may_break,
+                    rank_vars,
+                    _TestOutput(),
+                ),
             )
             p.start()
             procs.append(p)
@@ -404,8 +460,10 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
             if p.is_alive():
                 p.kill()
                 p.join()
-        ends = {rank: f"still running after {timeout:.0f} s, killed" if rank in hung
-                else _exit_description(p.exitcode) for rank, p in enumerate(procs)}
+        ends = {
+            rank: f"still running after {timeout:.0f} s, killed" if rank in hung else _exit_description(p.exitcode)
+            for rank, p in enumerate(procs)
+        }
         how = ", ".join(f"rank {rank} {end}" for rank, end in ends.items())
         outcomes = _outcomes(tmp, world_size)
         problems = []
@@ -417,7 +475,9 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
                 elif outcome is not None:
                     problems.append(f"{meant} but returned its result, then ended: {ends[rank]}")
                 elif ends[rank] != dies[rank]:
-                    problems.append(f"{meant} but was {ends[rank]}" if rank in hung else f"{meant} but ended: {ends[rank]}")
+                    problems.append(
+                        f"{meant} but was {ends[rank]}" if rank in hung else f"{meant} but ended: {ends[rank]}"
+                    )
             elif outcome is None:
                 problems.append(f"rank {rank}: no result ({how})")
             elif "error" in outcome:
@@ -425,13 +485,16 @@ def run_spawn(fn, world_size: int, *args, env=None, rank_env=None, timeout=120.0
             elif rank in hung or procs[rank].exitcode != 0:
                 problems.append(f"rank {rank} returned its result, then ended badly: {ends[rank]}")
         if problems:
-            raise RankFailure("\n".join(problems) + "\n(a rank meant to die goes in dies=, with its end; see "
-                              "tests/support/harness.py)")
+            raise RankFailure(
+                "\n".join(problems) + "\n(a rank meant to die goes in dies=, with its end; see "
+                "tests/support/harness.py)"
+            )
         return [None if outcome is None else outcome["value"] for outcome in outcomes]
 
 
-def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=60.0, init=True,
-                allow_abnormal_exit=False, **kwargs) -> list:
+def run_mpiexec(
+    fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=60.0, init=True, allow_abnormal_exit=False, **kwargs
+) -> list:
     """Run fn under `mpiexec -n world_size` with no rendezvous variables (MPI transport)."""
     if MPIEXEC is None:
         raise RuntimeError("mpiexec is not installed (make install sets up Open MPI)")
@@ -439,9 +502,19 @@ def run_mpiexec(fn, world_size: int, *args, env=None, timeout=180.0, op_timeout=
         tmp = Path(tmp_name)
         args_path = _write_args(tmp, args, kwargs)
         command = [
-            MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-n", str(world_size),
-            sys.executable, "-m", "tests.support.harness",
-            _reference(fn), args_path, str(tmp), "1" if init else "0", str(op_timeout),
+            MPIEXEC,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-n",
+            str(world_size),
+            sys.executable,
+            "-m",
+            "tests.support.harness",
+            _reference(fn),
+            args_path,
+            str(tmp),
+            "1" if init else "0",
+            str(op_timeout),
         ]
         returncode, text = run_job(command, job_environment(env), timeout, what="mpiexec")
         results = _collect(tmp, world_size, f"mpiexec exited with {returncode}:\n{text[-4000:]}")
@@ -470,8 +543,18 @@ def _run_batch_job(sbatch: list, env: dict, timeout: float, output: Path) -> tup
         time.sleep(0.2)
 
 
-def run_srun(fn, world_size: int, *args, slurm_conf: str, srun_args=(), batch=False, env=None, timeout=120.0,
-             op_timeout=60.0, **kwargs) -> list:
+def run_srun(
+    fn,
+    world_size: int,
+    *args,
+    slurm_conf: str,
+    srun_args=(),
+    batch=False,
+    env=None,
+    timeout=120.0,
+    op_timeout=60.0,
+    **kwargs,
+) -> list:
     """Run fn under Slurm's `srun -n world_size` with no rendezvous variables: `import torch_chainermn`
     reads rank, size and the store's address from srun's SLURM_* variables.
 
@@ -480,8 +563,16 @@ def run_srun(fn, world_size: int, *args, slurm_conf: str, srun_args=(), batch=Fa
     with tempfile.TemporaryDirectory(prefix="chainermn-test-") as tmp_name:
         tmp = Path(tmp_name)
         args_path = _write_args(tmp, args, kwargs)
-        rank_command = [sys.executable, "-m", "tests.support.harness", _reference(fn), args_path, str(tmp), "1",
-                        str(op_timeout)]
+        rank_command = [
+            sys.executable,
+            "-m",
+            "tests.support.harness",
+            _reference(fn),
+            args_path,
+            str(tmp),
+            "1",
+            str(op_timeout),
+        ]
         # A rank that fails ends the step (srun's default waits for the others).
         srun = ["srun", "-n", str(world_size), "--kill-on-bad-exit=1", *srun_args, *rank_command]
         env = job_environment({"SLURM_CONF": slurm_conf, **(env or {})})
@@ -490,7 +581,10 @@ def run_srun(fn, world_size: int, *args, slurm_conf: str, srun_args=(), batch=Fa
             script.write_text("#!/bin/sh\nexec " + " ".join(srun) + "\n")
             returncode, text = _run_batch_job(
                 ["sbatch", "--parsable", "-n", str(world_size), "-o", str(tmp / "job.out"), str(script)],
-                env, timeout, tmp / "job.out")
+                env,
+                timeout,
+                tmp / "job.out",
+            )
         else:
             returncode, text = run_job(srun, env, timeout, what="srun")
         results = _collect(tmp, world_size, f"the Slurm job exited with {returncode}:\n{text[-4000:]}")

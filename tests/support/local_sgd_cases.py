@@ -5,6 +5,7 @@ Every rank is one replica (no DDP inside the replica) unless a case says otherwi
 docstring written again plainly: inner steps alone; at a fragment's sync the mean over the replicas
 of `global - local`; tau steps later the outer optimizer's step on the global value and the merge.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,8 +45,10 @@ def train_step(model, optimizer, rank: int, step: int, device: str = "cpu") -> N
 
 
 def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]
-                     + [b.detach().reshape(-1) for b in model.buffers() if b.is_floating_point()])
+    return torch.cat(
+        [p.detach().reshape(-1) for p in model.parameters()]
+        + [b.detach().reshape(-1) for b in model.buffers() if b.is_floating_point()]
+    )
 
 
 def sgd(params):
@@ -61,6 +64,7 @@ def nesterov(params):
 
 
 # ---- against DDP ----------------------------------------------------------------------------------
+
 
 def ddp_trajectory(rank: int) -> list:
     model = nn.parallel.DistributedDataParallel(make_model())
@@ -81,19 +85,22 @@ def equals_ddp_with_every_step_synced() -> None:
     with torch_chainermn.LocalSGD(model, optimizer, sync_every=1):
         for step in range(1, STEPS + 1):
             train_step(model, optimizer, rank, step)
-            torch.testing.assert_close(flat(model), expected[step - 1], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"LocalSGD, step {step}: {m}")
+            torch.testing.assert_close(
+                flat(model), expected[step - 1], rtol=1e-5, atol=1e-6, msg=lambda m: f"LocalSGD, step {step}: {m}"
+            )
     model = make_model()  # the same seed on every rank: equal replicas, so no broadcast is needed
     inner = sgd(model.parameters())
     outer = torch.optim.SGD(model.parameters(), lr=1.0)
     with torch_chainermn.DiLoCo(model, inner, outer, sync_every=1, start="same"):
         for step in range(1, STEPS + 1):
             train_step(model, inner, rank, step)
-            torch.testing.assert_close(flat(model), expected[step - 1], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"DiLoCo, step {step}: {m}")
+            torch.testing.assert_close(
+                flat(model), expected[step - 1], rtol=1e-5, atol=1e-6, msg=lambda m: f"DiLoCo, step {step}: {m}"
+            )
 
 
 # ---- against the rules, written plainly -----------------------------------------------------------
+
 
 def warm_step(replicas, inners, step: int) -> None:
     """DDP's step for every replica: the replicas' gradients averaged before each inner step."""
@@ -113,8 +120,18 @@ def float_buffers(model) -> list:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
-def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: int, alpha: float,
-                     kind: str, batch_norm: bool, warmup: int = 0) -> list:
+def reference_diloco(
+    world: int,
+    nodes: list,
+    runs: list,
+    H: int,
+    F: int,
+    tau: int,
+    alpha: float,
+    kind: str,
+    batch_norm: bool,
+    warmup: int = 0,
+) -> list:
     """[step][rank] -> flat(replica) for every replica, from the rules.
 
     runs: each fragment's parameter indices (in model.parameters() order).
@@ -153,18 +170,25 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
         after = step - warmup
         for i in range(F):
             if after >= offsets[i] and (after - offsets[i]) % H == 0:
-                deltas = [torch.cat([(g - p).detach().reshape(-1) for g, p in
-                                     zip(params(global_model, i), params(replicas[r], i))]) for r in range(world)]
+                deltas = [
+                    torch.cat(
+                        [(g - p).detach().reshape(-1) for g, p in zip(params(global_model, i), params(replicas[r], i))]
+                    )
+                    for r in range(world)
+                ]
                 if kind == "float32":
                     mean = torch.stack(deltas).mean(0)
                 else:
                     means, residuals[i], _ = compressed.compressed_mean_steps(
-                        [deltas], nodes, 1, "2bit", threshold=THRESHOLD, residuals=residuals[i])
+                        [deltas], nodes, 1, "2bit", threshold=THRESHOLD, residuals=residuals[i]
+                    )
                     mean = means[0]
                 buffer_mean = None
                 if i == 0 and batch_norm:
-                    buffer_mean = [torch.stack([buffers(m)[k] for m in replicas]).mean(0)
-                                   for k in range(len(buffers(global_model)))]
+                    buffer_mean = [
+                        torch.stack([buffers(m)[k] for m in replicas]).mean(0)
+                        for k in range(len(buffers(global_model)))
+                    ]
                 pending[i] = (step + tau, mean, buffer_mean)
         for i in range(F):
             if i in pending and pending[i][0] == step:
@@ -173,7 +197,7 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
                     p.grad = None
                 offset = 0
                 for p in params(global_model, i):
-                    p.grad = mean[offset:offset + p.numel()].view(p.shape).clone()
+                    p.grad = mean[offset : offset + p.numel()].view(p.shape).clone()
                     offset += p.numel()
                 outer.step()
                 with torch.no_grad():
@@ -187,8 +211,9 @@ def reference_diloco(world: int, nodes: list, runs: list, H: int, F: int, tau: i
     return history
 
 
-def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batch_norm: bool,
-                    warmup: int = 0, batch_of=batch) -> list:
+def reference_eager(
+    world: int, nodes: list, runs: list, H: int, kind: str, batch_norm: bool, warmup: int = 0, batch_of=batch
+) -> list:
     """[step][replica] -> flat(replica) under eager updates (DiLoCo's `eager`) for M = world replicas,
     replica r training on batch_of(r, step) (default: one replica per rank, on its rank's batches).
 
@@ -204,7 +229,7 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
     replicas = [make_model(batch_norm) for _ in range(world)]
     inners = [adamw(m.parameters()) for m in replicas]
     globals_ = [make_model(batch_norm) for _ in range(world)]  # every replica's own global value
-    outers = [nesterov(g.parameters()) for g in globals_]      # and its own outer optimizer
+    outers = [nesterov(g.parameters()) for g in globals_]  # and its own outer optimizer
     offsets = [i * H // len(runs) for i in range(len(runs))]
     sizes = [sum(list(replicas[0].parameters())[j].numel() for j in run) for run in runs]
     sent = [[torch.zeros(n) for n in sizes] for _ in range(world)]
@@ -237,9 +262,12 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
         for i in range(len(runs)):
             if not (after >= offsets[i] and (after - offsets[i]) % H == 0):
                 continue
-            fresh = [torch.cat([(g - p).detach().reshape(-1) for g, p in zip(params(globals_[r], i),
-                                                                              params(replicas[r], i))])
-                     for r in range(world)]
+            fresh = [
+                torch.cat(
+                    [(g - p).detach().reshape(-1) for g, p in zip(params(globals_[r], i), params(replicas[r], i))]
+                )
+                for r in range(world)
+            ]
             for r in range(world):
                 if kind == "float32":
                     grad = (sum(sent[q][i] for q in range(world) if q != r) + fresh[r]) / world
@@ -249,7 +277,7 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
                     p.grad = None
                 offset = 0
                 for p in params(globals_[r], i):
-                    p.grad = grad[offset:offset + p.numel()].view(p.shape).clone()
+                    p.grad = grad[offset : offset + p.numel()].view(p.shape).clone()
                     offset += p.numel()
                 outers[r].step()
                 with torch.no_grad():
@@ -260,8 +288,7 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
                 with torch.no_grad():
                     for r in range(world):
                         for k, mine in enumerate(float_buffers(replicas[r])):
-                            mine.copy_((sum(sent_buffers[q][k] for q in range(world) if q != r) + now[r][k])
-                                       / world)
+                            mine.copy_((sum(sent_buffers[q][k] for q in range(world) if q != r) + now[r][k]) / world)
                 sent_buffers = now
             for r in range(world):
                 sent[r][i] = fresh[r]
@@ -269,7 +296,8 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
                 means[i] = torch.stack(fresh).mean(0)
             else:
                 mean, residuals[i], _ = compressed.compressed_mean_steps(
-                    [fresh], nodes, 1, kind, threshold=THRESHOLD, residuals=residuals[i])
+                    [fresh], nodes, 1, kind, threshold=THRESHOLD, residuals=residuals[i]
+                )
                 means[i] = mean[0]
         history.append([flat(m) for m in replicas])
     return history
@@ -278,12 +306,23 @@ def reference_eager(world: int, nodes: list, runs: list, H: int, kind: str, batc
 def diloco_for(model, H, F, tau, kind, alpha=0.5, warmup=0, eager=False):
     inner = adamw(model.parameters())
     outer = nesterov(model.parameters())
-    compression = {"2bit": hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD),
-                   "4bit": {"type": "4bit", "compress_result": True},
-                   "topk": {"type": "topk", "block": 16, "keep": 4, "compress_result": True}}.get(kind)
-    diloco = torch_chainermn.DiLoCo(model, inner, outer, sync_every=H, fragments=F, fragment_delay=tau,
-                                    compression=compression, fragment_update_alpha=alpha, warmup_steps=warmup,
-                                    eager=eager)
+    compression = {
+        "2bit": hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD),
+        "4bit": {"type": "4bit", "compress_result": True},
+        "topk": {"type": "topk", "block": 16, "keep": 4, "compress_result": True},
+    }.get(kind)
+    diloco = torch_chainermn.DiLoCo(
+        model,
+        inner,
+        outer,
+        sync_every=H,
+        fragments=F,
+        fragment_delay=tau,
+        compression=compression,
+        fragment_update_alpha=alpha,
+        warmup_steps=warmup,
+        eager=eager,
+    )
     return inner, outer, diloco
 
 
@@ -300,10 +339,15 @@ def equals_reference(configs) -> None:
         warmup = warm[0] if warm else 0
         model = make_model(batch_norm)
         inner, _, diloco = diloco_for(model, H, F, tau, kind, alpha=alpha, warmup=warmup)
-        expected = reference_diloco(world, nodes, runs_of(diloco, model), H, F, tau, alpha, kind, batch_norm,
-                                    warmup)
-        follows_reference(diloco, model, inner, expected, rank,
-                          f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm} warmup={warmup}")
+        expected = reference_diloco(world, nodes, runs_of(diloco, model), H, F, tau, alpha, kind, batch_norm, warmup)
+        follows_reference(
+            diloco,
+            model,
+            inner,
+            expected,
+            rank,
+            f"H={H} F={F} tau={tau} {kind} batch_norm={batch_norm} warmup={warmup}",
+        )
 
 
 def eager_equals_reference(configs) -> None:
@@ -315,8 +359,9 @@ def eager_equals_reference(configs) -> None:
         model = make_model(batch_norm)
         inner, _, diloco = diloco_for(model, H, F, 0, kind, warmup=warmup, eager=True)
         expected = reference_eager(world, nodes, runs_of(diloco, model), H, kind, batch_norm, warmup)
-        follows_reference(diloco, model, inner, expected, rank,
-                          f"eager H={H} F={F} {kind} batch_norm={batch_norm} warmup={warmup}")
+        follows_reference(
+            diloco, model, inner, expected, rank, f"eager H={H} F={F} {kind} batch_norm={batch_norm} warmup={warmup}"
+        )
 
 
 def follows_reference(diloco, model, inner, expected, rank: int, label: str) -> None:
@@ -324,11 +369,13 @@ def follows_reference(diloco, model, inner, expected, rank: int, label: str) -> 
     with diloco:
         for step in range(1, STEPS + 1):
             train_step(model, inner, rank, step)
-            torch.testing.assert_close(flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{label}, step {step}: {m}")
+            torch.testing.assert_close(
+                flat(model), expected[step - 1][rank], rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}, step {step}: {m}"
+            )
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------
+
 
 def resumes_exactly(configs, eager: bool = False) -> None:
     """Stop after `stop` steps (between syncs, or with a fragment in flight), save, start a new
@@ -345,10 +392,12 @@ def resumes_exactly(configs, eager: bool = False) -> None:
                 if step == stop:
                     if eager:
                         assert any(f.work is not None for f in diloco.fragments), "no exchange in flight"
-                    assert tau == 0 or stop <= warmup or any(f.apply_at is not None for f in diloco.fragments), \
+                    assert tau == 0 or stop <= warmup or any(f.apply_at is not None for f in diloco.fragments), (
                         "none in flight"
-                    saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(),
-                                           "diloco": diloco.state_dict()})
+                    )
+                    saved = copy.deepcopy(
+                        {"model": model.state_dict(), "inner": inner.state_dict(), "diloco": diloco.state_dict()}
+                    )
         straight = flat(model)
 
         model = make_model(batch_norm=True)
@@ -359,6 +408,7 @@ def resumes_exactly(configs, eager: bool = False) -> None:
             # DiLoCo's state is the same on every rank, as DCP takes a plain tensor to be; the
             # replicas' own models and inner optimizers differ between syncs, so they are not.
             import torch.distributed.checkpoint as dcp
+
             template = {"diloco": diloco.state_dict()}
             directory = [tempfile.mkdtemp(prefix="diloco-dcp-") if rank == 0 else None]
             dist.broadcast_object_list(directory)
@@ -371,22 +421,26 @@ def resumes_exactly(configs, eager: bool = False) -> None:
         with diloco:
             for step in range(stop + 1, STEPS + 1):
                 train_step(model, inner, rank, step)
-        assert torch.equal(flat(model), straight), \
-            f"H={H} F={F} tau={tau} {kind} eager={eager}, stopped after {stop}, dcp={through_dcp}: " \
+        assert torch.equal(flat(model), straight), (
+            f"H={H} F={F} tau={tau} {kind} eager={eager}, stopped after {stop}, dcp={through_dcp}: "
             f"max difference {(flat(model) - straight).abs().max()}"
+        )
         if eager:  # an eager state does not load into a DiLoCo without eager updates
             other = make_model(batch_norm=True)
             _, _, plain = diloco_for(other, H, F, tau, kind, warmup=warmup)
             try:
                 plain.load_state_dict(saved["diloco"])
             except ValueError as error:
-                assert "DiLoCo.load_state_dict: the state was saved with eager=True, this DiLoCo has eager=False" \
-                    in str(error), error
+                assert (
+                    "DiLoCo.load_state_dict: the state was saved with eager=True, this DiLoCo has eager=False"
+                    in str(error)
+                ), error
             else:
                 raise AssertionError("an eager state loaded into a DiLoCo without eager updates")
 
 
 # ---- one replica per node -------------------------------------------------------------------------
+
 
 def one_replica_per_node() -> None:
     """DDP over node_group(), DiLoCo over the world: the node's ranks stay equal (they train one
@@ -418,16 +472,21 @@ def one_replica_per_node() -> None:
 
     model = nn.parallel.DistributedDataParallel(make_model(), process_group=node)
     inner, _, diloco = diloco_for(model, 3, 1, 0, "float32", eager=True)
-    expected = reference_eager(len(nodes), nodes, runs_of(diloco, model), 3, "float32", False,
-                               batch_of=node_batch)
+    expected = reference_eager(len(nodes), nodes, runs_of(diloco, model), 3, "float32", False, batch_of=node_batch)
     with diloco:
         for step in range(1, STEPS + 1):
             train_step(model, inner, rank, step)
-            torch.testing.assert_close(flat(model), expected[step - 1][topo.node_of_rank[rank]], rtol=1e-5,
-                                       atol=1e-6, msg=lambda m: f"eager, one replica per node, step {step}: {m}")
+            torch.testing.assert_close(
+                flat(model),
+                expected[step - 1][topo.node_of_rank[rank]],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m: f"eager, one replica per node, step {step}: {m}",
+            )
 
 
 # ---- bad input ------------------------------------------------------------------------------------
+
 
 def bad_input() -> list:
     """The ValueError each bad call raises on this rank ("" where none was raised)."""
@@ -440,8 +499,12 @@ def bad_input() -> list:
             unequal[2].bias[1] += 1.0
 
     def diloco(of=model, **kwargs):
-        args = {"model": of, "inner_optimizer": adamw(of.parameters()),
-                "outer_optimizer": nesterov(of.parameters()), "sync_every": 4}
+        args = {
+            "model": of,
+            "inner_optimizer": adamw(of.parameters()),
+            "outer_optimizer": nesterov(of.parameters()),
+            "sync_every": 4,
+        }
         args.update(kwargs)
         return torch_chainermn.DiLoCo(**args)
 
@@ -449,49 +512,67 @@ def bad_input() -> list:
         lambda: diloco(sync_every=0),
         lambda: torch_chainermn.LocalSGD(model, adamw(model.parameters()), sync_every=0),
         lambda: diloco(fragments=0),
-        lambda: diloco(fragments=5),                       # 4 parameters
-        lambda: diloco(fragments=2, fragment_delay=2),      # must be < 4 / 2
+        lambda: diloco(fragments=5),  # 4 parameters
+        lambda: diloco(fragments=2, fragment_delay=2),  # must be < 4 / 2
         lambda: diloco(outer_optimizer=nesterov(other.parameters())),
         lambda: diloco(compression="2bit"),
-        lambda: diloco(of=nn.Linear(6, 3 + rank)),          # shapes differ across ranks
-        lambda: diloco(sync_every=0 if rank == 1 else 4),   # bad on one rank only
+        lambda: diloco(of=nn.Linear(6, 3 + rank)),  # shapes differ across ranks
+        lambda: diloco(sync_every=0 if rank == 1 else 4),  # bad on one rank only
         lambda: diloco(fragment_delay=1 if rank == 0 else 0),  # settings differ across ranks
         lambda: diloco(warmup_steps=-1),
         lambda: diloco(start="rank0"),
-        lambda: diloco(of=unequal, start="same"),           # replicas that do not start equal
+        lambda: diloco(of=unequal, start="same"),  # replicas that do not start equal
         lambda: torch_chainermn.LocalSGD(unequal, adamw(unequal.parameters()), sync_every=2, start="same"),
-        lambda: diloco(eager=True, fragment_delay=1),      # eager has no delayed mean to merge
+        lambda: diloco(eager=True, fragment_delay=1),  # eager has no delayed mean to merge
         lambda: diloco(eager="yes"),
-        lambda: diloco(eager=rank == 0),                    # eager on one rank only
+        lambda: diloco(eager=rank == 0),  # eager on one rank only
     ]
     return value_errors(calls)
 
 
 def two_nodes_of_one() -> list:
     equals_ddp_with_every_step_synced()
-    equals_reference([(3, 1, 0, "float32", False, 0.5), (3, 2, 1, "2bit", False, 0.5),
-                      (2, 2, 0, "float32", False, 0.5, 3)])  # a warm start of 3 steps
+    equals_reference(
+        [(3, 1, 0, "float32", False, 0.5), (3, 2, 1, "2bit", False, 0.5), (2, 2, 0, "float32", False, 0.5, 3)]
+    )  # a warm start of 3 steps
     eager_equals_reference([(3, 1, "float32", False, 0), (2, 2, "2bit", False, 0)])
     return bad_input()
 
 
 def two_nodes_of_two() -> None:
     equals_ddp_with_every_step_synced()
-    equals_reference([(3, 1, 0, "float32", True, 0.5), (3, 2, 0, "float32", False, 0.5),
-                      (3, 2, 1, "float32", True, 0.25), (3, 1, 0, "2bit", False, 0.5), (3, 2, 1, "2bit", True, 0.5),
-                      (3, 2, 1, "2bit", True, 0.5, 2)])  # a warm start of 2 steps, with buffers
-    resumes_exactly([(3, 1, 0, "float32", 4, False),   # between syncs
-                     (3, 2, 1, "2bit", 4, False),      # fragment 1 in flight (started at 4, applied at 5)
-                     (3, 2, 1, "2bit", 4, True),       # the same through torch.distributed.checkpoint
-                     (3, 2, 1, "2bit", 2, False, 3)])  # during a warm start of 3 steps
+    equals_reference(
+        [
+            (3, 1, 0, "float32", True, 0.5),
+            (3, 2, 0, "float32", False, 0.5),
+            (3, 2, 1, "float32", True, 0.25),
+            (3, 1, 0, "2bit", False, 0.5),
+            (3, 2, 1, "2bit", True, 0.5),
+            (3, 2, 1, "2bit", True, 0.5, 2),
+        ]
+    )  # a warm start of 2 steps, with buffers
+    resumes_exactly(
+        [
+            (3, 1, 0, "float32", 4, False),  # between syncs
+            (3, 2, 1, "2bit", 4, False),  # fragment 1 in flight (started at 4, applied at 5)
+            (3, 2, 1, "2bit", 4, True),  # the same through torch.distributed.checkpoint
+            (3, 2, 1, "2bit", 2, False, 3),
+        ]
+    )  # during a warm start of 3 steps
     eager_equals_reference([(3, 1, "float32", True, 0), (3, 2, "2bit", True, 0), (3, 1, "float32", True, 2)])
-    resumes_exactly([(3, 1, 0, "float32", 4, False),   # round 1's exchange in flight (started at 3)
-                     (3, 2, 0, "4bit", 5, False),      # both fragments' in flight
-                     (3, 1, 0, "topk", 7, False)], eager=True)
+    resumes_exactly(
+        [
+            (3, 1, 0, "float32", 4, False),  # round 1's exchange in flight (started at 3)
+            (3, 2, 0, "4bit", 5, False),  # both fragments' in flight
+            (3, 1, 0, "topk", 7, False),
+        ],
+        eager=True,
+    )
     one_replica_per_node()
 
 
 # ---- CUDA (tests/test_cuda_torch_parallel.py) -----------------------------------------------------
+
 
 def cuda_matches_cpu() -> dict:
     """Streaming DiLoCo (H=3, F=2, tau=1, BatchNorm) with the model on the GPU and on the CPU, float32
@@ -512,6 +593,8 @@ def cuda_matches_cpu() -> dict:
                     trajectory.append(flat(model).cpu())
             trajectories[device] = trajectory
         cpu, cuda = trajectories["cpu"], trajectories["cuda"]
-        outcome[kind] = {"difference": max((a - b).abs().max().item() for a, b in zip(cpu, cuda)),
-                         "moved": (cuda[-1] - cuda[0]).abs().max().item()}
+        outcome[kind] = {
+            "difference": max((a - b).abs().max().item() for a, b in zip(cpu, cuda)),
+            "moved": (cuda[-1] - cuda[0]).abs().max().item(),
+        }
     return outcome

@@ -7,6 +7,7 @@ when the call returned), whether its output was left untouched, and whether the 
 step afterwards. Used by tests/test_agreement.py (chainermn) and tools/bad_inputs.py (docs/benchmarks.md's
 table, chainermn beside gloo).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -21,6 +22,7 @@ def case(name: str):
     def register(build):
         CASES[name] = build
         return build
+
     return register
 
 
@@ -153,6 +155,7 @@ def _(rank, size):
     def call(g):
         with dist._coalescing_manager(group=g):
             dist.all_gather_into_tensor(out, t, group=g)
+
     return call, [out]
 
 
@@ -164,6 +167,7 @@ def _(rank, size):
     def call(g):
         with dist._coalescing_manager(group=g):
             dist.reduce_scatter_tensor(out, inp, group=g)
+
     return call, [out]
 
 
@@ -192,6 +196,7 @@ def _(rank, size):
 # ---- dtypes ---------------------------------------------------------------------------------------
 def _dtype_case(op_name, build):
     for other in (torch.float64, torch.int32, torch.float16):
+
         @case(f"{op_name}: float32 vs {str(other).removeprefix('torch.')}")
         def _(rank, size, other=other):
             return build(rank, size, other if odd(rank) else torch.float32)
@@ -295,6 +300,7 @@ def _(rank, size):
 
 
 for _op_name, _other in (("MAX", dist.ReduceOp.MAX), ("AVG", dist.ReduceOp.AVG), ("PRODUCT", dist.ReduceOp.PRODUCT)):
+
     @case(f"all_reduce: op SUM vs {_op_name}")
     def _(rank, size, other=_other):
         return _all_reduce(ones(8) * (rank + 2), op=other if odd(rank) else dist.ReduceOp.SUM)
@@ -404,6 +410,7 @@ def _p2p(send_n, recv_n, send_dtype=torch.float32, recv_dtype=torch.float32):
             t = torch.zeros(recv_n, dtype=recv_dtype)
             return (lambda g: dist.recv(t, group=g, group_src=0)), [t]
         return (lambda g: None), []
+
     return build
 
 
@@ -443,6 +450,9 @@ def run_battery(names=None, timeout_s: float = 0, fresh_groups: bool = False) ->
         untouched = all(torch.equal(a, b) for a, b in zip(before, outputs))
         probe = torch.ones(3)
         in_step = _outcome(lambda g: dist.all_reduce(probe, group=g), group, rank)
-        results[name] = {"got": got, "untouched": untouched,
-                         "in_step": in_step == "silent" and probe.tolist() == [float(size)] * 3}
+        results[name] = {
+            "got": got,
+            "untouched": untouched,
+            "in_step": in_step == "silent" and probe.tolist() == [float(size)] * 3,
+        }
     return results

@@ -5,6 +5,7 @@ assert on their parts of the report. Processes are costly on a small machine, ch
 Every check compares against the same computation on one process: every rank builds every part of
 the model from one seed (float64), keeps its own part, and also runs the whole model locally.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -47,6 +48,7 @@ def sub_communicator(size, timeout=60.0):
 
 # ==== functions =====================================================================================
 
+
 def check_send_recv_chain(comm):
     """A chain over every rank: h <- tanh(h @ W_r), sent on; tuples with an int tensor and a float32
     tensor travel along (no gradient for the int)."""
@@ -68,13 +70,13 @@ def check_send_recv_chain(comm):
         if rank < size - 1:
             F.send((h, got_labels, got_extra), comm, rank=rank + 1).backward()
         else:
-            (h ** 2).sum().backward()
+            (h**2).sum().backward()
     F.drain(comm)
     ref = [w.detach().clone().requires_grad_() for w in ws]
     h = x
     for w in ref:
         h = torch.tanh(h @ w)
-    (h ** 2).sum().backward()
+    (h**2).sum().backward()
     close(ws[rank].grad, ref[rank].grad, f"grad of W on rank {rank}")
 
 
@@ -177,7 +179,7 @@ def check_scatter(comm):
         xs = [leaf(80 + r, r + 2) for r in range(size)] if rank == root else None
         y = F.scatter(comm, xs, root=root)
         assert torch.equal(y.detach(), data(80 + rank, rank + 2))
-        ((y ** 2) * (rank + 1)).sum().backward()
+        ((y**2) * (rank + 1)).sum().backward()
         if rank == root:
             for r, x in enumerate(xs):
                 close(x.grad, 2 * (r + 1) * data(80 + r, r + 2), f"scatter grad of xs[{r}], root {root}")
@@ -208,7 +210,7 @@ def check_ensemble_allgather(comm):
     x = data(130, 5, 4)
     h = F.allgather(comm, x @ ws[rank])
     mean = torch.stack(h, dim=0).mean(dim=0)
-    (mean ** 2).sum().backward()  # every rank backprops its own copy: gradients add up
+    (mean**2).sum().backward()  # every rank backprops its own copy: gradients add up
     ref = [w.detach().clone().requires_grad_() for w in ws]
     ((torch.stack([x @ w for w in ref]).mean(0) ** 2).sum() * size).backward()
     close(ws[rank].grad, ref[rank].grad, "ensemble grad")
@@ -276,6 +278,7 @@ def function_checks(comm):
 
 # ==== running a battery =============================================================================
 
+
 def run_checks(checks, report: dict, prefix: str = "") -> None:
     """Run each (name, fn) in order, recording None or the traceback; ranks meet after each check."""
     for name, fn in checks:
@@ -295,8 +298,11 @@ def battery(sizes, parts):
     for size in sizes:
         comm = sub_communicator(size)
         if "functions" in parts:
-            run_checks(function_checks(comm) if comm else [(n, lambda: None) for n, _ in function_checks(None)],
-                       report, f"functions[{size}]:")
+            run_checks(
+                function_checks(comm) if comm else [(n, lambda: None) for n, _ in function_checks(None)],
+                report,
+                f"functions[{size}]:",
+            )
         if "model_parallel" in parts:
             checks = chain_cases.chain_checks(comm, size)
             run_checks(checks if comm else [(n, lambda: None) for n, _ in checks], report, f"chain[{size}]:")
@@ -327,6 +333,7 @@ def assert_passed(name: str) -> None:
 
 
 # ==== CUDA (a GPU machine only) =====================================================================
+
 
 def cuda_checks():
     """send/recv, a pipelined chain and two collectives with CUDA tensors on a 2-rank world, against
@@ -360,7 +367,10 @@ def cuda_checks():
     torch.nn.functional.mse_loss(reference(data(700, 10, 4)), target).backward()
     chain = torch_chainermn.MultiNodeChainList(comm, micro_batches=4, schedule="1f1b")
     chain.add_link(stage.to(cuda), rank_in=None if rank == 0 else 0, rank_out=1 if rank == 0 else None)
-    chain.step(*((data(700, 10, 4).to(cuda),) if rank == 0 else ()), target=target.to(cuda) if rank else None,
-               loss_fn=torch.nn.functional.mse_loss)
+    chain.step(
+        *((data(700, 10, 4).to(cuda),) if rank == 0 else ()),
+        target=target.to(cuda) if rank else None,
+        loss_fn=torch.nn.functional.mse_loss,
+    )
     close(stage.lin.weight.grad.cpu(), reference[rank].lin.weight.grad, "CUDA 1F1B grad")
     return True

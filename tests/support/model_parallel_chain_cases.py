@@ -1,6 +1,7 @@
 """MultiNodeChainList, pipelining, the multi-node RNN, hybrid parallelism and the forgotten-delegate
 error: checks of the battery in model_parallel_cases.py (same conventions: float64, every rank
 builds the whole model from seeds and compares its own part with one process's computation)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -74,6 +75,7 @@ def same_grads(mine, reference, what):
 
 # ---- ChainerMN's split MLP (rank 0 -> rank 1 -> rank 0), trained ------------------------------------
 
+
 def check_split_mlp_training(comm, micro_batches):
     if comm.rank > 1:
         return
@@ -104,6 +106,7 @@ def check_split_mlp_training(comm, micro_batches):
 
 
 # ---- a graph with tuples, several rank_in and rank_out, and a hand-over to this rank itself ------------
+
 
 class Pair(torch.nn.Module):
     def __init__(self):
@@ -155,6 +158,7 @@ def check_graph_chain(comm, micro_batches):
 
 # ---- pipelining: every schedule gives the unpipelined gradients ------------------------------------------
 
+
 class Stage(torch.nn.Module):
     def __init__(self, n):
         super().__init__()
@@ -177,9 +181,12 @@ def check_pipeline_schedules(comm):
     for variant in ("unpipelined", "forward", "gpipe", "1f1b", "gpipe first", "1f1b first"):
         module = copy.deepcopy(stages[rank])
         first = variant.endswith("first")
-        chain = MultiNodeChainList(comm, micro_batches=1 if variant == "unpipelined" else 4,
-                                   schedule="1f1b" if variant.startswith("1f1b") else "gpipe",
-                                   input_gradients_first=first)
+        chain = MultiNodeChainList(
+            comm,
+            micro_batches=1 if variant == "unpipelined" else 4,
+            schedule="1f1b" if variant.startswith("1f1b") else "gpipe",
+            input_gradients_first=first,
+        )
         chain.add_link(module, rank_in=rank_in, rank_out=rank_out)
         inputs = (x,) if rank == 0 else ()
         if variant in ("unpipelined", "forward"):
@@ -220,6 +227,7 @@ def sends_and_weight_gradients(module):
 
 
 # ---- the multi-node RNN: an encoder on rank 0, a decoder on rank 1 -----------------------------------------
+
 
 def check_multi_node_rnn(comm):
     if comm.rank > 1:
@@ -264,8 +272,9 @@ def check_chain_errors(comm):
     tangled.add_link(Stage(2).to(DT), rank_in=None if rank == 0 else rank - 1, rank_out=(rank + 1) % size)
     if rank == 0:
         tangled.add_link(Stage(2).to(DT), rank_in=size - 1, rank_out=None)
-    expect(ValueError, lambda: tangled.step(data(2, 4, 2), target=data(3, 4, 2), loss_fn=nnf.mse_loss),
-           "1F1B", "linear")
+    expect(
+        ValueError, lambda: tangled.step(data(2, 4, 2), target=data(3, 4, 2), loss_fn=nnf.mse_loss), "1F1B", "linear"
+    )
 
 
 def chain_checks(comm, size):
@@ -277,12 +286,15 @@ def chain_checks(comm, size):
         ("chain_errors", lambda: check_chain_errors(comm)),
     ]
     if size >= 3:
-        checks += [("graph_chain", lambda: check_graph_chain(comm, 1)),
-                   ("graph_chain_pipelined", lambda: check_graph_chain(comm, 2))]
+        checks += [
+            ("graph_chain", lambda: check_graph_chain(comm, 1)),
+            ("graph_chain_pipelined", lambda: check_graph_chain(comm, 2)),
+        ]
     return checks
 
 
 # ---- on the whole world -----------------------------------------------------------------------------------
+
 
 def check_hybrid():
     """4 ranks: 2 pipeline stages, each replicated twice. Stage s of replica r is world rank 2r + s;
@@ -293,7 +305,7 @@ def check_hybrid():
         return
     world = Communicator()
     replica, stage = world.rank // 2, world.rank % 2
-    pipe = world.split(replica, stage)      # the two stages of one replica
+    pipe = world.split(replica, stage)  # the two stages of one replica
     replicas = world.split(stage, replica)  # one stage's replicas: data parallel
     parts = [built(60, MLP, 6, 8, 5), built(61, MLP, 5, 8, 3)]
     reference = torch.nn.Sequential(*copy.deepcopy(parts))
@@ -337,15 +349,26 @@ def check_forgotten_delegate():
         y1 = F.recv(comm, rank=1, delegate_variable=phi1)
         phi2 = F.send(y1 * 2, comm, rank=1)
         y2 = F.recv(comm, rank=1, delegate_variable=phi2)
-        expect(dist.DistBackendError, lambda: y2.sum().backward(), "send #0 to rank 1", "delegate_variable",
-               "pseudo_connect", "timed out")
+        expect(
+            dist.DistBackendError,
+            lambda: y2.sum().backward(),
+            "send #0 to rank 1",
+            "delegate_variable",
+            "pseudo_connect",
+            "timed out",
+        )
     else:
         z1 = F.recv(comm, rank=0)
-        F.send(z1 @ w, comm, rank=0)             # phi1 dropped: the mistake
-        z2 = F.recv(comm, rank=0)                # no delegate_variable
+        F.send(z1 @ w, comm, rank=0)  # phi1 dropped: the mistake
+        z2 = F.recv(comm, rank=0)  # no delegate_variable
         F.send(z2 @ w, comm, rank=0).backward()  # reaches the second send only
-        expect(RuntimeError, lambda: F.recv(comm, rank=0), "gradient where an activation was due",
-               "send #0 to rank 0", "delegate")
+        expect(
+            RuntimeError,
+            lambda: F.recv(comm, rank=0),
+            "gradient where an activation was due",
+            "send #0 to rank 0",
+            "delegate",
+        )
 
 
 def world_checks():

@@ -13,6 +13,7 @@ Every rank writes OUT_DIR/rank{R}.json: the steps it finished, where it resumed 
 and how it ended (the exception's type and text and the wall-clock time it was raised), and
 OUT_DIR/params{R}.pt with its parameters when it finished.
 """
+
 import argparse
 import datetime
 import json
@@ -50,11 +51,16 @@ def main() -> None:
     args = parse_args()
     if args.hook:
         from torch_chainermn import global_except_hook
+
         global_except_hook.add_hook()
     dist.init_process_group("chainermn", timeout=datetime.timedelta(seconds=args.timeout))
     rank = dist.get_rank()
-    report = {"rank": rank, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "steps": 0,
-              "resumed_from": 0}
+    report = {
+        "rank": rank,
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "steps": 0,
+        "resumed_from": 0,
+    }
     out = args.out / f"rank{rank}.json"
 
     def write(**fields):
@@ -69,8 +75,9 @@ def main() -> None:
     checkpointer = None
     start = 0
     if args.checkpoint:
-        checkpointer = torch_chainermn.create_multi_node_checkpointer("job", path=args.out / "checkpoints",
-                                                                      cp_interval=1, gc_interval=100)
+        checkpointer = torch_chainermn.create_multi_node_checkpointer(
+            "job", path=args.out / "checkpoints", cp_interval=1, gc_interval=100
+        )
         state, start = checkpointer.maybe_load()
         if state is not None:
             model.load_state_dict(state["model"])

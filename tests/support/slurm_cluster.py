@@ -6,6 +6,7 @@ sets up.
     with slurm_cluster(tmp_path) as env:      # env: this environment plus SLURM_CONF
         subprocess.run(["srun", "-n", "2", ...], env=env)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,11 @@ START_TIMEOUT_S = 30
 
 def missing() -> str | None:
     """Why no cluster can be started here, or None."""
-    absent = [p for p in DAEMONS + ("srun", "sbatch", "sinfo") if shutil.which(p) is None
-              and not Path("/usr/sbin", p).exists()]
+    absent = [
+        p
+        for p in DAEMONS + ("srun", "sbatch", "sinfo")
+        if shutil.which(p) is None and not Path("/usr/sbin", p).exists()
+    ]
     if absent:
         return f"Slurm is not installed ({', '.join(absent)} missing): `make install` installs it as root"
     if os.getuid() != 0:
@@ -91,17 +95,36 @@ def slurm_cluster(directory: Path):
     daemons = []
     try:
         # Each in the foreground, so that it is our child and we stop exactly it.
-        daemons.append(subprocess.Popen(
-            [_sbin("munged"), "--foreground", "--force", f"--socket={run}/munge.socket", f"--key-file={key}",
-             f"--pid-file={run}/munged.pid", f"--log-file={run}/munged.log", f"--seed-file={run}/munged.seed"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        daemons.append(
+            subprocess.Popen(
+                [
+                    _sbin("munged"),
+                    "--foreground",
+                    "--force",
+                    f"--socket={run}/munge.socket",
+                    f"--key-file={key}",
+                    f"--pid-file={run}/munged.pid",
+                    f"--log-file={run}/munged.log",
+                    f"--seed-file={run}/munged.seed",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
         while not (run / "munge.socket").exists():
             _check_alive(daemons, run)
             time.sleep(0.05)
-        daemons.append(subprocess.Popen([_sbin("slurmctld"), "-D", "-i"], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        daemons.append(subprocess.Popen([_sbin("slurmd"), "-D", "-N", host], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        daemons.append(
+            subprocess.Popen(
+                [_sbin("slurmctld"), "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
+        )
+        daemons.append(
+            subprocess.Popen(
+                [_sbin("slurmd"), "-D", "-N", host], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             _check_alive(daemons, run)
@@ -109,8 +132,10 @@ def slurm_cluster(directory: Path):
             if state.stdout.strip() == "idle":
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the Slurm node is not idle after {START_TIMEOUT_S} s ({state.stdout.strip()}"
-                                   f"{state.stderr.strip()}):\n{_logs(run)}")
+                raise RuntimeError(
+                    f"the Slurm node is not idle after {START_TIMEOUT_S} s ({state.stdout.strip()}"
+                    f"{state.stderr.strip()}):\n{_logs(run)}"
+                )
             time.sleep(0.2)
         yield env
     finally:

@@ -3,6 +3,7 @@
 One process group per strategy is made in the same processes (`new_group(..., pg_options=Options(...))`),
 so one launch per topology covers them all. Case names do not depend on the topology.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -14,8 +15,13 @@ import torch_chainermn
 from tests.support.collective_cases import assert_same, expect_value_error, reference_reduce, small_values
 
 STRATEGIES = ["naive", "flat", "hierarchical", "two_dimensional", "single_node"]
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "int64": torch.int64}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
 SIZES = [0, 1, 7, (1 << 18) + 3]  # the last is over one shared-memory chunk (1 MiB) in every dtype but 16-bit
 
 
@@ -83,8 +89,9 @@ def run_strategy_cases() -> dict:
         except Exception:  # noqa: BLE001
             outcome[f"{name}-buffers"] = traceback.format_exc()
     # pure_nccl is for CUDA tensors: a CPU tensor is refused on the calling rank, naming it.
-    group = dist.new_group(list(range(size)), backend="chainermn",
-                           pg_options=torch_chainermn.Options(communicator="pure_nccl"))
+    group = dist.new_group(
+        list(range(size)), backend="chainermn", pg_options=torch_chainermn.Options(communicator="pure_nccl")
+    )
     try:
         expect_value_error(lambda: dist.all_reduce(torch.ones(3), group=group), "pure_nccl", "CUDA")
         outcome["pure_nccl-refuses-cpu"] = None

@@ -30,6 +30,7 @@ end, writes its parameters to final-...pt; its output goes to log-...txt. The co
 from outside) and restarts replicas, reads the progress, and sets the step at which every rank
 stops (<out>/stop).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,12 +49,16 @@ MODEL = {"inputs": 16, "hidden": 32, "classes": 4, "batch": 8, "lr": 0.05, "mome
 
 # ------------------------------------------------------------------------------------ the model
 
+
 def make_model(model: dict):
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(model["inputs"], model["hidden"]), torch.nn.ReLU(),
-                               torch.nn.Linear(model["hidden"], model["classes"]))
+    return torch.nn.Sequential(
+        torch.nn.Linear(model["inputs"], model["hidden"]),
+        torch.nn.ReLU(),
+        torch.nn.Linear(model["hidden"], model["classes"]),
+    )
 
 
 def make_optimizer(model: dict, parameters):
@@ -67,8 +72,10 @@ def batch(model: dict, step: int, group_rank: int):
     import torch
 
     generator = torch.Generator().manual_seed(step * 1009 + group_rank)
-    return (torch.rand(model["batch"], model["inputs"], generator=generator),
-            torch.randint(model["classes"], (model["batch"],), generator=generator))
+    return (
+        torch.rand(model["batch"], model["inputs"], generator=generator),
+        torch.randint(model["classes"], (model["batch"],), generator=generator),
+    )
 
 
 def sum_in_rank_order(rows):
@@ -112,11 +119,12 @@ def _replay(model: dict, steps: int, ranks: int) -> list:
 def _set_grads(net, flat) -> None:
     offset = 0
     for p in net.parameters():
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
 
 
 # ------------------------------------------------------------------------------------ one rank
+
 
 def _fixed_ddp_class():
     """torchft's DistributedDataParallel with its comm hook made to survive a failed allreduce.
@@ -188,8 +196,9 @@ def _train(config: dict, out: Path, name: str) -> None:
         ft_pg = ProcessGroupGloo(timeout=timeout)
 
     # The replica group: its store (rank 0 hosts it) and its own process group.
-    store = dist.TCPStore("127.0.0.1", config["store_port"], ranks, is_master=rank == 0,
-                          wait_for_workers=False, timeout=timeout)
+    store = dist.TCPStore(
+        "127.0.0.1", config["store_port"], ranks, is_master=rank == 0, wait_for_workers=False, timeout=timeout
+    )
     dist.init_process_group(backend, store=store, rank=rank, world_size=ranks, timeout=timeout)
     progress.write(json.dumps({"event": "replica group", "t": time.time()}) + "\n")
 
@@ -203,17 +212,28 @@ def _train(config: dict, out: Path, name: str) -> None:
         net.load_state_dict(state["model"])
         inner.load_state_dict(state["optim"])
 
-    manager = Manager(pg=ft_pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                      replica_id=str(replica), store_addr="127.0.0.1", store_port=config["store_port"],
-                      rank=rank, world_size=ranks, lighthouse_addr=config["lighthouse"], port=0,
-                      timeout=timeout, quorum_timeout=timedelta(seconds=config["quorum_timeout_s"]),
-                      connect_timeout=timeout,
-                      # Every replica starts from the same seeded weights, so no sync at step 0 (as torchft
-                      # advises). With it, when both replicas form the first quorum together, one of them
-                      # "heals" in each group rank's group, sends zeros, and is still counted in the
-                      # average: step 0's update is halved (the replay check caught it). A replica that
-                      # restarts behind the others heals as before.
-                      init_sync=False)
+    manager = Manager(
+        pg=ft_pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=str(replica),
+        store_addr="127.0.0.1",
+        store_port=config["store_port"],
+        rank=rank,
+        world_size=ranks,
+        lighthouse_addr=config["lighthouse"],
+        port=0,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=config["quorum_timeout_s"]),
+        connect_timeout=timeout,
+        # Every replica starts from the same seeded weights, so no sync at step 0 (as torchft
+        # advises). With it, when both replicas form the first quorum together, one of them
+        # "heals" in each group rank's group, sends zeros, and is still counted in the
+        # average: step 0's update is halved (the replay check caught it). A replica that
+        # restarts behind the others heals as before.
+        init_sync=False,
+    )
     if config["torchft_ddp_as_is"]:
         from torchft.ddp import DistributedDataParallel
     else:
@@ -253,12 +273,25 @@ def _train(config: dict, out: Path, name: str) -> None:
             _set_grads(net, sum_in_rank_order(list(gathered.view(ranks, -1))).div_(ranks))
             optimizer.step()  # should_commit, then the inner step if it says so
             after = manager.current_step()
-            progress.write(json.dumps({"t": time.time(), "before": before, "step": after,
-                                       "committed": after > before, "quorum": manager._quorum_id,
-                                       "participants": manager.num_participants(),
-                                       "error": str(manager.errored()) if manager.errored() else None}) + "\n")
-    final = {"params": [p.detach().clone() for p in net.parameters()], "step": manager.current_step(),
-             "shared_memory": _shared_memory(backend, ft_pg)}
+            progress.write(
+                json.dumps(
+                    {
+                        "t": time.time(),
+                        "before": before,
+                        "step": after,
+                        "committed": after > before,
+                        "quorum": manager._quorum_id,
+                        "participants": manager.num_participants(),
+                        "error": str(manager.errored()) if manager.errored() else None,
+                    }
+                )
+                + "\n"
+            )
+    final = {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "step": manager.current_step(),
+        "shared_memory": _shared_memory(backend, ft_pg),
+    }
     torch.save(final, out / f".final-{name}.tmp")
     os.rename(out / f".final-{name}.tmp", out / f"final-{name}.pt")
     # Rank 0 hosts the replica's store: the others must be done with it first.
@@ -278,21 +311,34 @@ def _shared_memory(backend: str, ft_pg) -> dict | None:
 
     replica_group = backend_of(None)
     quorum_group = ft_pg._pg._get_backend(torch.device("cpu"))
-    return {"replica_group": (replica_group.shared_memory, replica_group.topology().intra_size, dist.get_world_size()),
-            "torchft_group": (quorum_group.shared_memory, quorum_group.topology().intra_size,
-                              quorum_group.topology().size)}
+    return {
+        "replica_group": (replica_group.shared_memory, replica_group.topology().intra_size, dist.get_world_size()),
+        "torchft_group": (quorum_group.shared_memory, quorum_group.topology().intra_size, quorum_group.topology().size),
+    }
 
 
 # ------------------------------------------------------------------------------------ the controller
+
 
 class ReplicaGroups:
     """Replica groups under one lighthouse: start, kill (SIGKILL from outside) and restart them, read
     their progress, stop them at a step, join them (killing what outlives the join's time)."""
 
-    def __init__(self, out: Path, backend: str, replicas: int = 2, ranks: int = 2, heartbeat_timeout_ms: int = 2000,
-                 timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, deadline_s: float = 600.0,
-                 model: dict | None = None, env: dict | None = None, start_method: str = "forkserver",
-                 torchft_ddp_as_is: bool = False) -> None:
+    def __init__(
+        self,
+        out: Path,
+        backend: str,
+        replicas: int = 2,
+        ranks: int = 2,
+        heartbeat_timeout_ms: int = 2000,
+        timeout_s: float = 10.0,
+        quorum_timeout_s: float = 60.0,
+        deadline_s: float = 600.0,
+        model: dict | None = None,
+        env: dict | None = None,
+        start_method: str = "forkserver",
+        torchft_ddp_as_is: bool = False,
+    ) -> None:
         from torchft._torchft import LighthouseServer
 
         self.out, self.backend, self.replicas, self.ranks = Path(out), backend, replicas, ranks
@@ -307,8 +353,16 @@ class ReplicaGroups:
         if start_method == "forkserver":
             # A restarted rank forks from a process that has imported these already: a restart costs
             # torchft's and the groups' setup, not the interpreter's start and torch's import.
-            self.context.set_forkserver_preload(["torch", "torch.distributed", "torchft", "torch_chainermn",
-                                                 "torch_chainermn.torchft", "tests.support.torchft_replicas"])
+            self.context.set_forkserver_preload(
+                [
+                    "torch",
+                    "torch.distributed",
+                    "torchft",
+                    "torch_chainermn",
+                    "torch_chainermn.torchft",
+                    "tests.support.torchft_replicas",
+                ]
+            )
         self.incarnation = [-1] * replicas
         self.processes: dict[tuple[int, int], list] = {}  # (replica, incarnation) -> its processes
         self.started: dict[tuple[int, int], float] = {}
@@ -323,11 +377,22 @@ class ReplicaGroups:
         procs = []
         self.started[(replica, incarnation)] = time.time()
         for rank in range(self.ranks):
-            config = {"replica": replica, "incarnation": incarnation, "group_rank": rank, "ranks": self.ranks,
-                      "store_port": port, "lighthouse": self.lighthouse.address(), "backend": self.backend,
-                      "model": self.model, "timeout_s": self.timeout_s, "quorum_timeout_s": self.quorum_timeout_s,
-                      "deadline": self.deadline, "out": str(self.out), "torchft_ddp_as_is": self.torchft_ddp_as_is,
-                      "env": {**self.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}}
+            config = {
+                "replica": replica,
+                "incarnation": incarnation,
+                "group_rank": rank,
+                "ranks": self.ranks,
+                "store_port": port,
+                "lighthouse": self.lighthouse.address(),
+                "backend": self.backend,
+                "model": self.model,
+                "timeout_s": self.timeout_s,
+                "quorum_timeout_s": self.quorum_timeout_s,
+                "deadline": self.deadline,
+                "out": str(self.out),
+                "torchft_ddp_as_is": self.torchft_ddp_as_is,
+                "env": {**self.env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            }
             proc = self.context.Process(target=rank_main, args=(config,), name=f"replica{replica}-rank{rank}")
             proc.start()
             procs.append(proc)
@@ -358,7 +423,7 @@ class ReplicaGroups:
         with open(path, "rb") as f:
             f.seek(offset)
             text = f.read()
-        complete = text[:text.rfind(b"\n") + 1]  # not a line still being written
+        complete = text[: text.rfind(b"\n") + 1]  # not a line still being written
         records = records + [json.loads(line) for line in complete.decode().splitlines() if line]
         self._read[path] = (offset + len(complete), records)
         return [r for r in records if ("event" in r) == events]
@@ -407,19 +472,27 @@ class ReplicaGroups:
             events = self.progress(replica, rank=rank, events=True)
             return events and events[-1]["event"] == "holding" and events[-1]["step"] == step
 
-        self.wait_for(lambda: all(holding(rank) for rank in range(self.ranks)), timeout,
-                      f"replica {replica} holding at step {step}")
+        self.wait_for(
+            lambda: all(holding(rank) for rank in range(self.ranks)),
+            timeout,
+            f"replica {replica} holding at step {step}",
+        )
         return step
 
     def in_backward(self, replica: int, step: int, timeout: float = 30.0) -> None:
         """Wait until every rank of `replica` has begun the backward of `step` (whose allreduce then
         waits for every replica in the quorum)."""
-        def begun(rank):
-            return any(e["event"] == "backward" and e["step"] == step
-                       for e in self.progress(replica, rank=rank, events=True))
 
-        self.wait_for(lambda: all(begun(rank) for rank in range(self.ranks)), timeout,
-                      f"replica {replica} in the backward of step {step}")
+        def begun(rank):
+            return any(
+                e["event"] == "backward" and e["step"] == step for e in self.progress(replica, rank=rank, events=True)
+            )
+
+        self.wait_for(
+            lambda: all(begun(rank) for rank in range(self.ranks)),
+            timeout,
+            f"replica {replica} in the backward of step {step}",
+        )
 
     def stop_at(self, step: int) -> None:
         tmp = self.out / ".stop.tmp"

@@ -10,6 +10,7 @@ run on chainermn. Every replica of torchft's integration tests is a thread of th
 This module stays light (it imports none of torchft's test modules): a baby group's subprocess
 imports it to find its class.
 """
+
 from __future__ import annotations
 
 import collections
@@ -124,8 +125,10 @@ def only(*patterns: str):
 UPSTREAM_PEER_LEFT = re.compile(r"Connection closed by peer")
 # chainermn's words for a peer that left: it aborted its group (ProcessGroupChainerMN.shutdown()), or
 # its process is gone (a baby group's subprocess, killed by ProcessGroupBaby.shutdown()).
-CHAINERMN_PEER_LEFT = (r"the group was aborted: rank \d+ aborted the group \(ProcessGroup\.abort\(\)\)"
-                       r"|rank \d+ \(host [^,]+, pid \d+\) died")
+CHAINERMN_PEER_LEFT = (
+    r"the group was aborted: rank \d+ aborted the group \(ProcessGroup\.abort\(\)\)"
+    r"|rank \d+ \(host [^,]+, pid \d+\) died"
+)
 
 
 class ChainerMNFailureTexts:

@@ -4,6 +4,7 @@ Every rank can rebuild every other rank's batch, so the parameters that synchron
 (double-buffered) or ChainerMN-optimizer training must reach are computed locally, in one process,
 with plain SGD, and compared with what the distributed run produced.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,9 @@ LR = 0.1
 def make_model(seed: int = 0) -> nn.Module:
     """Big enough that DDP splits it into several buckets with a small bucket_cap_mb."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 600), nn.Tanh(),
-                         nn.Linear(600, 500), nn.Tanh(), nn.Linear(500, 4))
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 600), nn.Tanh(), nn.Linear(600, 500), nn.Tanh(), nn.Linear(500, 4)
+    )
 
 
 def batch(rank: int, step: int):

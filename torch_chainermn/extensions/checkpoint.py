@@ -1,4 +1,5 @@
 """The multi-node checkpointer: per-rank snapshots written atomically, verified, agreed on, collected."""
+
 from __future__ import annotations
 
 import hashlib
@@ -131,8 +132,12 @@ class MultiNodeCheckpointer:
         if len(header) != _HEADER_FIELDS.size:
             return False
         magic, version, stored_iteration, payload_length = _HEADER_FIELDS.unpack(header)
-        return (magic == _MAGIC and version == _FORMAT_VERSION and stored_iteration == iteration
-                and size == _HEADER_SIZE + payload_length)
+        return (
+            magic == _MAGIC
+            and version == _FORMAT_VERSION
+            and stored_iteration == iteration
+            and size == _HEADER_SIZE + payload_length
+        )
 
     @staticmethod
     def _read_verified(file_path: str, iteration: int) -> bytes:
@@ -141,7 +146,7 @@ class MultiNodeCheckpointer:
             data = f.read()
         if len(data) < _HEADER_SIZE:
             raise CheckpointCorrupted(f"{file_path}: {len(data)} bytes, shorter than the header")
-        fields = data[:_HEADER_FIELDS.size]
+        fields = data[: _HEADER_FIELDS.size]
         magic, version, stored_iteration, payload_length = _HEADER_FIELDS.unpack(fields)
         if magic != _MAGIC or version != _FORMAT_VERSION:
             raise CheckpointCorrupted(f"{file_path}: not a torch_chainermn checkpoint (format {version})")
@@ -149,7 +154,7 @@ class MultiNodeCheckpointer:
             raise CheckpointCorrupted(f"{file_path}: holds iteration {stored_iteration}")
         if len(data) != _HEADER_SIZE + payload_length:
             raise CheckpointCorrupted(f"{file_path}: {len(data)} bytes, expected {_HEADER_SIZE + payload_length}")
-        stored_digest = data[_HEADER_FIELDS.size:_HEADER_SIZE]
+        stored_digest = data[_HEADER_FIELDS.size : _HEADER_SIZE]
         payload = memoryview(data)[_HEADER_SIZE:]
         digest = hashlib.sha256(fields)
         digest.update(payload)
@@ -231,8 +236,7 @@ class MultiNodeCheckpointer:
         for iteration, file_name in list(self._own_files()):
             # Snapshots are renamed into place only once complete, so a snapshot whose header or
             # length is wrong was damaged afterwards and can never be loaded: it goes too.
-            if (iteration is None or iteration not in intact
-                    or (oldest_kept is not None and iteration < oldest_kept)):
+            if iteration is None or iteration not in intact or (oldest_kept is not None and iteration < oldest_kept):
                 self._remove(file_name)
 
     def _remove(self, file_name: str) -> None:
@@ -265,13 +269,15 @@ class MultiNodeCheckpointer:
                 error = failure
             outcomes = [None] * self.size
             dist.all_gather_object(
-                outcomes, (problem, f"{type(error).__name__}: {error}" if error else None), group=self.group)
+                outcomes, (problem, f"{type(error).__name__}: {error}" if error else None), group=self.group
+            )
             if error is not None:
                 raise error
             errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(outcomes) if e is not None]
             if errors:
-                raise RuntimeError(f"MultiNodeCheckpointer.maybe_load: loading iteration {iteration} failed on "
-                                   + "; ".join(errors))
+                raise RuntimeError(
+                    f"MultiNodeCheckpointer.maybe_load: loading iteration {iteration} failed on " + "; ".join(errors)
+                )
             if all(p is None for p, _ in outcomes):
                 self.loaded_iteration = iteration
                 return state, iteration
@@ -294,8 +300,9 @@ class MultiNodeCheckpointer:
         _fsync_directory(self.path)
 
 
-def create_multi_node_checkpointer(name: str, comm=None, cp_interval: int = 5, gc_interval: int = 5,
-                                   path=None) -> MultiNodeCheckpointer:
+def create_multi_node_checkpointer(
+    name: str, comm=None, cp_interval: int = 5, gc_interval: int = 5, path=None
+) -> MultiNodeCheckpointer:
     """ChainerMN's generational multi-node checkpointer, for PyTorch state dicts.
 
     Each rank writes its snapshots as `<path>/<name>.<rank>.<iteration>` (path defaults to the current

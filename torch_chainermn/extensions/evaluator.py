@@ -1,4 +1,5 @@
 """The multi-node evaluator: each rank evaluates its shard; the metrics are averaged, weighted, over ranks."""
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,11 @@ def _as_float(value, what: str) -> float:
             return float(value.detach().reshape(()).item())
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"create_multi_node_evaluator: {what} must be a number or a one-element tensor, "
-                         f"got {type(value).__name__}"
-                         + (f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else "")) from None
+        raise ValueError(
+            f"create_multi_node_evaluator: {what} must be a number or a one-element tensor, "
+            f"got {type(value).__name__}"
+            + (f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        ) from None
 
 
 class MultiNodeEvaluator:
@@ -37,8 +40,10 @@ class MultiNodeEvaluator:
         if not callable(evaluate):
             raise ValueError(f"create_multi_node_evaluator: evaluate must be callable, got {type(evaluate).__name__}")
         if weight is not None and not callable(weight) and not isinstance(weight, (numbers.Real, torch.Tensor)):
-            raise ValueError("create_multi_node_evaluator: weight must be None, a number or a callable "
-                             f"returning one, got {type(weight).__name__}")
+            raise ValueError(
+                "create_multi_node_evaluator: weight must be None, a number or a callable "
+                f"returning one, got {type(weight).__name__}"
+            )
         self.evaluate = evaluate
         self.comm = comm
         self.weight = weight
@@ -59,34 +64,43 @@ class MultiNodeEvaluator:
         try:
             result = self.evaluate(*args, **kwargs)
             if not isinstance(result, Mapping):
-                raise ValueError(f"create_multi_node_evaluator: evaluate must return a dict of metrics, "
-                                 f"got {type(result).__name__}")
+                raise ValueError(
+                    f"create_multi_node_evaluator: evaluate must return a dict of metrics, got {type(result).__name__}"
+                )
             metrics = {key: _as_float(value, f"metric {key!r}") for key, value in result.items()}
             weight = self._local_weight()
         except Exception as error:  # noqa: BLE001  re-raised below, after the other ranks hear of it
             failure = error
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         reports = [None] * size
-        summary = (f"{type(failure).__name__}: {failure}" if failure is not None else None,
-                   sorted(metrics, key=repr), weight)
+        summary = (
+            f"{type(failure).__name__}: {failure}" if failure is not None else None,
+            sorted(metrics, key=repr),
+            weight,
+        )
         dist.all_gather_object(reports, summary, group=group)
 
         if failure is not None:
             raise failure
         failed = [(r, report[0]) for r, report in enumerate(reports) if report[0] is not None]
         if failed:
-            raise RuntimeError("create_multi_node_evaluator: evaluation failed on "
-                               + "; ".join(f"rank {r}: {message}" for r, message in failed))
+            raise RuntimeError(
+                "create_multi_node_evaluator: evaluation failed on "
+                + "; ".join(f"rank {r}: {message}" for r, message in failed)
+            )
         names = reports[rank][1]
         differing = [r for r, report in enumerate(reports) if report[1] != names]
         if differing:
             listing = "; ".join(f"rank {r}: {report[1]}" for r, report in enumerate(reports))
-            raise ValueError("create_multi_node_evaluator: every rank's evaluate must return the same metric "
-                             f"names, got {listing}")
+            raise ValueError(
+                f"create_multi_node_evaluator: every rank's evaluate must return the same metric names, got {listing}"
+            )
         total_weight = sum(report[2] for report in reports)
         if total_weight <= 0:
-            raise ValueError("create_multi_node_evaluator: the ranks' weights sum to zero; at least one rank "
-                             "must have a positive weight")
+            raise ValueError(
+                "create_multi_node_evaluator: the ranks' weights sum to zero; at least one rank "
+                "must have a positive weight"
+            )
 
         # A rank of weight 0 (an empty shard) adds exactly nothing, even when its metric is NaN.
         weighted = [weight * metrics[name] if weight > 0 else 0.0 for name in names]

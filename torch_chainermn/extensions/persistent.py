@@ -1,4 +1,5 @@
 """AllreducePersistent: average the floating-point buffers (BatchNorm's running statistics) over ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -52,7 +53,7 @@ class AllreducePersistent:
             with torch.no_grad():
                 for buffer in buffers:
                     count = buffer.numel()
-                    buffer.copy_(packed[offset:offset + count].view_as(buffer))
+                    buffer.copy_(packed[offset : offset + count].view_as(buffer))
                     offset += count
 
     # ChainerMN extensions were called by the trainer; this spelling reads better without one.

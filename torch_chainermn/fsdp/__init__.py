@@ -15,6 +15,7 @@ With AdamW use int8 gradients: 2-bit and 1-bit, made for SGD, do not train the b
 model with it (docs/fsdp.md). hpZ is FSDP2's own `reshard_after_forward=<ranks per node>`, whose
 post-forward all-gather stays in the node (these objects pass it to the group's all-gather).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,16 @@ from .all_gather import TwoHopAllGather
 from .levels import levels_of
 from .reduce_scatter import TwoHopReduceScatter
 
-__all__ = ["GRADIENTS", "TwoHopAllGather", "TwoHopReduceScatter", "WEIGHTS", "compress_between_nodes",
-           "load_state_dict", "state_dict", "two_hop"]
+__all__ = [
+    "GRADIENTS",
+    "TwoHopAllGather",
+    "TwoHopReduceScatter",
+    "WEIGHTS",
+    "compress_between_nodes",
+    "load_state_dict",
+    "state_dict",
+    "two_hop",
+]
 
 GRADIENTS = ("float32", *codes.CODES)  # gradients=, compression's old spelling: "float32" is None
 # The weights travel without error feedback (the sharded float32 stays exact): codes that keep each
@@ -39,8 +48,9 @@ WEIGHTS = ("float32", *codes.SUMS_CODES)
 _UNSET = object()  # an argument not given (None means something for compression=)
 
 
-def compress_between_nodes(model, gradients=_UNSET, weights: str = "int8", block=_UNSET, threshold=_UNSET, *,
-                           compression=_UNSET) -> list:
+def compress_between_nodes(
+    model, gradients=_UNSET, weights: str = "int8", block=_UNSET, threshold=_UNSET, *, compression=_UNSET
+) -> list:
     """Give every FSDP module of `model` a two-hop reduce-scatter and all-gather whose hop between
     nodes carries the gradients as `compression` says and the parameters as `weights`; returns the
     modules.
@@ -66,8 +76,15 @@ def compress_between_nodes(model, gradients=_UNSET, weights: str = "int8", block
     """
     op = "torch_chainermn.fsdp.compress_between_nodes"
     try:
-        compression, spelling = deprecated_spelling(op, "compression", "gradients", compression, gradients,
-                                                    unset=_UNSET, how='{"type": code}, or None for "float32"')
+        compression, spelling = deprecated_spelling(
+            op,
+            "compression",
+            "gradients",
+            compression,
+            gradients,
+            unset=_UNSET,
+            how='{"type": code}, or None for "float32"',
+        )
         mine = _settings(op, compression, spelling, weights, block, threshold)
     except ValueError as error:  # raised below on every rank, once the ranks have compared notes
         mine = error
@@ -118,14 +135,22 @@ def _settings(op: str, compression, spelling: str, weights: str, block, threshol
     if coded is None:
         coded = {"type": "float32", "threshold": 0.5, "block": 256, "keep": 8}
     elif coded["compress_result"] is not False or coded["result_dtype"] != torch.float32:
-        raise ValueError(f"{op}: compression's compress_result and result_dtype do not apply to FSDP2 (each rank "
-                         f"decodes its own shard, no sums travel back), got compress_result="
-                         f"{coded['compress_result']!r}, result_dtype={coded['result_dtype']}")
+        raise ValueError(
+            f"{op}: compression's compress_result and result_dtype do not apply to FSDP2 (each rank "
+            f"decodes its own shard, no sums travel back), got compress_result="
+            f"{coded['compress_result']!r}, result_dtype={coded['result_dtype']}"
+        )
     weights_block = given.get("block", coded["block"])
     if weights != "float32":
         codes.check_settings(op, weights, given.get("threshold", 0.5), weights_block)
-    return {"type": coded["type"], "threshold": float(coded["threshold"]), "block": coded["block"],
-            "keep": coded["keep"], "weights": weights, "weights' block": weights_block}
+    return {
+        "type": coded["type"],
+        "threshold": float(coded["threshold"]),
+        "block": coded["block"],
+        "keep": coded["keep"],
+        "weights": weights,
+        "weights' block": weights_block,
+    }
 
 
 def two_hop(model) -> list:
@@ -148,8 +173,9 @@ def state_dict(model) -> dict:
             if isinstance(comm, TwoHopReduceScatter) and comm.residual is not None:
                 mesh = param_group.mesh_info.mesh
                 local = comm.residual.view((1,) * mesh.ndim + tuple(comm.residual.shape))
-                out[name or "."] = DTensor.from_local(local, mesh, [Shard(d) for d in range(mesh.ndim)],
-                                                      run_check=False)
+                out[name or "."] = DTensor.from_local(
+                    local, mesh, [Shard(d) for d in range(mesh.ndim)], run_check=False
+                )
     return out
 
 
@@ -159,12 +185,16 @@ def load_state_dict(model, state: dict) -> None:
     side or a residual of another shape."""
     mine = state_dict(model)
     if set(mine) != set(state):
-        raise ValueError(f"torch_chainermn.fsdp.load_state_dict: the state has residuals for {sorted(state)}, "
-                         f"the model's coded modules are {sorted(mine)}")
+        raise ValueError(
+            f"torch_chainermn.fsdp.load_state_dict: the state has residuals for {sorted(state)}, "
+            f"the model's coded modules are {sorted(mine)}"
+        )
     for name, live in mine.items():
         saved = state[name].to_local() if isinstance(state[name], DTensor) else state[name]
         if saved.shape != live.to_local().shape:
-            raise ValueError(f"torch_chainermn.fsdp.load_state_dict: {name!r}: the saved residual has shape "
-                             f"{tuple(saved.shape)}, this rank's is {tuple(live.to_local().shape)}")
+            raise ValueError(
+                f"torch_chainermn.fsdp.load_state_dict: {name!r}: the saved residual has shape "
+                f"{tuple(saved.shape)}, this rank's is {tuple(live.to_local().shape)}"
+            )
         if saved.data_ptr() != live.to_local().data_ptr():
             live.to_local().copy_(saved)

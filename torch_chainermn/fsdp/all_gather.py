@@ -17,6 +17,7 @@ shards at full precision. FSDP's sharded parameters, and so the optimizer, stay 
 copy is what the forward and backward compute with. No error feedback (a fresh copy every time, as
 in ZeRO++).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,23 +38,28 @@ class TwoHopAllGather(AllGather):
     def __init__(self, weights: str = "float32", block: int = 256):
         self.weights = weights
         self.block = block
-        self.spec = None if weights == "float32" else CompressionSpec(weights, block=block, op="TwoHopAllGather",
-                                                                       argument="weights")
-        self._across = None     # the shards of this intra rank's N peers, one per node
-        self._by_rank = None    # every rank's, by intra rank then node
+        self.spec = (
+            None
+            if weights == "float32"
+            else CompressionSpec(weights, block=block, op="TwoHopAllGather", argument="weights")
+        )
+        self._across = None  # the shards of this intra rank's N peers, one per node
+        self._by_rank = None  # every rank's, by intra rank then node
         self._sent = self._received = self._as_float32 = None  # int8: the codes, and float32 copies
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ):
         levels = levels_of(group, "TwoHopAllGather")
         quantised = self.spec is not None and input_tensor.is_floating_point()  # FSDP gathers mixed dtypes as bytes
         if not levels.two_hops or (levels.intra is None and not quantised):
             # One node, or one rank a node at full precision: the group's own all-gather.
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=levels.inter or group,
-                                               async_op=async_op)
+            return dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=levels.inter or group, async_op=async_op
+            )
         shard = input_tensor.numel()
         self._across = _reused(self._across, levels.nodes * shard, input_tensor.dtype, input_tensor.device)
         if quantised:
@@ -66,8 +72,9 @@ class TwoHopAllGather(AllGather):
         self._by_rank = _reused(self._by_rank, output_tensor.numel(), input_tensor.dtype, input_tensor.device)
         dist.all_gather_into_tensor(self._by_rank, self._across, group=levels.intra)
         # Position l * N + n holds group rank rank_at[n][l]'s shard: scatter the rows back.
-        output_tensor.view(-1, shard).index_copy_(0, levels.by_intra_rank(output_tensor.device),
-                                                  self._by_rank.view(-1, shard))
+        output_tensor.view(-1, shard).index_copy_(
+            0, levels.by_intra_rank(output_tensor.device), self._by_rank.view(-1, shard)
+        )
         return None
 
     def _int8_between_nodes(self, input_tensor: torch.Tensor, levels) -> None:
@@ -80,8 +87,11 @@ class TwoHopAllGather(AllGather):
         float32 = input_tensor.dtype == torch.float32
         if not float32:  # bfloat16 parameters (MixedPrecisionPolicy): coded from, and decoded into, float32
             self._as_float32 = _reused(self._as_float32, nodes * shard, torch.float32, device)
-        mine = input_tensor.reshape(1, shard) if float32 else self._as_float32[:shard].view(1, shard).copy_(
-            input_tensor.view(1, shard))
+        mine = (
+            input_tensor.reshape(1, shard)
+            if float32
+            else self._as_float32[:shard].view(1, shard).copy_(input_tensor.view(1, shard))
+        )
         encode(mine, self._sent, None, self.spec)
         dist.all_gather_into_tensor(self._received, self._sent, group=levels.inter)
         decoded = self._across if float32 else self._as_float32

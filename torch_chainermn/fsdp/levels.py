@@ -6,6 +6,7 @@ this rank's intra rank, by node), and `rank_at[n][l]`, the group rank of node n'
 reduce-scatter is then a full-precision reduce-scatter in the node followed by one between the
 nodes; an all-gather the other way round, so only 1/M of the bytes cross the network per rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,10 @@ class Levels:
         topo = backend_of(group, op).topology()
         sizes = {len(topo.ranks_of_node[n]) for n in range(topo.inter_size)}
         if len(sizes) != 1:
-            raise ValueError(f"{op}: every node of the group must have the same number of ranks, "
-                             f"found {sorted(sizes)} (ranks per node: {[list(r) for r in topo.ranks_of_node]})")
+            raise ValueError(
+                f"{op}: every node of the group must have the same number of ranks, "
+                f"found {sorted(sizes)} (ranks per node: {[list(r) for r in topo.ranks_of_node]})"
+            )
         self.group = group
         self.nodes, self.per_node = topo.inter_size, sizes.pop()
         self.node, self.intra_rank = topo.node_of_rank[topo.rank], topo.intra_rank
@@ -35,9 +38,14 @@ class Levels:
             # Only the members of each sub-group make it (use_local_synchronization): with HSDP the
             # ranks of another replica's shard group never get here.
             def made(ranks):
-                return dist.new_group([dist.get_global_rank(group, r) for r in ranks], backend="chainermn",
-                                      pg_options=get_options(group),
-                                      use_local_synchronization=True, sort_ranks=False)
+                return dist.new_group(
+                    [dist.get_global_rank(group, r) for r in ranks],
+                    backend="chainermn",
+                    pg_options=get_options(group),
+                    use_local_synchronization=True,
+                    sort_ranks=False,
+                )
+
             self.intra = made(self.rank_at[self.node])
             self.inter = made([self.rank_at[n][self.intra_rank] for n in range(self.nodes)])
         elif self.nodes > 1:
@@ -55,7 +63,9 @@ class Levels:
         if order is None:
             order = self._orders[device] = torch.tensor(
                 [self.rank_at[n][l] for l in range(self.per_node) for n in range(self.nodes)],
-                dtype=torch.long, device=device)
+                dtype=torch.long,
+                device=device,
+            )
         return order
 
 

@@ -18,6 +18,7 @@ step is ZeRO++'s qgZ with error feedback: each rank encodes its N node sums plus
 pass; the residual keeps what the codes did not carry, for the next step), the N ranks exchange
 the codes all-to-all, and each decodes and sums the N pieces of its own shard (one pass).
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,15 +42,20 @@ class TwoHopReduceScatter(ReduceScatter):
         self.threshold = threshold
         self.keep = keep
         # The code and its settings as one value, checked once (None: float32).
-        self.spec = None if gradients == "float32" else CompressionSpec(
-            gradients, block=block, threshold=threshold, keep=keep, op="TwoHopReduceScatter", argument="gradients")
-        self._reordered = None   # the input, by intra rank then node, reused from call to call
-        self._node_sums = None   # the node's sums of this rank's N shards
+        self.spec = (
+            None
+            if gradients == "float32"
+            else CompressionSpec(
+                gradients, block=block, threshold=threshold, keep=keep, op="TwoHopReduceScatter", argument="gradients"
+            )
+        )
+        self._reordered = None  # the input, by intra rank then node, reused from call to call
+        self._node_sums = None  # the node's sums of this rank's N shards
         # A code between nodes: what this rank owes ([N, shard] float32), kept across steps ...
         self.residual: torch.Tensor | None = None
         self._sent = self._received = None  # ... the codes it sends and receives ([N, row bytes])
-        self._as_float32 = None              # the node sums or the output, where FSDP reduces in another dtype
-        self._made_for = None                # (nodes, shard, device) the residual and wire buffers fit
+        self._as_float32 = None  # the node sums or the output, where FSDP reduces in another dtype
+        self._made_for = None  # (nodes, shard, device) the residual and wire buffers fit
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -60,32 +66,46 @@ class TwoHopReduceScatter(ReduceScatter):
         if self.gradients != "float32" and self.residual is None:
             self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op=dist.ReduceOp.SUM, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op=dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ):
         levels = levels_of(group, "TwoHopReduceScatter")
         if not levels.two_hops or (levels.intra is None and self.gradients == "float32"):
             # One node, or one rank a node at full precision: the group's own reduce-scatter.
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=levels.inter or group,
-                                              async_op=async_op)
+            return dist.reduce_scatter_tensor(
+                output_tensor, input_tensor, op=op, group=levels.inter or group, async_op=async_op
+            )
         if levels.intra is None:  # one rank a node: its gradients are the node's sums, in node order
             if op == dist.ReduceOp.PREMUL_SUM:
-                raise ValueError(f"TwoHopReduceScatter: {self.gradients} gradients with one rank a node take SUM "
-                                 "or AVG, not PREMUL_SUM (FSDPModule.set_gradient_divide_factor)")
+                raise ValueError(
+                    f"TwoHopReduceScatter: {self.gradients} gradients with one rank a node take SUM "
+                    "or AVG, not PREMUL_SUM (FSDPModule.set_gradient_divide_factor)"
+                )
             self._coded_between_nodes(output_tensor, input_tensor, levels, op)
             return None
         shard = output_tensor.numel()
         self._reordered = _reused(self._reordered, input_tensor.numel(), input_tensor.dtype, input_tensor.device)
         self._node_sums = _reused(self._node_sums, levels.nodes * shard, input_tensor.dtype, input_tensor.device)
-        torch.index_select(input_tensor.view(-1, shard), 0, levels.by_intra_rank(input_tensor.device),
-                           out=self._reordered.view(-1, shard))
+        torch.index_select(
+            input_tensor.view(-1, shard),
+            0,
+            levels.by_intra_rank(input_tensor.device),
+            out=self._reordered.view(-1, shard),
+        )
         dist.reduce_scatter_tensor(self._node_sums, self._reordered, op=op, group=levels.intra)
         # PREMUL_SUM's factor was applied on the first hop; AVG of node means is the mean.
         between = dist.ReduceOp.SUM if op == dist.ReduceOp.PREMUL_SUM else op
         if self.gradients != "float32":
             self._coded_between_nodes(output_tensor, self._node_sums, levels, between)
             return None
-        return dist.reduce_scatter_tensor(output_tensor, self._node_sums, op=between, group=levels.inter,
-                                          async_op=async_op)
+        return dist.reduce_scatter_tensor(
+            output_tensor, self._node_sums, op=between, group=levels.inter, async_op=async_op
+        )
 
     def _coded_between_nodes(self, output_tensor: torch.Tensor, node_sums: torch.Tensor, levels, op) -> None:
         """output = the sum (AVG: mean) over the nodes of their coded sums of this rank's shard."""
@@ -112,12 +132,17 @@ class TwoHopReduceScatter(ReduceScatter):
         """The residual and the wire buffers for `nodes` x `shard` values (made once)."""
         if self._sent is not None and self._made_for == (nodes, shard, device):
             return  # every step after the first: nothing to look up
-        if self.residual is None or self.residual.device != device or (
-                self.residual.shape != (nodes, shard) and not self.residual.any()):
+        if (
+            self.residual is None
+            or self.residual.device != device
+            or (self.residual.shape != (nodes, shard) and not self.residual.any())
+        ):
             self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
         elif self.residual.shape != (nodes, shard):
-            raise ValueError(f"TwoHopReduceScatter: the residual held (a checkpoint's?) has shape "
-                             f"{tuple(self.residual.shape)}, this module's gradient shards need ({nodes}, {shard})")
+            raise ValueError(
+                f"TwoHopReduceScatter: the residual held (a checkpoint's?) has shape "
+                f"{tuple(self.residual.shape)}, this module's gradient shards need ({nodes}, {shard})"
+            )
         row = wire_row_bytes(self.spec, shard)
         if self._sent is None or self._sent.shape != (nodes, row) or self._sent.device != device:
             self._sent = torch.empty(nodes, row, dtype=torch.uint8, device=device)

@@ -10,6 +10,7 @@
 Point to point: point_to_point.py (its wire format: ../messages/tensors.py); collectives:
 collective_communication.py; pseudo_connect.py.
 """
+
 from ..messages.tensors import drain
 from .collective_communication import allgather, alltoall, bcast, gather, scatter
 from .point_to_point import recv, send

@@ -14,6 +14,7 @@ so every rank's result must reach its backward. A rank that gets nothing back (g
 root) gets a delegate variable to keep in its graph. Whether backward happens at all is agreed by
 the ranks in forward (any rank's input requiring grad makes every rank take part).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ from .._arguments import anchor, as_communicator, check_tensor, grad_needed
 
 def _comm(op, comm, usage):
     if isinstance(comm, torch.Tensor):
-        raise ValueError(f"{op}: comm must be a communicator, got a tensor: the arguments are swapped "
-                         f"(ChainerMN's order is {usage})")
+        raise ValueError(
+            f"{op}: comm must be a communicator, got a tensor: the arguments are swapped (ChainerMN's order is {usage})"
+        )
     return as_communicator(op, comm, usage)
 
 
@@ -57,8 +59,9 @@ def _flags(comm, check) -> list:
 def _tensors(op, name, xs, size, usage, rank) -> list:
     if isinstance(xs, torch.Tensor):
         if xs.dim() == 0 or xs.shape[0] != size:
-            raise ValueError(f"{op}: {name} must have {size} rows (one per rank) on rank {rank}, got shape "
-                             f"{tuple(xs.shape)}")
+            raise ValueError(
+                f"{op}: {name} must have {size} rows (one per rank) on rank {rank}, got shape {tuple(xs.shape)}"
+            )
         return list(xs.unbind(0))
     if not isinstance(xs, (tuple, list)) or len(xs) != size:
         got = f"a {type(xs).__name__} of length {len(xs)}" if isinstance(xs, (tuple, list)) else type(xs).__name__
@@ -67,6 +70,7 @@ def _tensors(op, name, xs, size, usage, rank) -> list:
 
 
 # ---- bcast ---------------------------------------------------------------------------------------------
+
 
 class _Bcast(torch.autograd.Function):
     @staticmethod
@@ -88,8 +92,7 @@ def bcast(comm, x, root: int = 0):
     op, usage = "bcast", "bcast(comm, x, root=0)"
     comm = _comm(op, comm, usage)
     root = _root(op, root, comm)
-    flags = _flags(comm, lambda: grad_needed(check_tensor(op, "x", x, usage, comm.rank))
-                   if comm.rank == root else None)
+    flags = _flags(comm, lambda: grad_needed(check_tensor(op, "x", x, usage, comm.rank)) if comm.rank == root else None)
     needs = flags[root]
     y = comm.bcast(x.detach() if comm.rank == root else None, root=root)
     y = y.detach() if comm.rank != root else x.detach().clone()
@@ -99,6 +102,7 @@ def bcast(comm, x, root: int = 0):
 
 
 # ---- gather and scatter -----------------------------------------------------------------------------
+
 
 class _Gather(torch.autograd.Function):
     @staticmethod
@@ -128,8 +132,9 @@ def gather(comm, x, root: int = 0):
     if not any(flags):
         return tuple(ys) if comm.rank == root else torch.zeros((), device=x.device)
     mine = flags[comm.rank]
-    return _Gather.apply(comm, root, [y.detach() for y in ys] if ys is not None else None, mine,
-                         x if mine else anchor())
+    return _Gather.apply(
+        comm, root, [y.detach() for y in ys] if ys is not None else None, mine, x if mine else anchor()
+    )
 
 
 class _Scatter(torch.autograd.Function):
@@ -174,6 +179,7 @@ def scatter(comm, xs, root: int = 0):
 
 # ---- allgather and alltoall -------------------------------------------------------------------------
 
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, ys, is_x, x_or_anchor):
@@ -190,10 +196,10 @@ class _Allgather(torch.autograd.Function):
         width = max(ctx.numels)
         blocks = torch.zeros(comm.size, width, dtype=grads[0].dtype, device=grads[0].device)
         for r, g in enumerate(grads):
-            blocks[r, :g.numel()] = g.reshape(-1)
+            blocks[r, : g.numel()] = g.reshape(-1)
         mine = torch.empty(width, dtype=blocks.dtype, device=blocks.device)
         dist.reduce_scatter_single(mine, blocks.reshape(-1), op=dist.ReduceOp.SUM, group=comm.group)
-        gx = mine[:ctx.numels[comm.rank]].reshape(ctx.shape)
+        gx = mine[: ctx.numels[comm.rank]].reshape(ctx.shape)
         return None, None, None, (gx if ctx.is_x else _zeros_like_meta(ctx.meta))
 
 
@@ -230,10 +236,12 @@ def alltoall(comm, xs):
     differ); backward sends each gradient back to the rank its piece came from."""
     op, usage = "alltoall", "alltoall(comm, xs)"
     comm = _comm(op, comm, usage)
+
     def check():
         if isinstance(xs, torch.Tensor):  # alltoall takes a sequence (rows of one tensor would be views)
-            raise ValueError(f"{op}: xs must be a tuple or list of {comm.size} tensors on rank {comm.rank}, "
-                             f"got a tensor")
+            raise ValueError(
+                f"{op}: xs must be a tuple or list of {comm.size} tensors on rank {comm.rank}, got a tensor"
+            )
         return grad_needed(*_tensors(op, "xs", xs, comm.size, usage, comm.rank))
 
     flags = _flags(comm, check)

@@ -10,13 +10,22 @@ job is to carry the graph to the send (a scalar, so that `phi.backward()` works 
 through delegate variables, or the peer that waits for the gradient would wait forever (it raises
 within the group timeout instead, naming the send or recv and the fix).
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..messages import tensors as wire
-from .._arguments import (anchor, as_communicator, check_peer, check_tag, check_tensor, differentiable, grad_needed,
-                         is_communicator)
+from .._arguments import (
+    anchor,
+    as_communicator,
+    check_peer,
+    check_tag,
+    check_tensor,
+    differentiable,
+    grad_needed,
+    is_communicator,
+)
 
 SEND_USAGE = "send(x, communicator, rank, tag=0)"
 RECV_USAGE = "recv(communicator, rank, delegate_variable=None, tag=0, device=None, force_tuple=False)"
@@ -40,14 +49,19 @@ class _Send(torch.autograd.Function):
     def backward(ctx, _):
         link, spec = ctx.link, ctx.spec
         what = f"send #{link.seq} to rank {link.peer} (tag {link.tag}) on rank {link.comm.rank}"
-        waiting = (f"its backward waited for the gradient from rank {link.peer}, whose backward did not reach the "
-                   f"matching recv within the group timeout")
-        grads, got = wire.recv_tensors(link.comm.group, link.peer, link.tag, wire.KIND_GRADIENT, link.seq, what,
-                                       waiting, device=ctx.device)
+        waiting = (
+            f"its backward waited for the gradient from rank {link.peer}, whose backward did not reach the "
+            f"matching recv within the group timeout"
+        )
+        grads, got = wire.recv_tensors(
+            link.comm.group, link.peer, link.tag, wire.KIND_GRADIENT, link.seq, what, waiting, device=ctx.device
+        )
         wanted = [(dtype, shape) for dtype, requires_grad, shape in spec.meta if requires_grad]
         if [(d, s) for d, _, s in got.meta] != wanted:
-            raise RuntimeError(f"{what}: the gradient from rank {link.peer} is {got.describe()}, "
-                               f"expected {', '.join(f'{d}{list(s)}' for d, s in wanted)}")
+            raise RuntimeError(
+                f"{what}: the gradient from rank {link.peer} is {got.describe()}, "
+                f"expected {', '.join(f'{d}{list(s)}' for d, s in wanted)}"
+            )
         grads = iter(grads)
         return (None, None, *(next(grads) if requires_grad else None for _, requires_grad, _ in spec.meta))
 
@@ -64,12 +78,17 @@ class _Recv(torch.autograd.Function):
     def backward(ctx, *grads):
         link, spec = ctx.link, ctx.spec
         # Only what the sender asked a gradient for goes back: its send's backward expects exactly that.
-        back = [g.to(spec.device) if g.device.type != spec.device else g
-                for g, (_, requires_grad, _) in zip(grads, spec.meta) if requires_grad]
+        back = [
+            g.to(spec.device) if g.device.type != spec.device else g
+            for g, (_, requires_grad, _) in zip(grads, spec.meta)
+            if requires_grad
+        ]
         if back:
-            what = (f"the gradient sent back by recv #{link.seq} from rank {link.peer} (tag {link.tag}) on rank "
-                    f"{link.comm.rank} was never collected: rank {link.peer}'s backward did not reach the "
-                    f"matching send within the group timeout")
+            what = (
+                f"the gradient sent back by recv #{link.seq} from rank {link.peer} (tag {link.tag}) on rank "
+                f"{link.comm.rank} was never collected: rank {link.peer}'s backward did not reach the "
+                f"matching send within the group timeout"
+            )
             wire.send_tensors(link.comm.group, link.peer, link.tag, wire.KIND_GRADIENT, link.seq, back, True, what)
         shape, dtype, device = ctx.anchor
         return None, None, None, torch.zeros(shape, dtype=dtype, device=device)
@@ -101,12 +120,15 @@ def send_activation(x, communicator, rank: int, tag: int = 0, gradients_ahead: b
     state = wire.pair(comm.group, peer, tag)
     seq = next(state.sent)
     link = _Link(comm, peer, tag, seq)
-    what = (f"send #{seq} to rank {peer} (tag {tag}) on rank {comm.rank} was never received: rank {peer} did not "
-            f"call the matching recv within the group timeout")
+    what = (
+        f"send #{seq} to rank {peer} (tag {tag}) on rank {comm.rank} was never received: rank {peer} did not "
+        f"call the matching recv within the group timeout"
+    )
     try:
         if is_tuple and not xs:
-            raise ValueError(f"{op}: x must hold at least one tensor, got an empty {type(x).__name__} "
-                             f"(on rank {comm.rank})")
+            raise ValueError(
+                f"{op}: x must hold at least one tensor, got an empty {type(x).__name__} (on rank {comm.rank})"
+            )
         wire.check_sendable(op, "x", xs, comm.rank)
     except ValueError as error:
         wire.send_failure(comm.group, peer, tag, error, what)  # the receiver raises too, instead of waiting
@@ -122,8 +144,14 @@ def send_activation(x, communicator, rank: int, tag: int = 0, gradients_ahead: b
     return torch.zeros((), device=xs[0].device)
 
 
-def recv(communicator, rank: int, delegate_variable: torch.Tensor | None = None, tag: int = 0, device=None,
-         force_tuple: bool = False):
+def recv(
+    communicator,
+    rank: int,
+    delegate_variable: torch.Tensor | None = None,
+    tag: int = 0,
+    device=None,
+    force_tuple: bool = False,
+):
     """What `rank` sent with `send`: a tensor, or a tuple if it sent a tuple of several (or force_tuple).
 
     Received tensors require grad where the sender's did; their backward sends the gradient back to
@@ -140,10 +168,20 @@ def recv(communicator, rank: int, delegate_variable: torch.Tensor | None = None,
     state = wire.pair(comm.group, peer, tag)
     seq = next(state.received)
     what = f"recv #{seq} from rank {peer} (tag {tag}) on rank {comm.rank}"
-    waiting = (f"rank {peer} sent nothing within the group timeout (if it is waiting in a backward, a delegate "
-               f"variable was dropped on one of the two ranks)")
-    received, spec = wire.recv_tensors(comm.group, peer, tag, wire.KIND_ACTIVATION, seq, what, waiting,
-                                       device=None if device is None else torch.device(device))
+    waiting = (
+        f"rank {peer} sent nothing within the group timeout (if it is waiting in a backward, a delegate "
+        f"variable was dropped on one of the two ranks)"
+    )
+    received, spec = wire.recv_tensors(
+        comm.group,
+        peer,
+        tag,
+        wire.KIND_ACTIVATION,
+        seq,
+        what,
+        waiting,
+        device=None if device is None else torch.device(device),
+    )
     outputs = _connect(op, comm, peer, tag, seq, spec, received, delegate_variable)
     if len(outputs) == 1 and not force_tuple:
         return outputs[0]
@@ -158,7 +196,9 @@ def _connect(op, comm, peer, tag, seq, spec, received, delegate):
     if not torch.is_grad_enabled() or not (any(wanted) or delegate_live):
         return received
     if not any(differentiable(t.dtype) for t in received):
-        raise ValueError(f"{op}: delegate_variable given on rank {comm.rank}, but nothing received from rank "
-                         f"{peer} can carry a gradient ({spec.describe()}); join it with "
-                         f"pseudo_connect(delegate_variable, ...) on a floating tensor instead")
+        raise ValueError(
+            f"{op}: delegate_variable given on rank {comm.rank}, but nothing received from rank "
+            f"{peer} can carry a gradient ({spec.describe()}); join it with "
+            f"pseudo_connect(delegate_variable, ...) on a floating tensor instead"
+        )
     return list(_Recv.apply(_Link(comm, peer, tag, seq), spec, received, anchor(delegate)))

@@ -7,6 +7,7 @@
 The delegate gets a zero gradient (an empty one, for a send's delegate), which is all its backward
 needs to run: ChainerMN's pseudo_connect.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,8 +48,10 @@ def pseudo_connect(delegate_variable, *actual_variables):
     if not (torch.is_grad_enabled() and delegate.requires_grad):
         out = actual
     elif not any(differentiable(t.dtype) for t in actual):
-        raise ValueError(f"{op}: none of actual_variables can carry a gradient (dtypes "
-                         f"{', '.join(str(t.dtype) for t in actual)}), so the delegate would be cut off")
+        raise ValueError(
+            f"{op}: none of actual_variables can carry a gradient (dtypes "
+            f"{', '.join(str(t.dtype) for t in actual)}), so the delegate would be cut off"
+        )
     else:
         out = _PseudoConnect.apply(delegate, *actual)
     return out[0] if len(out) == 1 else tuple(out)

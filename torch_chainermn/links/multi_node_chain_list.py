@@ -27,6 +27,7 @@ order on every rank (GPipe), each stage sending its gradients on while it comput
 the gradients equal the unpipelined chain's (to rounding). `step()` runs a whole training step with
 a schedule (GPipe or 1F1B), as torch.distributed.pipelining's schedules do: see pipeline.py.
 """
+
 from __future__ import annotations
 
 import queue
@@ -67,8 +68,10 @@ def hang(delegate, value):
     items = list(value)
     slots = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and differentiable(v.dtype)]
     if not slots:
-        raise ValueError("MultiNodeChainList: a component's inputs hold no floating tensor to carry the "
-                         "backward of the component before it")
+        raise ValueError(
+            "MultiNodeChainList: a component's inputs hold no floating tensor to carry the "
+            "backward of the component before it"
+        )
     connected = pseudo_connect(delegate, *[items[i] for i in slots])
     connected = connected if isinstance(connected, tuple) else (connected,)
     for i, v in zip(slots, connected):
@@ -93,8 +96,7 @@ class MultiNodeChainList(torch.nn.Module):
         twice for that micro-batch; the gradients are the same.
     """
 
-    def __init__(self, comm=None, micro_batches: int = 1, schedule: str = "gpipe",
-                 input_gradients_first: bool = False):
+    def __init__(self, comm=None, micro_batches: int = 1, schedule: str = "gpipe", input_gradients_first: bool = False):
         super().__init__()
         op = "MultiNodeChainList"
         self._comm = as_communicator(op, comm, USAGE)
@@ -164,8 +166,10 @@ class MultiNodeChainList(torch.nn.Module):
                 x = f(*xs)
             if rank_out is None:
                 if y is not None:
-                    raise ValueError("MultiNodeChainList: only one component per rank may have rank_out=None "
-                                     f"(rank {comm.rank} has several)")
+                    raise ValueError(
+                        "MultiNodeChainList: only one component per rank may have rank_out=None "
+                        f"(rank {comm.rank} has several)"
+                    )
                 y, y_is_last = x, True
                 delegate = as_delegate(y)
                 continue
@@ -179,8 +183,10 @@ class MultiNodeChainList(torch.nn.Module):
                 else:
                     delegate = send_activation(x, comm, target, gradients_ahead=gradients_ahead)
         if not handed.empty():
-            raise ValueError("MultiNodeChainList: a value sent to this rank itself was never received "
-                             f"(rank {comm.rank}): make sure every rank_in and rank_out correspond")
+            raise ValueError(
+                "MultiNodeChainList: a value sent to this rank itself was never received "
+                f"(rank {comm.rank}): make sure every rank_in and rank_out correspond"
+            )
         if y is not None:
             return (y if y_is_last else hang(delegate, y)), True
         return delegate, False

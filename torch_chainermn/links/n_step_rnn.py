@@ -7,6 +7,7 @@ the decoder on rank 1:
     decoder = create_multi_node_n_step_rnn(torch.nn.LSTM(16, 32), comm, rank_in=0, rank_out=None)
     ys, hidden, _ = decoder(xs)          # rank 1: starts from rank 0's final state
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,10 +31,16 @@ class MultiNodeNStepRNN(torch.nn.Module):
         self.actual_rnn = rnn
         self.comm = as_communicator(op, comm, USAGE)
         for name, value in (("rank_in", rank_in), ("rank_out", rank_out)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value < self.comm.size or value == self.comm.rank):
-                raise ValueError(f"{op}: {name} must be None or another rank in [0, {self.comm.size}) than this "
-                                 f"one ({self.comm.rank}), got {value!r}")
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value < self.comm.size
+                or value == self.comm.rank
+            ):
+                raise ValueError(
+                    f"{op}: {name} must be None or another rank in [0, {self.comm.size}) than this "
+                    f"one ({self.comm.rank}), got {value!r}"
+                )
         self.rank_in, self.rank_out = rank_in, rank_out
         self.is_lstm = isinstance(rnn, torch.nn.LSTM)
 

@@ -23,6 +23,7 @@ waits for a rank that is itself waiting.
   weight-gradient pass sooner. A middle stage does not: its backward starts by receiving its
   gradient, which a second pass would do again.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,7 @@ def split_batch(op: str, values, m: int):
     n = sizes.pop()
     if n < m:
         raise ValueError(f"{op}: a batch of {n} cannot be split into micro_batches={m}")
-    pieces = [torch.tensor_split(v, m) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * m
-              for v in values]
+    pieces = [torch.tensor_split(v, m) if isinstance(v, torch.Tensor) and v.dim() > 0 else [v] * m for v in values]
     batches = [tuple(p[k] for p in pieces) for k in range(m)]
     return batches, [len(chunk) for chunk in torch.tensor_split(torch.empty(n, 0), m)]
 
@@ -54,8 +54,10 @@ def _concat(op: str, outputs):
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
-            raise ValueError(f"{op}: with micro_batches > 1 the model output needs a batch dimension to be "
-                             f"put back together, got a 0-d tensor (compute the loss outside the chain, or use step())")
+            raise ValueError(
+                f"{op}: with micro_batches > 1 the model output needs a batch dimension to be "
+                f"put back together, got a 0-d tensor (compute the loss outside the chain, or use step())"
+            )
         return torch.cat(outputs, dim=0)
     if isinstance(first, (tuple, list)):
         return type(first)(_concat(op, [o[i] for o in outputs]) for i in range(len(first)))
@@ -64,6 +66,7 @@ def _concat(op: str, outputs):
 
 def _join_delegates(delegates):
     from ..functions.pseudo_connect import pseudo_connect
+
     joined = delegates[0]
     for d in delegates[1:]:
         joined = d if joined is None else (joined if d is None else pseudo_connect(joined, d))
@@ -91,6 +94,7 @@ def gpipe_forward(chain, inputs, m: int):
 
 # ---- schedules ------------------------------------------------------------------------------------
 
+
 def stage_of(chain) -> tuple[int, int]:
     """(this rank's stage index, number of stages) of a linear chain; asks every rank once."""
     if chain._stages is not None:
@@ -106,8 +110,10 @@ def stage_of(chain) -> tuple[int, int]:
     everyone = allgather_small(comm.group, shape)
     bad = [r for r, s in enumerate(everyone) if s is None]
     if bad:
-        raise ValueError(f"{op}: 1F1B needs one component per rank with a single rank_in and rank_out (a linear "
-                         f"pipeline); ranks {bad} have other chains")
+        raise ValueError(
+            f"{op}: 1F1B needs one component per rank with a single rank_in and rank_out (a linear "
+            f"pipeline); ranks {bad} have other chains"
+        )
     firsts = [r for r, (rank_in, _) in enumerate(everyone) if rank_in is None]
     order, seen = [], set()
     at = firsts[0] if len(firsts) == 1 else None
@@ -119,8 +125,10 @@ def stage_of(chain) -> tuple[int, int]:
             break
         at = nxt
     if len(firsts) != 1 or len(order) != comm.size or everyone[order[-1]][1] is not None:
-        raise ValueError(f"{op}: the ranks' (rank_in, rank_out) {everyone} do not form one linear pipeline "
-                         f"over all {comm.size} ranks of the communicator (use schedule='gpipe')")
+        raise ValueError(
+            f"{op}: the ranks' (rank_in, rank_out) {everyone} do not form one linear pipeline "
+            f"over all {comm.size} ranks of the communicator (use schedule='gpipe')"
+        )
     chain._stages = (order.index(comm.rank), comm.size)
     return chain._stages
 
@@ -156,8 +164,11 @@ def run_schedule(chain, inputs, target, loss_fn, losses):
     for kind, k in _order(chain.schedule, m, stage, stages):
         if kind == "F":
             received[k] = []
-            value, is_output = chain.run_components(*batches[k], gradients_ahead=True,  # it runs every backward
-                                                    received=received[k])
+            value, is_output = chain.run_components(
+                *batches[k],
+                gradients_ahead=True,  # it runs every backward
+                received=received[k],
+            )
             if is_output:
                 loss = loss_fn(value, targets[k][0]) if targets is not None else loss_fn(value)
                 if losses is not None:
@@ -199,8 +210,12 @@ def _leaves(value: torch.Tensor, stop) -> tuple[list, set]:
 
 def backward_input_first(value: torch.Tensor, received) -> None:
     """`value`'s backward, the gradients of the `received` tensors first (see the top of this file)."""
-    tensors = [t for r in received for t in (r if isinstance(r, tuple) else (r,))
-               if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    tensors = [
+        t
+        for r in received
+        for t in (r if isinstance(r, tuple) else (r,))
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
     leaves, behind = _leaves(value, {t.grad_fn for t in tensors})
     if not tensors or any(id(leaf) in behind for leaf in leaves):
         torch.autograd.backward(value)  # a leaf reached both ways would take the receives' backward twice

@@ -5,6 +5,7 @@ A spec says how to rebuild an array from its bytes:
 Collectives move equal sizes from every rank, so arrays of different sizes travel padded to the
 widest and land in a buffer that wide before their own bytes are copied out.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -62,12 +63,13 @@ def finish(array, spec):
 
 # ---- padded to a common width ---------------------------------------------------------------------
 
+
 def padded(flat: torch.Tensor, width: int) -> torch.Tensor:
     """`flat` widened to `width` bytes (collectives move equal sizes from every rank)."""
     if flat.numel() == width:
         return flat
     out = torch.zeros(width, dtype=torch.uint8, device=flat.device)
-    out[:flat.numel()] = flat
+    out[: flat.numel()] = flat
     return out
 
 
@@ -78,10 +80,11 @@ def landing(flat: torch.Tensor, width: int) -> torch.Tensor:
 
 def land(flat: torch.Tensor, landed: torch.Tensor) -> None:
     if landed is not flat:
-        flat.copy_(landed[:flat.numel()])
+        flat.copy_(landed[: flat.numel()])
 
 
 # ---- data arguments -------------------------------------------------------------------------------
+
 
 def as_array(op: str, name: str, data):
     """`data` as a torch tensor or numpy array (numpy scalars become 0-d arrays), or ValueError."""

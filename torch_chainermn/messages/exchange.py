@@ -6,6 +6,7 @@ what it receives is allocated, landing in a buffer that wide where its own bytes
 collective runs chunk by chunk (MPI counts are C ints); the landed bytes are copied into place and
 the arrays finished.
 """
+
 from __future__ import annotations
 
 from .arrays import allocate, bytes_of, finish, land, landing, padded
@@ -19,8 +20,12 @@ def exchange(collective, sends, receive_specs, width: int, device_type: str | No
     outgoing = [padded(bytes_of(array), width) for array in sends]
     received = [allocate(spec, device_type) for spec in receive_specs]
     landings = [landing(flat, width) for _, flat in received]
-    wait_all([collective([flat[b:e] for flat in outgoing], [flat[b:e] for flat in landings])
-              for b, e in chunks(width, DEFAULT_MAX_BUF_LEN)])
+    wait_all(
+        [
+            collective([flat[b:e] for flat in outgoing], [flat[b:e] for flat in landings])
+            for b, e in chunks(width, DEFAULT_MAX_BUF_LEN)
+        ]
+    )
     for (array, flat), landed, spec in zip(received, landings, receive_specs):
         land(flat, landed)
         finish(array, spec)

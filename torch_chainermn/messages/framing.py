@@ -3,6 +3,7 @@
 Anything over 2 GiB must be chunked (one MPI message counts at most INT_MAX elements), so bytes
 travel in chunks of at most a chunk size, each chunk its own point-to-point or collective call.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -22,6 +23,7 @@ TAG_SCATTER_DATASET = RESERVED_TAG + 2
 
 
 # ---- argument checks ------------------------------------------------------------------------------
+
 
 def check_rank(op: str, name: str, value, size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < size:
@@ -46,6 +48,7 @@ def check_max_buf_len(op: str, value) -> int:
 
 # ---- waits ----------------------------------------------------------------------------------------
 
+
 def wait_all(works, what: str | None = None, hint: str = "") -> None:
     """Wait for every Work in turn. With `what` (the op, and what it was waiting for), a failure of
     the backend (DistBackendError: a timeout, a peer that died, a group broken by either) is raised
@@ -62,6 +65,7 @@ def wait_all(works, what: str | None = None, hint: str = "") -> None:
 
 
 # ---- raw bytes, chunked ---------------------------------------------------------------------------
+
 
 def chunks(nbytes: int, chunk: int):
     return [(start, min(start + chunk, nbytes)) for start in range(0, nbytes, chunk)]
@@ -85,5 +89,6 @@ def recv_bytes(group, flat: torch.Tensor, peer: int, tag: int, chunk: int) -> No
 
 
 def bcast_bytes(group, flat: torch.Tensor, root: int, chunk: int) -> None:
-    wait_all([dist.broadcast(flat[b:e], group=group, group_src=root, async_op=True)
-              for b, e in chunks(flat.numel(), chunk)])
+    wait_all(
+        [dist.broadcast(flat[b:e], group=group, group_src=root, async_op=True) for b, e in chunks(flat.numel(), chunk)]
+    )

@@ -7,6 +7,7 @@ pickle and sent as raw bytes (exact, no copy through pickle's byte string). A me
 (bad argument on the root, an object that does not pickle) still sends a header, with a failure
 status and the reason, so the other ranks raise too instead of waiting for data that never comes.
 """
+
 from __future__ import annotations
 
 import io
@@ -159,10 +160,10 @@ def allgather_small(group, obj) -> list:
     dist.all_gather(lengths, length, group=group)
     width = max(int(n.item()) for n in lengths)
     padded = torch.zeros(width, dtype=torch.uint8)
-    padded[:len(payload)] = bytes_view(payload)
+    padded[: len(payload)] = bytes_view(payload)
     gathered = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    return [pickle.loads(g[:int(n.item())].numpy().tobytes()) for g, n in zip(gathered, lengths)]
+    return [pickle.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, lengths)]
 
 
 class _Refusal:
@@ -179,8 +180,9 @@ def agree(group, describe) -> list:
     except ValueError as error:
         mine = _Refusal(str(error))
     everyone = allgather_small(group, mine)
-    refusals = [f"{entry.reason} (on rank {rank})" for rank, entry in enumerate(everyone)
-                if isinstance(entry, _Refusal)]
+    refusals = [
+        f"{entry.reason} (on rank {rank})" for rank, entry in enumerate(everyone) if isinstance(entry, _Refusal)
+    ]
     if refusals:
         raise ValueError("; ".join(refusals))
     return everyone
@@ -200,7 +202,10 @@ def agree_on_settings(group, op: str, describe) -> dict:
             held: dict[str, list[int]] = {}  # each value's repr -> the ranks that hold it, in order of first rank
             for rank, value in enumerate(values):
                 held.setdefault(f"{name}={value!r}", []).append(rank)
-            by_value = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))} "
-                                 f"{'have' if len(ranks) > 1 else 'has'} {value}" for value, ranks in held.items())
+            by_value = "; ".join(
+                f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))} "
+                f"{'have' if len(ranks) > 1 else 'has'} {value}"
+                for value, ranks in held.items()
+            )
             raise ValueError(f"{op}: the ranks differ in {name}: {by_value}")
     return everyone[dist.get_rank(group)]

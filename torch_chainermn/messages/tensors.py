@@ -24,6 +24,7 @@ computing while its activations travel; `drain` waits for them. Every wait the b
 timeout above all: DistBackendError) is re-raised naming the send or recv that was never joined,
 and the usual cause: a delegate variable that never reached backward.
 """
+
 from __future__ import annotations
 
 import array
@@ -45,8 +46,20 @@ BODY_TAG_OFFSET = 1 << 20
 _FIXED = 8  # header slots before the spec
 _ALIGN = 16
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 DEVICES = ["cpu", "cuda"]
 
@@ -54,7 +67,8 @@ DELEGATE_HINT = (
     "A rank's backward reaches a send or a recv only through the graph: pass send's result as "
     "recv(..., delegate_variable=phi), join several sends with pseudo_connect(phi, ...), and return "
     "(or backprop from) the last delegate variable; torch_chainermn.MultiNodeChainList does this for you. "
-    "A delegate variable that is dropped on one rank leaves its peer waiting here.")
+    "A delegate variable that is dropped on one rank leaves its peer waiting here."
+)
 
 
 class Spec:
@@ -82,7 +96,7 @@ class Spec:
         meta, i = [], 0
         for _ in range(count):
             dtype, requires_grad, ndim = DTYPES[ints[i]], bool(ints[i + 1]), ints[i + 2]
-            meta.append((dtype, requires_grad, tuple(ints[i + 3:i + 3 + ndim])))
+            meta.append((dtype, requires_grad, tuple(ints[i + 3 : i + 3 + ndim])))
             i += 3 + ndim
         return cls(meta, device, is_tuple)
 
@@ -112,8 +126,10 @@ def check_sendable(op: str, name: str, tensors, rank: int) -> None:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: {where} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPE_CODE:
-            raise ValueError(f"{op}: {where} has dtype {t.dtype}, which cannot travel (use one of "
-                             f"{', '.join(str(d) for d in DTYPES)})")
+            raise ValueError(
+                f"{op}: {where} has dtype {t.dtype}, which cannot travel (use one of "
+                f"{', '.join(str(d) for d in DTYPES)})"
+            )
         if t.layout != torch.strided or t.device.type not in DEVICES:
             raise ValueError(f"{op}: {where} must be a dense CPU or CUDA tensor, got {t.layout} on {t.device}")
     if len({t.device.type for t in tensors}) > 1:
@@ -122,9 +138,10 @@ def check_sendable(op: str, name: str, tensors, rank: int) -> None:
 
 # ---- sequence numbers and the outbox, per group ------------------------------------------------------
 
+
 class _PairState:
     def __init__(self):
-        self.sent = itertools.count()      # activations sent to the peer on this tag
+        self.sent = itertools.count()  # activations sent to the peer on this tag
         self.received = itertools.count()  # activations received from the peer on this tag
 
 
@@ -161,7 +178,7 @@ def drain(comm=None) -> None:
             try:
                 _wait_all(works, what)
             except BaseException:
-                _outbox.setdefault(key, []).extend(box[i + 1:])
+                _outbox.setdefault(key, []).extend(box[i + 1 :])
                 raise
 
 
@@ -171,6 +188,7 @@ def _wait_all(works, what: str) -> None:
 
 
 # ---- send and receive ----------------------------------------------------------------------------------
+
 
 def _backend(group):
     """The group's ProcessGroupChainerMN (its recv_message), found once per group."""
@@ -221,8 +239,9 @@ def send_tensors(group, peer: int, tag: int, kind: int, seq: int, tensors, is_tu
     head = [MAGIC, kind, seq, len(spec.meta), len(ints), total, DEVICES.index(spec.device), int(is_tuple), *ints]
     if spec.device == "cpu":
         sent = [(t, span) for t, span in zip(tensors, spans) if span[1] > span[0]]
-        works = [_send_message(group, head, [t.contiguous() for t, _ in sent], [span for _, span in sent], total,
-                               peer, tag)]
+        works = [
+            _send_message(group, head, [t.contiguous() for t, _ in sent], [span for _, span in sent], total, peer, tag)
+        ]
     else:
         works = [_send_message(group, head, [], [], 0, peer, tag)]
         if total:
@@ -238,8 +257,15 @@ def send_failure(group, peer: int, tag: int, error: BaseException, what: str) ->
     """Tell a peer waiting for a message that none comes, and why (it raises too)."""
     reason = f"{type(error).__name__}: {error}".encode()
     parts = [torch.frombuffer(bytearray(reason), dtype=torch.uint8)] if reason else []
-    work = _send_message(group, [MAGIC, KIND_FAILURE, 0, 0, 0, len(reason), 0, 0], parts, [(0, len(reason))][:len(parts)],
-                         len(reason), peer, tag)
+    work = _send_message(
+        group,
+        [MAGIC, KIND_FAILURE, 0, 0, 0, len(reason), 0, 0],
+        parts,
+        [(0, len(reason))][: len(parts)],
+        len(reason),
+        peer,
+        tag,
+    )
     _post(group, [work], what)
 
 
@@ -280,8 +306,16 @@ def _tensor_at(message: torch.Tensor, offset: int, dtype: torch.dtype, shape) ->
     return torch.empty(0, dtype=dtype).set_(message.untyped_storage(), offset // dtype.itemsize, shape)
 
 
-def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, what: str, waiting: str,
-                 device: torch.device | None = None):
+def recv_tensors(
+    group,
+    peer: int,
+    tag: int,
+    expect_kind: int,
+    expect_seq: int,
+    what: str,
+    waiting: str,
+    device: torch.device | None = None,
+):
     """Receive one message from `peer`: (tensors, spec). Raises if it is not what this rank expects.
     `what` names the receiving op in errors; `waiting` says, for a timeout, what never came and why."""
     ahead = _ahead.get(group, {}).get((peer, tag))
@@ -293,30 +327,38 @@ def recv_tensors(group, peer: int, tag: int, expect_kind: int, expect_seq: int, 
         work = _backend(group).recv_message(peer, tag)
         _wait_all([work], f"{what}: {waiting}")
     message = work.get_future().value()[0]
-    head = message[:8 * _FIXED].view(torch.int64).tolist() \
-        if message.dtype == torch.uint8 and message.numel() >= 8 * _FIXED else [0]
+    head = (
+        message[: 8 * _FIXED].view(torch.int64).tolist()
+        if message.dtype == torch.uint8 and message.numel() >= 8 * _FIXED
+        else [0]
+    )
     if head[0] != MAGIC:
-        raise RuntimeError(f"{what}: received a message that is not a model-parallel message (another "
-                           f"send on the same tag {tag}?)")
+        raise RuntimeError(
+            f"{what}: received a message that is not a model-parallel message (another send on the same tag {tag}?)"
+        )
     kind, seq, count, spec_len, payload, device_code, is_tuple = head[1:_FIXED]
     start = _header_bytes(_FIXED + spec_len)
     if kind == KIND_FAILURE:
-        reason = message[start:start + payload].numpy().tobytes().decode(errors="replace")
+        reason = message[start : start + payload].numpy().tobytes().decode(errors="replace")
         raise RuntimeError(f"{what}: rank {peer} could not send: {reason}")
-    ints = message[8 * _FIXED:8 * (_FIXED + spec_len)].view(torch.int64).tolist()
+    ints = message[8 * _FIXED : 8 * (_FIXED + spec_len)].view(torch.int64).tolist()
     spec = Spec.from_ints(ints, count, DEVICES[device_code], bool(is_tuple))
     spans, total = spec.offsets()
     if spec.device == "cpu":
-        tensors = [_tensor_at(message, start + b, dtype, shape) if e > b else torch.empty(shape, dtype=dtype)
-                   for (dtype, _, shape), (b, e) in zip(spec.meta, spans)]
+        tensors = [
+            _tensor_at(message, start + b, dtype, shape) if e > b else torch.empty(shape, dtype=dtype)
+            for (dtype, _, shape), (b, e) in zip(spec.meta, spans)
+        ]
     else:
         tensors = _recv_payload(group, peer, tag, spec, spans, total, device, what)
     if kind != expect_kind:
         raise RuntimeError(_wrong_kind(what, peer, tag, kind, seq, expect_kind))
     if seq != expect_seq:
-        raise RuntimeError(f"{what}: got {KIND_NAMES[kind]} for message #{seq} of the pair where #{expect_seq} "
-                           f"was due: the ranks ran their sends/recvs (or their backward passes) in different "
-                           f"orders. {DELEGATE_HINT}")
+        raise RuntimeError(
+            f"{what}: got {KIND_NAMES[kind]} for message #{seq} of the pair where #{expect_seq} "
+            f"was due: the ranks ran their sends/recvs (or their backward passes) in different "
+            f"orders. {DELEGATE_HINT}"
+        )
     if device is not None:
         tensors = [t.to(device) for t in tensors]
     return tensors, spec
@@ -328,22 +370,31 @@ def _recv_payload(group, peer: int, tag: int, spec: Spec, spans, total: int, dev
     # One tensor lands in a tensor of its own; several land in one buffer and are copied out, so that
     # every received tensor is a tensor of its own (not a view).
     single = torch.empty(spec.meta[0][2], dtype=spec.meta[0][0], device=wire) if len(spec.meta) == 1 else None
-    buffer = single.reshape(-1).view(torch.uint8) if single is not None else \
-        torch.empty(total, dtype=torch.uint8, device=wire)
+    buffer = (
+        single.reshape(-1).view(torch.uint8)
+        if single is not None
+        else torch.empty(total, dtype=torch.uint8, device=wire)
+    )
     if total:
-        _recv_wait(group, buffer, peer, tag + BODY_TAG_OFFSET,
-                   f"{what}: the data from rank {peer} never came after its header")
+        _recv_wait(
+            group, buffer, peer, tag + BODY_TAG_OFFSET, f"{what}: the data from rank {peer} never came after its header"
+        )
     if single is not None:
         return [single]
-    return [buffer[b:e].view(dtype).reshape(shape).clone() if e > b else
-            torch.empty(shape, dtype=dtype, device=wire) for (dtype, _, shape), (b, e) in zip(spec.meta, spans)]
+    return [
+        buffer[b:e].view(dtype).reshape(shape).clone() if e > b else torch.empty(shape, dtype=dtype, device=wire)
+        for (dtype, _, shape), (b, e) in zip(spec.meta, spans)
+    ]
 
 
 def _wrong_kind(what: str, peer: int, tag: int, kind: int, seq: int, expect_kind: int) -> str:
     if kind == KIND_GRADIENT and expect_kind == KIND_ACTIVATION:
-        return (f"{what}: got a gradient where an activation was due: it is the gradient of this rank's "
-                f"send #{seq} to rank {peer} (tag {tag}), which this rank's backward never collected, so "
-                f"that send's delegate variable never reached backward here. {DELEGATE_HINT}")
-    return (f"{what}: got {KIND_NAMES.get(kind, f'kind {kind}')} (message #{seq}) where "
-            f"{KIND_NAMES[expect_kind]} was due. {DELEGATE_HINT}")
-
+        return (
+            f"{what}: got a gradient where an activation was due: it is the gradient of this rank's "
+            f"send #{seq} to rank {peer} (tag {tag}), which this rank's backward never collected, so "
+            f"that send's delegate variable never reached backward here. {DELEGATE_HINT}"
+        )
+    return (
+        f"{what}: got {KIND_NAMES.get(kind, f'kind {kind}')} (message #{seq}) where "
+        f"{KIND_NAMES[expect_kind]} was due. {DELEGATE_HINT}"
+    )
