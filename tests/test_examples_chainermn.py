@@ -135,7 +135,7 @@ def test_mnist_chainermn_under_mpiexec_flat_double_buffering(tmp_path):
     assert run["double_buffering"] is True and epoch_lines(result.stdout) == [1, 2, 3, 4, 5]
     # One step stale, 2 x 50 per step: about 0.97 after 5 epochs.
     assert run["final_accuracy"] >= 0.93, run["history"]
-    assert list(checkpoints.iterdir()) == []
+    assert not checkpoints.exists()  # finalize() removed every rank's snapshots, rank 0 the directory it made
 
 
 def test_imagenet_synthetic_mnbn_fp16_double_buffering(tmp_path):
