@@ -1,4 +1,4 @@
-// What the block codes' CUDA encoders (int8_kernels.cu, int4_kernels.cu) share, as
+// What the block codes' CUDA encoders (int8_kernels.cu, block_int_kernels.cuh, topk_kernels.cu) share, as
 // kernels/block_scale.h on the CPU: their launch (a warp per quantisation block), and a warp's pass
 // over one block that forms r = value (+ residual), keeps it in the residual, and returns the
 // block's largest |r| on every lane.

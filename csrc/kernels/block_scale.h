@@ -1,5 +1,5 @@
-// What the block codes (int8, 4-bit) share: one pass over a block that forms r = value (+ residual)
-// and finds its largest magnitude, from which the block's scale comes.
+// What the block codes (int8, block_int: 4-bit and int2; topk) share: one pass over a block that forms r = value (+
+// residual) and finds its largest magnitude, from which the block's scale comes.
 #pragma once
 
 #include <cstdint>
