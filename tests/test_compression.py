@@ -175,7 +175,7 @@ def process_cases():
 
     # The DDP hook, several buckets (which DDP rebuilds after step 1), against the reference.
     model = DDP(Known(), bucket_cap_mb=0.002)
-    state = hooks.GradientCompressionState(type="2bit", threshold=threshold)
+    state = hooks.GradientCompressionState(code="2bit", threshold=threshold)
     model.register_comm_hook(state, hooks.gradient_compression_hook)
     expected = expected_means(4)
     hook_exact, layouts_seen = [], None
@@ -190,7 +190,7 @@ def process_cases():
 
     # Double buffered: step k applies step k-1's compressed mean (zeros at step 0), across the rebuild.
     db_model = DDP(Known(), bucket_cap_mb=0.002)
-    db = hooks.DoubleBufferingState(compress=hooks.GradientCompressionState(type="2bit", threshold=threshold))
+    db = hooks.DoubleBufferingState(compress=hooks.GradientCompressionState(code="2bit", threshold=threshold))
     db_model.register_comm_hook(db, hooks.double_buffering_hook)
     stale = []
     for step in range(3):
@@ -202,7 +202,7 @@ def process_cases():
     outcome["double buffering"] = stale
 
     # A new layout of the same parameters (as DDP's rebuild makes) carries each one's residual.
-    compression = GradientCompression(type="2bit", threshold=threshold)
+    compression = GradientCompression(code="2bit", threshold=threshold)
     params = {name: torch.nn.Parameter(torch.zeros(count)) for name, count in SIZES.items()}
     layouts = [[["a", "b"], ["c"]], [["a", "b"], ["c"]], [["c", "a"], ["b"]], [["b"], ["c", "a"]]]
     relayout_exact = []
@@ -222,7 +222,7 @@ def process_cases():
 
     # A checkpoint keeps what is owed: a restored state continues with node 0 owing the sum.
     saved = compression.state_dict()
-    restored = GradientCompression(type="2bit", threshold=threshold)
+    restored = GradientCompression(code="2bit", threshold=threshold)
     restored.load_state_dict(saved)
     again = restored.state_dict()
     outcome["round trip"] = all(torch.equal(saved["residuals"][k], again["residuals"][k]) for k in saved["residuals"])
@@ -235,7 +235,7 @@ def process_cases():
     outcome["restored step"] = torch.equal(buffer, expected_means(1, residuals=start)[0])
 
     # The communicator and the multi-node optimizer take the same settings.
-    comm = torch_chainermn.create_communicator("flat", gradient_compression={"type": "2bit", "threshold": threshold})
+    comm = torch_chainermn.create_communicator("flat", gradient_compression={"code": "2bit", "threshold": threshold})
     known = Known()
     known(gradients(rank, 0)).backward()
     comm.multi_node_mean_grad(known)
@@ -248,8 +248,8 @@ def process_cases():
     outcome["errors"] = value_errors(
         (
             lambda: hooks.GradientCompressionState(threshold=0),
-            lambda: hooks.GradientCompressionState(type="3bit"),
-            lambda: torch_chainermn.create_communicator(gradient_compression={"type": "2bit", "thresh": 1}),
+            lambda: hooks.GradientCompressionState(code="3bit"),
+            lambda: torch_chainermn.create_communicator(gradient_compression={"code": "2bit", "thresh": 1}),
             lambda: compression.start([torch.ones(4, dtype=torch.int64)], ((0, 0, 4),)).wait(),
         )
     )
@@ -266,7 +266,7 @@ def check(outcomes):
         assert outcome["communicator"] and outcome["optimizer has it"]
         threshold, kind, setting, dtype = outcome["errors"]
         assert "GradientCompressionState: threshold must be a positive finite number" in threshold
-        assert "type must be one of" in kind
+        assert "code must be one of" in kind
         assert "create_communicator: gradient_compression has unknown settings ['thresh']" in setting
         assert "gradient_compression: gradients must be floating point" in dtype
 
@@ -317,7 +317,7 @@ def block_code_cases(kind: str, block: int, compress_result=False):
         return got
 
     model = DDP(OneVector())
-    state = hooks.GradientCompressionState(type=kind, block=block, compress_result=compress_result)
+    state = hooks.GradientCompressionState(code=kind, block=block, compress_result=compress_result)
     model.register_comm_hook(state, hooks.gradient_compression_hook)
     got = run(model, state, range(2))
     saved = state.state_dict(by_rank=True)
@@ -325,7 +325,7 @@ def block_code_cases(kind: str, block: int, compress_result=False):
     outcome["hook"] = [torch.equal(g, e) for g, e in zip(got, expected)]
 
     resumed_model = DDP(OneVector())
-    resumed = hooks.GradientCompressionState(type=kind, block=block, compress_result=compress_result)
+    resumed = hooks.GradientCompressionState(code=kind, block=block, compress_result=compress_result)
     resumed_model.register_comm_hook(resumed, hooks.gradient_compression_hook)
     run(resumed_model, resumed, [7])  # the run's layout, with other residuals: the load must replace them
     resumed.load_state_dict(saved)
@@ -343,7 +343,7 @@ def block_code_cases(kind: str, block: int, compress_result=False):
         return said, after.tolist()
 
     outcome["disagreement"], outcome["after"] = disagreement(
-        GradientCompression(type=kind, block=block * (1 + rank % 2 * 2))
+        GradientCompression(code=kind, block=block * (1 + rank % 2 * 2))
     )
     if kind == "topk":  # ranks that keep different numbers of values a block
         outcome["keep disagreement"], outcome["after keep"] = disagreement(
@@ -357,10 +357,10 @@ def block_code_cases(kind: str, block: int, compress_result=False):
     gloo = dist.new_group(backend="gloo")
     outcome["errors"] = value_errors(
         (
-            lambda: hooks.GradientCompressionState(type=kind, block=0),
-            lambda: hooks.GradientCompressionState(type="int4"),
+            lambda: hooks.GradientCompressionState(code=kind, block=0),
+            lambda: hooks.GradientCompressionState(code="int4"),
             lambda: hooks.GradientCompressionState(gloo, type=kind),
-            lambda: hooks.GradientCompressionState(type=kind, compress_result="2bit"),
+            lambda: hooks.GradientCompressionState(code=kind, compress_result="2bit"),
         )
     )
     return outcome
@@ -402,7 +402,7 @@ def test_block_codes_through_the_hook(kind, block, ranks_per_node, size, compres
             "got '2bit'" in sums_error
         )
         assert "GradientCompressionState: block must be >= 1, got 0" in block_error
-        assert f"GradientCompressionState: type must be one of {', '.join(map(repr, CODES))}, got 'int4'" in type_error
+        assert f"GradientCompressionState: code must be one of {', '.join(map(repr, CODES))}, got 'int4'" in type_error
         assert "GradientCompressionState" in group_error and "chainermn" in group_error
 
 
@@ -417,12 +417,12 @@ def spelling_cases():
         new = hooks.DoubleBufferingState(compression=torch.float16)
         outcome["new spelling warns"] = [str(w.message) for w in caught]
         old = hooks.DoubleBufferingState(compress=torch.float16)
-        comm = torch_chainermn.create_communicator("flat", gradient_compression={"type": "int8"})
+        comm = torch_chainermn.create_communicator("flat", gradient_compression={"code": "int8"})
         optimizer = torch_chainermn.create_multi_node_optimizer(
-            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"type": "4bit"}
+            torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0), gradient_compression={"code": "4bit"}
         )
         outcome["old spelling warns"] = [(w.category.__name__, str(w.message)) for w in caught]
-    outcome["same mean"] = (new.mean.dtype, old.mean.dtype, comm.compression.type, optimizer.compression.type)
+    outcome["same mean"] = (new.mean.dtype, old.mean.dtype, comm.compression.code, optimizer.compression.code)
     # A CompressionSpec is a compression= value everywhere, and .compression the same kind of value.
     spec = torch_chainermn.CompressionSpec("4bit", block=64, compress_result="int8")
     model = torch.nn.Linear(2, 2)
@@ -455,9 +455,43 @@ def spelling_cases():
             lambda: hooks.GradientCompressionState(compression=spec, block=32),
         )
     )
+    # The code's one name is `code`: type= and {"type": ...} still work, warned, to the same settings.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = {
+            "state": hooks.GradientCompressionState(code="int8", block=64),
+            "double buffering": hooks.DoubleBufferingState(compression={"code": "int8", "block": 64}).compression,
+            "DiLoCo": diloco({"code": "int8", "block": 64}, model).compression,
+        }
+        outcome["code warns"] = [str(w.message) for w in caught]
+        kind = {
+            "state": hooks.GradientCompressionState(type="int8", block=64),
+            "double buffering": hooks.DoubleBufferingState(compression={"type": "int8", "block": 64}).compression,
+            "DiLoCo": diloco({"type": "int8", "block": 64}, model).compression,
+        }
+        outcome["old property"] = kind["state"].type
+        outcome["type warns"] = [(w.category.__name__, str(w.message)) for w in caught[len(outcome["code warns"]) :]]
+    outcome["code kinds"] = {name: type(value).__name__ for name, value in code.items()}
+    outcome["same settings"] = {name: code[name].settings() == kind[name].settings() for name in code}
+    outcome["DiLoCo plain"] = [diloco(value, model).compression for value in (None, torch.float16)]
+    # A checkpoint saved when the code's key was "type" loads.
+    state = GradientCompression(code="int8", block=64)
+    saved = state.state_dict()
+    saved["settings"]["type"] = saved["settings"].pop("code")
+    state.load_state_dict(saved)
     comm.finalize()
     holders["communicator"].finalize()
     return outcome
+
+
+def diloco(compression, model):
+    return torch_chainermn.DiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.7),
+        sync_every=2,
+        compression=compression,
+    )
 
 
 def test_one_spelling_of_compression_the_old_ones_deprecated():
@@ -479,3 +513,54 @@ def test_one_spelling_of_compression_the_old_ones_deprecated():
     assert "['block']" in spec_and_setting, spec_and_setting
     assert "DoubleBufferingState: give compression= only (compress= is its old spelling), not both" in both, both
     assert "create_communicator: compression must be None or a hooks.GradientCompressionState" in dtype, dtype
+    # The code's name: code=, {"code": ...}; the old type= and {"type": ...} warn, to the same settings.
+    assert outcome["code warns"] == [], outcome
+    assert outcome["type warns"] == [
+        ("DeprecationWarning", "GradientCompressionState: type= is deprecated, use code= (it takes the same values)"),
+        (
+            "DeprecationWarning",
+            'DoubleBufferingState: compression["type"] is deprecated, use compression["code"] (it takes the same values)',
+        ),
+        (
+            "DeprecationWarning",
+            'DiLoCo: compression["type"] is deprecated, use compression["code"] (it takes the same values)',
+        ),
+        ("DeprecationWarning", "GradientCompressionState.type is deprecated, use .code"),
+    ], outcome
+    assert outcome["old property"] == "int8"
+    assert outcome["same settings"] == {"state": True, "double buffering": True, "DiLoCo": True}, outcome
+    # .compression is the same kind of value everywhere: DiLoCo's is its GradientCompression, or None.
+    assert outcome["code kinds"] == {
+        "state": "GradientCompressionState",
+        "double buffering": "GradientCompression",
+        "DiLoCo": "GradientCompression",
+    }, outcome
+    assert outcome["DiLoCo plain"] == [None, None], outcome
+
+
+def test_code_is_the_code_s_one_name_type_its_old_spelling():
+    """In process, no group needed: the settings of {"type": ...} equal those of {"code": ...}, with a
+    DeprecationWarning naming the new key; both spellings at once, as keywords or keys, are a ValueError
+    naming the op; GradientCompression says `code` (SETTINGS, DEFAULTS)."""
+    from torch_chainermn._means import compression_settings
+
+    op = "torch_chainermn.fsdp.compress_between_nodes"
+    with pytest.warns(
+        DeprecationWarning, match=rf'^{op}: compression\["type"\] is deprecated, use compression\["code"\]'
+    ):
+        old = compression_settings({"type": "4bit", "block": 64}, op)
+    assert old == compression_settings({"code": "4bit", "block": 64}, op)
+    assert old["code"] == "4bit" and "type" not in old
+    assert GradientCompression.SETTINGS[0] == "code" and GradientCompression.DEFAULTS["code"] == "2bit"
+    both = [
+        (lambda: GradientCompression(code="2bit", type="1bit"), "GradientCompression: give code= only (type= is"),
+        (lambda: hooks.GradientCompressionState(code="2bit", type="2bit"), "GradientCompressionState: give code= only"),
+        (
+            lambda: compression_settings({"code": "int8", "type": "int8"}, "DiLoCo"),
+            'DiLoCo: give compression["code"] only (compression["type"] is its old spelling), not both',
+        ),
+    ]
+    for call, message in both:
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value).startswith(message), raised.value

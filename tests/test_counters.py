@@ -66,7 +66,7 @@ def one_compressed_mean():
     from torch_chainermn.compression import GradientCompression
 
     grads = torch.full((CODED_VALUES,), float(dist.get_rank() + 1))
-    compression = GradientCompression(type="int8", block=BLOCK)
+    compression = GradientCompression(code="int8", block=BLOCK)
     dist.barrier()
     torch_chainermn.reset_counters()
     compression.start([grads], [(id(grads), 0, grads.numel())]).wait()

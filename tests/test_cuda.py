@@ -231,7 +231,7 @@ def compression_cases():
     ):
         case = f"{kind}, compress_result={compress_result}"
         try:
-            compression = GradientCompression(type=kind, threshold=0.3, compress_result=compress_result)
+            compression = GradientCompression(code=kind, threshold=0.3, compress_result=compress_result)
             inputs = [
                 [torch.randn(1001, generator=torch.Generator().manual_seed(100 * step + r)) * 0.4 for r in range(size)]
                 for step in range(3)

@@ -78,7 +78,7 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(ranks_per_node):
     expected = {
         "old spelling": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
         "threshold": "threshold: rank 0 has threshold=0.5; rank{s} {others} {have} threshold=0.25",
-        "type": "type: rank 0 has type='2bit'; rank{s} {others} {have} type='1bit'",
+        "code": "code: rank 0 has code='2bit'; rank{s} {others} {have} code='1bit'",
         "block": "block: rank 0 has block=256; rank{s} {others} {have} block=128",
         "keep": "keep: rank 0 has keep=8; rank{s} {others} {have} keep=4",
         "weights": "weights: rank 0 has weights='int8'; rank{s} {others} {have} weights='float32'",
@@ -102,7 +102,7 @@ def test_the_old_spelling_warns_at_the_caller():
             (
                 "DeprecationWarning",
                 "torch_chainermn.fsdp.compress_between_nodes: gradients= is deprecated, use "
-                'compression= ({"type": code}, or None for "float32")',
+                'compression= ({"code": code}, or None for "float32")',
                 "fsdp_cases.py",
             )
         ], (rank, cases["old spelling"])

@@ -158,7 +158,7 @@ def overlap_cases(between_nodes: bool):
     # SGD, whose step is proportional to the gradient: a mean off by a factor shows (AdamW's would not).
     ddp = ddp_of(Net())
     compressed = torch_chainermn.OverlapNextForward(
-        ddp, torch.optim.SGD, compression=hooks.GradientCompressionState(type="int8", block=64), lr=0.1, momentum=0.9
+        ddp, torch.optim.SGD, compression=hooks.GradientCompressionState(code="int8", block=64), lr=0.1, momentum=0.9
     )
     mine = torch.cat([p.reshape(-1) for p in train(ddp, compressed, range(10))])
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

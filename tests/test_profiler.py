@@ -65,7 +65,7 @@ def profiled_ops(with_compression):
             from torch_chainermn.compression import GradientCompression
 
             grads = torch.randn(4096)
-            compression = GradientCompression(type="int8")
+            compression = GradientCompression(code="int8")
             compression.start([grads], [(id(grads), 0, grads.numel())]).wait()
     after = torch.ones(4)
     with profile(activities=[ProfilerActivity.CPU]) as unrelated:

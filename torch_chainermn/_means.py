@@ -5,7 +5,8 @@ What a user may pass (the DDP hooks' states, the multi-node optimizer, the commu
 the overlap all take the same):
     None                  a plain mean in the caller's default wire dtype (see WireMean)
     torch.float16, ...    a plain mean in that wire dtype (options.WIRE_DTYPES, the one list)
-    {"type": "int8", ...} compression.GradientCompression's settings, for the caller's group
+    {"code": "int8", ...} compression.GradientCompression's settings, for the caller's group
+                          ({"type": ...}: the code's old key, deprecated)
     CompressionSpec("int8", block=256)   the same, as one value (torch_chainermn.codes)
     GradientCompression   used as it is (hooks.GradientCompressionState is one), with its own group
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import backend_of, group_of
+from ._spelling import deprecated_spelling
 from .codes import CompressionSpec
 from .compression import GradientCompression
 from .gradients import mean_coalesced
@@ -119,8 +121,7 @@ def resolve(
     group = group_of(group, op)
     backend_of(group, op)  # a chainermn group, or a clear error now
     if isinstance(value, dict):
-        _known_settings(value, op, argument)
-        return GradientCompression(group, **value, op=op), group
+        return GradientCompression(group, **_known_settings(value, op, argument), op=op), group
     if isinstance(value, CompressionSpec):
         return GradientCompression(group, compression=value, op=op), group
     if value is None:
@@ -138,12 +139,20 @@ def resolve(
     )
 
 
-def _known_settings(value: dict, op: str, argument: str) -> None:
+def _known_settings(value: dict, op: str, argument: str) -> dict:
+    """A dict of GradientCompression's settings with the code under "code" (its old key "type" taken
+    with a DeprecationWarning), or a ValueError naming an unknown setting."""
+    value = dict(value)
+    if "type" in value:
+        value["code"], _ = deprecated_spelling(
+            op, "code", "type", value.pop("code", None), value.pop("type"), key_of=argument, stacklevel=5
+        )
     unknown = sorted(set(value) - set(GradientCompression.SETTINGS))
     if unknown:
         raise ValueError(
             f"{op}: {argument} has unknown settings {unknown} (known: {list(GradientCompression.SETTINGS)})"
         )
+    return value
 
 
 def compression_settings(value, op: str, *, argument: str = "compression", defaults: dict | None = None):
@@ -157,11 +166,9 @@ def compression_settings(value, op: str, *, argument: str = "compression", defau
     if isinstance(value, GradientCompression):
         return value.settings()
     if isinstance(value, CompressionSpec):
-        settings = value.settings()
-        return {"type": settings.pop("code"), **settings}
+        return value.settings()
     if isinstance(value, dict):
-        _known_settings(value, op, argument)
-        settings = {**GradientCompression.DEFAULTS, **(defaults or {}), **value}
+        settings = {**GradientCompression.DEFAULTS, **(defaults or {}), **_known_settings(value, op, argument)}
         GradientCompression.check(op, **settings)
         return settings
     raise ValueError(
@@ -210,17 +217,3 @@ def load_state(mean, state, op: str) -> None:
         )
     if state is not None:
         mean.load_state_dict(state)
-
-
-def deprecated_spelling(
-    op: str, new: str, old: str, new_value, old_value, unset=None, how: str = "it takes the same values"
-) -> tuple:
-    """(the value given as `new=` or under its old spelling `old=`, the spelling used: what an error
-    about it names). The old spelling warns (a DeprecationWarning naming the new one, and `how` to
-    write it); both: ValueError."""
-    if old_value is unset:
-        return new_value, new
-    if new_value is not unset:
-        raise ValueError(f"{op}: give {new}= only ({old}= is its old spelling), not both")
-    warnings.warn(f"{op}: {old}= is deprecated, use {new}= ({how})", DeprecationWarning, stacklevel=3)
-    return old_value, old

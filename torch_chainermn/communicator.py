@@ -494,8 +494,8 @@ def create_communicator(
     allreduce_grad_dtype: the dtype gradients travel in (torch or numpy dtype, or its name); None keeps
         the gradients' own dtype (unless $CHAINERMN_ALLREDUCE_GRAD_DTYPE says otherwise).
     compression: None, or compression between nodes for multi_node_mean_grad and the multi-node
-        optimizer, e.g. {"type": "int8"} or MXNet's {"type": "2bit", "threshold": 0.5}
-        (compression.GradientCompression's settings: type, threshold, block, compress_result,
+        optimizer, e.g. {"code": "int8"} or MXNet's {"code": "2bit", "threshold": 0.5}
+        (compression.GradientCompression's settings: code, threshold, block, keep, compress_result,
         result_dtype), or a GradientCompression. `gradient_compression=` is its old spelling.
 
     Without a process group yet, this initialises torch.distributed with the chainermn backend (under

@@ -10,7 +10,7 @@ that code, e.g. 4 bits there and 8 back), against a second residual. Every
 rank gets the sum of what the nodes sent divided by the world size. With one node nothing is
 compressed. The codes and the exchange are the backend's (csrc/strategies/compressed.h).
 
-    compression = GradientCompression(type="2bit", threshold=0.5)
+    compression = GradientCompression(code="2bit", threshold=0.5)
     work = compression.start([flat_gradients], params)     # params: the tensors' parameters, in order
 
 The DDP hook (hooks.GradientCompressionState), double buffering, the communicator
@@ -23,6 +23,7 @@ they are carried over parameter by parameter (_layouts.py).
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -30,10 +31,28 @@ import torch.distributed as dist
 from . import codes
 from ._backend import backend_of, group_of
 from ._layouts import by_parameter, layout_of  # noqa: F401  (layout_of: this module's old home of it)
+from ._spelling import deprecated_spelling
 
-__all__ = ["GradientCompression", "TYPES"]
+__all__ = ["GradientCompression"]
 
-TYPES = codes.CODES  # the backend's registry (torch_chainermn.codes)
+
+def __getattr__(name: str):
+    if name == "TYPES":  # the codes' old name here
+        warnings.warn(
+            "torch_chainermn.compression.TYPES is deprecated, use torch_chainermn.codes.CODES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return codes.CODES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Default(str):
+    """`code`'s default: equal to "2bit" wherever it is read, and known (by identity) not to be given,
+    so that code= and its old spelling type= given together are refused."""
+
+
+DEFAULT_CODE = _Default("2bit")
 
 
 class _Residual:
@@ -68,27 +87,28 @@ class GradientCompression:
     process_group: a chainermn group (default: the default group).
     compression: every setting below as one value, a torch_chainermn.CompressionSpec (the settings'
         keywords then stay at their defaults).
-    type: "int8" or "4bit" (one scale, the block's largest magnitude over 127 or 7, per `block` values:
+    code: "int8" or "4bit" (one scale, the block's largest magnitude over 127 or 7, per `block` values:
         gradients keep their scale, which Adam needs), "topk" (per block the `keep` largest values, int8
         against one scale, with their indices: DiLoCo's outer gradients), "2bit" (MXNet's: +threshold, -threshold or 0 per
-        value) or "1bit" (the sign, times the chunk's mean magnitude).
+        value) or "1bit" (the sign, times the chunk's mean magnitude): any code of
+        torch_chainermn.codes.CODES. `type=` is its old spelling (deprecated).
     threshold: 2-bit's threshold, > 0 (MXNet's default 0.5). The other codes do not use it.
     block: values per scale of "int8", "4bit" and "topk" (even for "4bit", at most 65536 for "topk");
         the others do not use it.
     keep: "topk"'s values sent per block (the largest |value|s, 1 <= keep <= block); the others do not
         use it.
     compress_result: compress the chunk sums on their way back too: True (in the same code) or the
-        name of a block code, "int8" or "4bit" (with type="4bit", compress_result="int8" sends 4 bits
+        name of a block code, "int8" or "4bit" (with code="4bit", compress_result="int8" sends 4 bits
         a value there and 8 back: the sums, which decide the step, lose less).
     result_dtype: otherwise, the dtype the sums travel back in: torch.float32 (MXNet), float16, bfloat16.
     """
 
-    SETTINGS = ("type", "threshold", "block", "keep", "compress_result", "result_dtype")  # what settings() holds
+    SETTINGS = ("code", "threshold", "block", "keep", "compress_result", "result_dtype")  # what settings() holds
 
     def __init__(
         self,
         process_group=None,
-        type: str = "2bit",
+        code: str = DEFAULT_CODE,
         threshold: float = 0.5,
         compress_result: bool | str = False,
         result_dtype: torch.dtype = torch.float32,
@@ -97,10 +117,17 @@ class GradientCompression:
         keep: int = 8,
         op: str = "GradientCompression",
         compression: codes.CompressionSpec | None = None,
+        type: str | None = None,  # noqa: A002  (code's old spelling)
     ):
+        if type is not None:
+            # The warning points at the caller, past a subclass's __init__ (hooks.GradientCompressionState).
+            frames = 3 + (self.__class__.__init__ is not GradientCompression.__init__)
+            code, _ = deprecated_spelling(
+                op, "code", "type", None if code is DEFAULT_CODE else code, type, stacklevel=frames
+            )
         if compression is not None:  # the code and its settings as one value
             given = {
-                "type": type,
+                "code": code,
                 "threshold": threshold,
                 "compress_result": compress_result,
                 "result_dtype": result_dtype,
@@ -114,13 +141,13 @@ class GradientCompression:
                     f"setting (got {compression!r}" + (f" and {changed}" if changed else "") + ")"
                 )
             settings = compression.settings()
-            type, threshold, block, keep = settings["code"], settings["threshold"], settings["block"], settings["keep"]
+            code, threshold, block, keep = settings["code"], settings["threshold"], settings["block"], settings["keep"]
             compress_result, result_dtype = settings["compress_result"], settings["result_dtype"]
         # The code and every setting, checked once by the backend (one rule: kernels/codes.h), and
         # passed whole to every mean.
         self.spec = self.check(
             op,
-            type=type,
+            code=code,
             threshold=threshold,
             compress_result=compress_result,
             result_dtype=result_dtype,
@@ -129,7 +156,7 @@ class GradientCompression:
         )
         self.process_group = group_of(process_group, op)
         self._backend = backend_of(self.process_group, op)
-        self.type = type
+        self.code = str(code)
         self.threshold = float(threshold)
         self.block = block
         self.keep = keep
@@ -143,42 +170,48 @@ class GradientCompression:
 
     @staticmethod
     def check(
-        op: str, *, type: str, threshold: float, compress_result, result_dtype: torch.dtype, block: int, keep: int
+        op: str, *, code: str, threshold: float, compress_result, result_dtype: torch.dtype, block: int, keep: int
     ) -> codes.CompressionSpec:
         """The CompressionSpec of these settings (every one: SETTINGS), or a ValueError naming `op`;
         the rule the constructor applies, for a caller that takes the settings without a group (FSDP2's)."""
-        if not isinstance(type, str):
-            raise ValueError(f"{op}: type must be one of {codes.CODES}, got {type!r}")
+        if not isinstance(code, str):
+            raise ValueError(f"{op}: code must be one of {codes.CODES}, got {code!r}")
         if not isinstance(result_dtype, torch.dtype):
             raise ValueError(
                 f"{op}: result_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {result_dtype!r}"
             )
         return codes.CompressionSpec(
-            type,
+            str(code),
             threshold=threshold,
             block=block,
             keep=keep,
             compress_result=compress_result,
             result_dtype=result_dtype,
             op=op,
-            argument="type",
+            argument="code",
         )
 
     def __repr__(self):
         return (
-            f"GradientCompression(type={self.type!r}, threshold={self.threshold}, block={self.block}, "
+            f"GradientCompression(code={self.code!r}, threshold={self.threshold}, block={self.block}, "
             f"keep={self.keep}, compress_result={self.compress_result!r}, result_dtype={self.result_dtype})"
         )
 
     def settings(self) -> dict:
         return {
-            "type": self.type,
+            "code": self.code,
             "threshold": self.threshold,
             "block": self.block,
             "keep": self.keep,
             "compress_result": self.compress_result,
             "result_dtype": self.result_dtype,
         }
+
+    @property
+    def type(self) -> str:
+        """code's old name (deprecated)."""
+        warnings.warn(f"{type(self).__name__}.type is deprecated, use .code", DeprecationWarning, stacklevel=2)
+        return self.code
 
     def for_group(self, group) -> "GradientCompression":
         """The same settings on another group of the same ranks, with residuals of its own."""
@@ -301,6 +334,8 @@ class GradientCompression:
         """Take a state_dict(): the group's first rank owes everything it holds (the sum over the nodes
         is what matters), the other ranks nothing. Residuals held now are dropped. Every rank calls it."""
         settings = {"keep": 8, **state.get("settings", {})}  # saved before top-k's keep: the default
+        if "type" in settings:  # saved before the code's name was "code"
+            settings["code"] = settings.pop("type")
         mine = self._saved_settings()
         if settings != mine:
             raise ValueError(
@@ -332,9 +367,9 @@ class GradientCompression:
         return bool(fits.item())
 
 
-# The constructor's defaults of SETTINGS, read from it (one place says them).
+# The constructor's defaults of SETTINGS, read from it (one place says them; the code's as a plain str).
 GradientCompression.DEFAULTS = {
-    name: parameter.default
+    name: str(parameter.default) if isinstance(parameter.default, str) else parameter.default
     for name, parameter in inspect.signature(GradientCompression.__init__).parameters.items()
     if name in GradientCompression.SETTINGS
 }

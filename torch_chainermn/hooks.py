@@ -11,7 +11,7 @@ group, or None for the default group, as for torch's own hooks:
     ...
     state.flush()   # before a checkpoint and at the end of training
 
-    state = torch_chainermn.hooks.GradientCompressionState(type="2bit", threshold=0.5)
+    state = torch_chainermn.hooks.GradientCompressionState(code="2bit", threshold=0.5)
     model.register_comm_hook(state, torch_chainermn.hooks.gradient_compression_hook)
     # or double buffered: DoubleBufferingState(compression=GradientCompressionState(...))
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ._double_buffering import BackgroundMean, start_mean
 from ._layouts import bucket_layout, by_parameter, read_into
 from ._means import KeepsMean, compressed, deprecated_spelling, resolve
-from .compression import GradientCompression
+from .compression import DEFAULT_CODE, GradientCompression
 from .gradients import mean_coalesced
 
 __all__ = [
@@ -184,7 +184,7 @@ def double_buffering_hook(state: DoubleBufferingState, bucket: dist.GradBucket) 
 class GradientCompressionState(GradientCompression):
     """State of `gradient_compression_hook`: compression between nodes with error feedback.
 
-    The settings and residuals of compression.GradientCompression (process_group=None, type="2bit",
+    The settings and residuals of compression.GradientCompression (process_group=None, code="2bit",
     threshold=0.5, compress_result=False, result_dtype=torch.float32, block=256, keep=8; or all of them
     as one value, compression=torch_chainermn.CompressionSpec(...)): within a node the gradients are
     summed at full precision, between nodes the code's bits a value travel (any code of
@@ -192,15 +192,15 @@ class GradientCompressionState(GradientCompression):
     codes that train with Adam; MXNet's "2bit", "1bit": for SGD; "topk": the `keep` largest of each
     block, DiLoCo's outer gradients), and what was not sent is kept per parameter and sent later. compress_result:
     True compresses the sums on their way back in the same code, "int8" or "4bit" in that code
-    (type="4bit", compress_result="int8": 4 bits there, 8 back). Save
+    (code="4bit", compress_result="int8": 4 bits there, 8 back). Save
     `state.state_dict()` (collective) with a checkpoint and `load_state_dict` it on restart, so
-    nothing owed is dropped.
+    nothing owed is dropped. `type=` is code's old spelling (deprecated).
     """
 
     def __init__(
         self,
         process_group=None,
-        type: str = "2bit",
+        code: str = DEFAULT_CODE,
         threshold: float = 0.5,
         compress_result: bool | str = False,
         result_dtype: torch.dtype = torch.float32,
@@ -208,10 +208,11 @@ class GradientCompressionState(GradientCompression):
         block: int = 256,
         keep: int = 8,
         compression=None,
+        type: str | None = None,  # noqa: A002  (code's old spelling)
     ):
         super().__init__(
             process_group,
-            type,
+            code,
             threshold,
             compress_result,
             result_dtype,
@@ -219,6 +220,7 @@ class GradientCompressionState(GradientCompression):
             keep=keep,
             op="GradientCompressionState",
             compression=compression,
+            type=type,
         )
 
 

@@ -418,7 +418,8 @@ class DiLoCo(KeepsMean, _EveryHSteps):
             "fragments": fragments,
             "fragment_delay": fragment_delay,
             "fragment_update_alpha": fragment_update_alpha,
-            "compression": repr(compression),
+            # What the value resolved to: the same for {"code": ...} and its old spelling, or a state.
+            "compression": repr(mean) if resolved is not None else repr(compression),
             "warmup_steps": warmup_steps,
             "eager": eager,
         }

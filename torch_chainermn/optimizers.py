@@ -38,7 +38,7 @@ def create_multi_node_optimizer(
     double_buffering: overlap each step's allreduce with the next step (one step stale).
     zero_fill: a parameter whose .grad is None takes part as zeros, and gets the mean written back
         (False: it is skipped, and then every rank must have None for it).
-    compression: compression between nodes ({"type": "int8"}, MXNet's {"type": "2bit", "threshold": 0.5},
+    compression: compression between nodes ({"code": "int8"}, MXNet's {"code": "2bit", "threshold": 0.5},
         or a compression.GradientCompression); None takes the communicator's compression, if any.
         `gradient_compression=` is its old spelling.
     """

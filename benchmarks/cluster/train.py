@@ -18,9 +18,9 @@ so the gradient is large (4 bytes per parameter) while the compute stays modest;
     <strategy>+fp16+db       ... double buffering with float16 on the wire
     <strategy>+2bit          ... with gradient compression between nodes (MXNet's 2-bit with error
                              feedback, threshold --threshold): hooks.gradient_compression_hook,
-                             GradientCompressionState(type="2bit", threshold=T); the sums come back
+                             GradientCompressionState(code="2bit", threshold=T); the sums come back
                              as float32
-    <strategy>+1bit          ... the same with 1-bit sign compression (type="1bit")
+    <strategy>+1bit          ... the same with 1-bit sign compression (code="1bit")
     ...+2bit+cr, ...+1bit+cr compress_result=True: the sums come back compressed too
     ...+2bit+fp16            result_dtype=torch.float16: the sums come back as float16 (+bf16: bfloat16;
                              the same for +1bit; not with +cr)
@@ -120,7 +120,7 @@ def compression_settings(flags: set, threshold: float) -> dict | None:
     if kind is None:
         return None
     result = torch.float16 if "fp16" in flags else torch.bfloat16 if "bf16" in flags else torch.float32
-    return {"type": kind, "threshold": threshold, "compress_result": "cr" in flags, "result_dtype": result}
+    return {"code": kind, "threshold": threshold, "compress_result": "cr" in flags, "result_dtype": result}
 
 
 def install_hook(model, base: str, flags: set, threshold: float = 0.5):

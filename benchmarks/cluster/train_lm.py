@@ -10,7 +10,7 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     fp16+db     chainermn DDP, hooks.double_buffering_hook with DoubleBufferingState(compression=float16)
     fp16+db+dc  the same with DC-ASGD's delay compensation (delay_compensation.py, --dc-lambda)
     db          double buffering with a float32 wire
-    2bit, 1bit  chainermn DDP, hooks.gradient_compression_hook, GradientCompressionState(type=...,
+    2bit, 1bit  chainermn DDP, hooks.gradient_compression_hook, GradientCompressionState(code=...,
                 threshold=--threshold); +cr: compress_result=True (the sums come back compressed too)
     int8, 4bit  the same hook with the block codes (one scale per --block values, error feedback);
                 +cr: the sums come back compressed too; 4bit+int8: 4 bits there, the sums back in int8
@@ -38,7 +38,7 @@ meet; AdamW (the same learning rate and warm-up) is the inner optimizer of every
     fsdp-gloo   FSDP2 (fully_shard on every block and the root) on init_process_group("gloo")
     fsdp        FSDP2 on init_process_group("chainermn"), its own collectives
     fsdp-2hop   ... with torch_chainermn.fsdp.two_hop(model): in the node, then between nodes
-    fsdp-int8   ... with compress_between_nodes(model, compression={"type": "int8"}, weights="int8")
+    fsdp-int8   ... with compress_between_nodes(model, compression={"code": "int8"}, weights="int8")
     fsdp-int8-hpz  ... and reshard_after_forward=<ranks per node> (hpZ: the backward all-gather
                 stays in the node)
     fsdp-2bit   ... gradients="2bit" (threshold --fsdp-threshold), weights="float32"
@@ -293,7 +293,7 @@ def setup(args, model):
         code = base.partition("+")[2] or (args.outer_code if streaming else None)
         compression = (
             GradientCompressionState(
-                type=code,
+                code=code,
                 threshold=args.outer_threshold,
                 block=args.outer_block,
                 keep=args.outer_keep,
@@ -331,7 +331,7 @@ def setup(args, model):
 
         code = args.mode.partition("+")[2]
         compression = (
-            hooks.GradientCompressionState(type=code, block=args.block, compress_result=True) if code else None
+            hooks.GradientCompressionState(code=code, block=args.block, compress_result=True) if code else None
         )
         overlap = torch_chainermn.OverlapNextForward(
             ddp, torch.optim.AdamW, compression=compression, lr=args.lr, weight_decay=args.weight_decay
@@ -353,7 +353,7 @@ def setup(args, model):
 
         code, _, sums = args.mode.partition("+")
         state = hooks.GradientCompressionState(
-            type=code,
+            code=code,
             threshold=args.threshold,
             compress_result={"": False, "cr": True}.get(sums, sums),
             block=args.block,
@@ -383,7 +383,7 @@ def setup_fsdp(args, model):
         parts = args.mode.split("-")[1:]  # e.g. ["2bit", "int8", "hpz"]
         gradients = next((p for p in parts if p in ("int8", "2bit", "1bit")), "float32")
         weights = "int8" if "int8" in parts else "float32"
-        coded = {"type": gradients, "threshold": args.fsdp_threshold}
+        coded = {"code": gradients, "threshold": args.fsdp_threshold}
         torch_chainermn.fsdp.compress_between_nodes(
             model, compression=None if gradients == "float32" else coded, weights=weights
         )

@@ -189,7 +189,7 @@ def register_comm_hook(model, args):
     if compression and wire_dtype is not None:
         raise SystemExit("--compression and --compress are alternatives")
     if compression:
-        state = hooks.GradientCompressionState(type=args.compression, threshold=args.threshold)
+        state = hooks.GradientCompressionState(code=args.compression, threshold=args.threshold)
         if not args.double_buffering:
             model.register_comm_hook(state, hooks.gradient_compression_hook)
             return None

@@ -56,7 +56,7 @@ def trained(two_hop: bool, reshard_after_forward=True, mixed=False, codes=None, 
     model = sharded_model(reshard_after_forward, mixed, device)
     modules = (
         torch_chainermn.fsdp.compress_between_nodes(
-            model, compression={"type": codes[0]}, weights=codes[1], block=8, threshold=THRESHOLD
+            model, compression={"code": codes[0]}, weights=codes[1], block=8, threshold=THRESHOLD
         )
         if codes
         else torch_chainermn.fsdp.two_hop(model)
@@ -195,7 +195,7 @@ def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
     def run():
         model = sharded_model()
         torch_chainermn.fsdp.compress_between_nodes(
-            model, compression={"type": gradients, "block": 8, "threshold": THRESHOLD}, weights="int8"
+            model, compression={"code": gradients, "block": 8, "threshold": THRESHOLD}, weights="int8"
         )
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -243,7 +243,7 @@ def bad_input() -> list:
 
     def mismatched_state():
         model = sharded()
-        torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": "2bit"})
+        torch_chainermn.fsdp.compress_between_nodes(model, compression={"code": "2bit"})
         torch_chainermn.fsdp.load_state_dict(model, {"0": torch.zeros(1)})
 
     return value_errors(
@@ -253,13 +253,13 @@ def bad_input() -> list:
             lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), gradients="int4"),
             lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), weights="2bit"),
             lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), block=0),
-            lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), compression={"type": "2bit"}, threshold=0.0),
+            lambda: torch_chainermn.fsdp.compress_between_nodes(sharded(), compression={"code": "2bit"}, threshold=0.0),
             mismatched_state,
             lambda: torch_chainermn.fsdp.compress_between_nodes(
-                sharded(), compression={"type": "int8", "compress_result": True}
+                sharded(), compression={"code": "int8", "compress_result": True}
             ),
             lambda: torch_chainermn.fsdp.compress_between_nodes(
-                sharded(), gradients="2bit", compression={"type": "2bit"}
+                sharded(), gradients="2bit", compression={"code": "2bit"}
             ),
         ]
     )
@@ -273,13 +273,13 @@ def differing_settings() -> dict:
     first = dist.get_rank() == 0
     cases = {
         "old spelling": {"gradients": "2bit", "threshold": 0.5 if first else 0.25},
-        "threshold": {"compression": {"type": "2bit", "threshold": 0.5 if first else 0.25}},
-        "type": {"compression": {"type": "2bit" if first else "1bit"}},
-        "block": {"compression": {"type": "int8", "block": 256 if first else 128}},
-        "keep": {"compression": {"type": "topk", "keep": 8 if first else 4}},
+        "threshold": {"compression": {"code": "2bit", "threshold": 0.5 if first else 0.25}},
+        "code": {"compression": {"code": "2bit" if first else "1bit"}},
+        "block": {"compression": {"code": "int8", "block": 256 if first else 128}},
+        "keep": {"compression": {"code": "topk", "keep": 8 if first else 4}},
         "weights": {"weights": "int8" if first else "float32"},
         "object": {
-            "compression": torch_chainermn.hooks.GradientCompressionState(type="2bit", threshold=0.5 if first else 0.25)
+            "compression": torch_chainermn.hooks.GradientCompressionState(code="2bit", threshold=0.5 if first else 0.25)
         },
         "refused": {"block": 8 if first else 0},
     }
@@ -359,7 +359,7 @@ def lm_validation_losses(steps: int = 40) -> dict:
             fully_shard(block)
         fully_shard(model)
         if codes:
-            torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": codes[0]}, weights=codes[1])
+            torch_chainermn.fsdp.compress_between_nodes(model, compression={"code": codes[0]}, weights=codes[1])
         optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
         data = lm.batches(corpus.train, 8, 32, seed=dist.get_rank())
         for step in range(steps):

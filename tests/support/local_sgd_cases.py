@@ -307,9 +307,9 @@ def diloco_for(model, H, F, tau, kind, alpha=0.5, warmup=0, eager=False):
     inner = adamw(model.parameters())
     outer = nesterov(model.parameters())
     compression = {
-        "2bit": hooks.GradientCompressionState(type="2bit", threshold=THRESHOLD),
-        "4bit": {"type": "4bit", "compress_result": True},
-        "topk": {"type": "topk", "block": 16, "keep": 4, "compress_result": True},
+        "2bit": hooks.GradientCompressionState(code="2bit", threshold=THRESHOLD),
+        "4bit": {"code": "4bit", "compress_result": True},
+        "topk": {"code": "topk", "block": 16, "keep": 4, "compress_result": True},
     }.get(kind)
     diloco = torch_chainermn.DiLoCo(
         model,

@@ -1,7 +1,7 @@
 """FSDP2 between nodes: reduce-scatter and all-gather in two hops (ZeRO++'s layout, FSDP2's hooks).
 
     model = fully_shard(...)                     # as usual, on a chainermn group or DeviceMesh
-    torch_chainermn.fsdp.compress_between_nodes(model, compression={"type": "int8"}, weights="int8")
+    torch_chainermn.fsdp.compress_between_nodes(model, compression={"code": "int8"}, weights="int8")
     torch_chainermn.fsdp.two_hop(model)          # the same at full precision
     fsdp.state_dict(model) / load_state_dict(model, state)   # the residuals, for a checkpoint (DCP)
 
@@ -57,13 +57,14 @@ def compress_between_nodes(
 
     compression: how the gradients travel between nodes, as the DDP hooks, the communicator, the
         optimizer and DiLoCo take it: None (float32), a dict of GradientCompression's settings
-        ({"type": "int8"}, the default; any code of torch_chainermn.codes with its `block`,
+        ({"code": "int8"}, the default; any code of torch_chainermn.codes with its `block`,
         `threshold`, `keep`; with error feedback), or a GradientCompression(State), whose settings are
         used (not its group or residuals). compress_result and result_dtype do not apply: each rank
         decodes its own shard, no sums travel back.
     gradients: compression's old spelling, a code name or "float32" (deprecated).
-    weights: "float32" or a code that keeps each block's scale (WEIGHTS: "int8", ZeRO++'s qwZ, or
-        "4bit"; blocks of `block` values, no error feedback).
+    weights: how the parameters travel between nodes, a code's name: "float32" or a code that keeps
+        each block's scale (WEIGHTS: "int8", ZeRO++'s qwZ, or "4bit"; blocks of `block` values, no
+        error feedback).
     block: the int8 weights' values per scale (default: the gradients' block, else 256), and the
         gradients' where a dict or gradients= does not say; threshold: 2-bit's, likewise.
 
@@ -83,7 +84,7 @@ def compress_between_nodes(
             compression,
             gradients,
             unset=_UNSET,
-            how='{"type": code}, or None for "float32"',
+            how='{"code": code}, or None for "float32"',
         )
         mine = _settings(op, compression, spelling, weights, block, threshold)
     except ValueError as error:  # raised below on every rank, once the ranks have compared notes
@@ -108,7 +109,7 @@ def compress_between_nodes(
     for group in groups.values():
         agreed = agree_on_settings(group, op, describe)
     for module in modules:
-        reduce_scatter = TwoHopReduceScatter(agreed["type"], agreed["block"], agreed["threshold"], agreed["keep"])
+        reduce_scatter = TwoHopReduceScatter(agreed["code"], agreed["block"], agreed["threshold"], agreed["keep"])
         for param_group in module._get_fsdp_state()._fsdp_param_groups:
             group = param_group.mesh_info.shard_process_group
             levels = levels_of(group, op)
@@ -125,15 +126,15 @@ def _settings(op: str, compression, spelling: str, weights: str, block, threshol
     if spelling == "gradients":
         if compression not in GRADIENTS:
             raise ValueError(f"{op}: gradients must be one of {GRADIENTS}, got {compression!r}")
-        compression = None if compression == "float32" else {"type": compression}
+        compression = None if compression == "float32" else {"code": compression}
     elif compression is _UNSET:
-        compression = {"type": "int8"}
+        compression = {"code": "int8"}
     if weights not in WEIGHTS:
         raise ValueError(f"{op}: weights must be one of {WEIGHTS}, got {weights!r}")
     given = {name: value for name, value in (("block", block), ("threshold", threshold)) if value is not _UNSET}
     coded = compression_settings(compression, op, defaults=given)
     if coded is None:
-        coded = {"type": "float32", "threshold": 0.5, "block": 256, "keep": 8}
+        coded = {"code": "float32", "threshold": 0.5, "block": 256, "keep": 8}
     elif coded["compress_result"] is not False or coded["result_dtype"] != torch.float32:
         raise ValueError(
             f"{op}: compression's compress_result and result_dtype do not apply to FSDP2 (each rank "
@@ -144,7 +145,7 @@ def _settings(op: str, compression, spelling: str, weights: str, block, threshol
     if weights != "float32":
         codes.check_settings(op, weights, given.get("threshold", 0.5), weights_block)
     return {
-        "type": coded["type"],
+        "code": coded["code"],
         "threshold": float(coded["threshold"]),
         "block": coded["block"],
         "keep": coded["keep"],
