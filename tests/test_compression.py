@@ -359,7 +359,7 @@ def block_code_cases(kind: str, block: int, compress_result=False):
         (
             lambda: hooks.GradientCompressionState(code=kind, block=0),
             lambda: hooks.GradientCompressionState(code="int4"),
-            lambda: hooks.GradientCompressionState(gloo, type=kind),
+            lambda: hooks.GradientCompressionState(gloo, code=kind),
             lambda: hooks.GradientCompressionState(code=kind, compress_result="2bit"),
         )
     )
