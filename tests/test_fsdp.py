@@ -3,6 +3,7 @@
 import tempfile
 
 import pytest
+import torch
 
 from tests.support import fsdp_cases
 from tests.support.harness import cached_launch, run_spawn
@@ -92,6 +93,24 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank(ranks_per_node):
             message = f"{op}: the ranks differ in " + text.format(s=s, others=others, have=have)
             assert differing[setting] == message, f"rank {rank}, {setting}: {differing[setting]!r}"
         assert "block must be >= 1, got 0 (on rank 1)" in differing["refused"], differing["refused"]
+
+
+def test_ddp_and_fsdp2_checkpoints_share_one_format():
+    """One residual store, one checkpoint format (torch_chainermn/residuals.py): the same model and
+    code under DDP (GradientCompressionState, parameters named) and FSDP2 give the same keys, the
+    same settings and, per parameter name, float32 sums of the parameter's shape (FSDP2's a DTensor
+    placed as the parameter, DDP's a plain tensor); each side's sums load into the other's."""
+    for rank, (_, cases) in enumerate(job(1)):
+        got = cases["one format"]
+        ddp, fsdp2 = got["ddp"], got["fsdp2"]
+        assert ddp["keys"] == fsdp2["keys"] == ["by_rank", "residuals", "settings"], (rank, got)
+        assert ddp["settings"] == fsdp2["settings"], (rank, got)
+        assert set(ddp["residuals"]) == set(fsdp2["residuals"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        for name, (kind, shape, dtype) in ddp["residuals"].items():
+            assert (kind, dtype) == ("Tensor", torch.float32), (rank, name, got)
+            assert fsdp2["residuals"][name] == ("DTensor", shape, torch.float32), (rank, name, got)
+        assert ddp["by_rank"] == ("dict", True) and fsdp2["by_rank"] == ("dict", True), (rank, got)
+        assert got["owed"] and got["ddp into fsdp2"] and got["fsdp2 into ddp"], (rank, got)
 
 
 def test_the_old_spelling_warns_at_the_caller():

@@ -32,6 +32,7 @@ from . import codes
 from ._backend import backend_of, group_of
 from ._layouts import by_parameter, layout_of  # noqa: F401  (layout_of: this module's old home of it)
 from ._spelling import deprecated_spelling
+from .residuals import ResidualStore
 
 __all__ = ["GradientCompression"]
 
@@ -56,7 +57,8 @@ DEFAULT_CODE = _Default("2bit")
 
 
 class _Residual:
-    """A node leader's residuals for one layout of gradients (empty tensors elsewhere)."""
+    """A node leader's residuals for one layout of gradients (empty tensors elsewhere), held in the
+    compression's ResidualStore under the layout's key."""
 
     __slots__ = ("first", "second", "second_offset", "second_count", "params", "work")
 
@@ -163,6 +165,8 @@ class GradientCompression:
         self.compress_result = compress_result
         self.result_dtype = result_dtype
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
+        # The residuals' tensors and their checkpoint's form, shared with FSDP2's (residuals.py).
+        self._store = ResidualStore(self._saved_settings())
         self._carried: dict[int, torch.Tensor] | None = None  # id(param) -> residual, while relaid out
         self._index: dict[int, int] = {}  # id(param) -> order of first sight (the state dict's keys)
         self._numel: dict[int, int] = {}  # id(param) -> values
@@ -271,12 +275,12 @@ class GradientCompression:
                 self._index[param_id] = len(self._index)
                 self._numel[param_id] = numel
         first_n, second_n, second_offset, second_count = self._backend.compression_residuals(count, self.spec)
-        first = torch.zeros(first_n, dtype=torch.float32, device=device)
-        second = torch.zeros(second_n, dtype=torch.float32, device=device)
         if relayout and self._carried is None:
             # Carry every parameter's residual into the new layouts of this step.
             self._carried = by_parameter((old.params, old.folded()) for old in self._residuals.values())
-            self._residuals.clear()
+            self._clear()
+        key = tuple(param_id for param_id, _, _ in params)
+        first, second = self._store.allocate(key, ((first_n,), (second_n,)), device)  # made once, reused
         if first_n:
             for param_id, offset, numel in params:
                 owed = (self._carried or {}).get(param_id)
@@ -288,16 +292,32 @@ class GradientCompression:
             self._loaded.pop(self._index[param_id], None)  # placed (or, off the first rank, owed by it)
         return _Residual(first, second, second_offset, second_count, params)
 
-    # ---- checkpoints ------------------------------------------------------------------------------
+    def _clear(self) -> None:
+        """Drop every layout's residuals (their values carried or loaded elsewhere)."""
+        self._residuals.clear()
+        self._store.clear()
+
+    # ---- checkpoints (the format: residuals.py, the same as FSDP2's) --------------------------------
+
+    def name_parameters(self, model) -> None:
+        """Key state_dict()'s "residuals" by the names of `model`'s parameters (a DDP model: its
+        module's) and shape them as the parameters, as torch_chainermn.fsdp.state_dict does; without
+        it, by the parameters' order of first sight, flat. DiLoCo names its model's."""
+        self._store.name_parameters(model)
+
+    def _key_of(self, param_id: int, index: int):
+        named = self._store.name_of(param_id)
+        return index if named is None else named[0]
 
     def state_dict(self, by_rank: bool = False) -> dict:
         """What the nodes still owe, summed over the nodes, per parameter: the same on every rank.
 
-        Collective over the group (every rank calls it). Keys are the parameters' order of first
-        sight, the same in every run of the same model and buckets. by_rank=True adds every rank's
-        own residuals, layout by layout ("by_rank", gathered: the same on every rank), so that a run
-        resumed on the same ranks with the same layouts continues bit for bit; the sum alone resumes
-        on any ranks, owing the same in all but not split across the nodes as before.
+        Collective over the group (every rank calls it). The format is residuals.py's (FSDP2's too):
+        "settings", "residuals" keyed by the parameters' names (name_parameters) or else by their
+        order of first sight, the same in every run of the same model and buckets. by_rank=True adds
+        every rank's own residuals, layout by layout ("by_rank", gathered: the same on every rank),
+        so that a run resumed on the same ranks with the same layouts continues bit for bit; the sum
+        alone resumes on any ranks, owing the same in all but not split across the nodes as before.
         """
         numel = {index: self._numel[param_id] for param_id, index in self._index.items()}
         for index, values in self._loaded.items():
@@ -317,8 +337,13 @@ class GradientCompression:
                 owed[where[index] :][: values.numel()] += values.reshape(-1).cpu()
         if owed.numel():
             dist.all_reduce(owed, group=self.process_group)
-        residuals = {index: owed[where[index] :][: numel[index]].clone() for index in sorted(numel)}
-        state = {"settings": self._saved_settings(), "residuals": residuals}
+        ids = {index: param_id for param_id, index in self._index.items()}
+        residuals = {}
+        for index in sorted(numel):
+            values = owed[where[index] :][: numel[index]].clone()
+            named = self._store.name_of(ids.get(index))
+            residuals[index if named is None else named[0]] = values if named is None else values.view(named[1])
+        exact = None
         if by_rank:
             mine = []
             for residual in self._residuals.values():
@@ -326,22 +351,22 @@ class GradientCompression:
                     residual.work.wait()
                     residual.work = None
                 mine.append({"first": residual.first.cpu(), "second": residual.second.cpu()})
-            state["by_rank"] = [None] * self.process_group.size()
-            dist.all_gather_object(state["by_rank"], mine, group=self.process_group)
-        return state
+            everyone = [None] * self.process_group.size()
+            dist.all_gather_object(everyone, mine, group=self.process_group)
+            exact = {str(layout): [theirs[layout] for theirs in everyone] for layout in range(len(mine))}
+        return self._store.state(residuals, exact)
 
     def load_state_dict(self, state: dict) -> None:
         """Take a state_dict(): the group's first rank owes everything it holds (the sum over the nodes
-        is what matters), the other ranks nothing. Residuals held now are dropped. Every rank calls it."""
-        settings = {"keep": 8, **state.get("settings", {})}  # saved before top-k's keep: the default
-        if "type" in settings:  # saved before the code's name was "code"
-            settings["code"] = settings.pop("type")
-        mine = self._saved_settings()
-        if settings != mine:
-            raise ValueError(
-                f"GradientCompression.load_state_dict: the state was saved with {settings}, this compression has {mine}"
-            )
+        is what matters), the other ranks nothing. Residuals held now are dropped. Every rank calls it.
+        A state keyed by names needs name_parameters() first (a clear ValueError otherwise)."""
+        op = "GradientCompression.load_state_dict"
+        self._store.check(state, op)
         exact = state.get("by_rank")
+        if isinstance(exact, dict):  # {layout: [every rank's]}; before the one format, [rank][layout]
+            exact = [
+                [exact[k][rank] for k in sorted(exact, key=int)] for rank in range(len(next(iter(exact.values()), [])))
+            ]
         if exact is not None and len(exact) == self.process_group.size() and self._fits(exact):
             # The same ranks and layouts: each rank takes its own residuals back, as they were.
             for residual, saved in zip(self._residuals.values(), exact[self.process_group.rank()]):
@@ -349,13 +374,27 @@ class GradientCompression:
                 residual.second.copy_(saved["second"])
             self._loaded = {}
             return
-        self._residuals.clear()
+        loaded = {}
+        for key, values in state["residuals"].items():
+            if isinstance(key, str) and not key.isdigit():  # a parameter's name
+                param_id = self._store.id_of(key)
+                if param_id is None:
+                    raise ValueError(
+                        f"{op}: the state names parameter {key!r}, which this compression does not know "
+                        "(name_parameters(model) first, with the model whose parameters these are)"
+                    )
+                if param_id not in self._index:
+                    self._index[param_id] = len(self._index)
+                    self._numel[param_id] = values.numel()
+                key = self._index[param_id]
+            if hasattr(values, "full_tensor"):  # a DTensor: FSDP2's, placed as its parameter (collective)
+                values = values.full_tensor()
+            loaded[int(key)] = values.detach().reshape(-1).to(torch.float32, copy=True)
+        self._clear()
         self._carried = None
         # Every rank keeps the values so that every rank lays out state_dict() alike; only the first
         # rank places them into its residuals (_residual_for).
-        self._loaded = {
-            int(k): v.detach().reshape(-1).to(torch.float32, copy=True) for k, v in state["residuals"].items()
-        }
+        self._loaded = loaded
 
     def _fits(self, by_rank) -> bool:
         """Whether every rank holds layouts of the sizes saved for it (checked on every rank alike,

@@ -439,6 +439,8 @@ class DiLoCo(KeepsMean, _EveryHSteps):
             _Fragment(i, run, i * sync_every // fragments, self.buffers if i == 0 else [], fragment_delay > 0, eager)
             for i, run in enumerate(_split_runs(self.params, fragments))
         ]
+        if compressed(mean) is not None:  # its checkpoint keyed by the parameters' names, as FSDP2's
+            mean.name_parameters(self._module)
         for fragment in self.fragments:  # residuals in fragment order: a checkpoint's fixed structure
             mean.reserve(fragment.layout, fragment.outer.device)
         with torch.no_grad():

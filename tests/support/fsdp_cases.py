@@ -207,7 +207,7 @@ def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
         }
 
     def finished(model):
-        residuals = torch_chainermn.fsdp.state_dict(model)
+        residuals = torch_chainermn.fsdp.state_dict(model)["by_rank"]  # each rank's own, per module
         return (
             [p.full_tensor().detach().clone() for p in model.parameters()],
             [residuals[k].to_local().clone() for k in sorted(residuals)],
@@ -232,6 +232,64 @@ def checkpoint_resumes_exactly(directory: str, gradients: str = "2bit") -> dict:
         "residuals equal": all(torch.equal(a, b) for a, b in zip(unbroken[1], resumed[1])),
         "residuals": len(unbroken[1]),
         "residuals carried": all(r.abs().sum() > 0 for r in unbroken[1]),
+    }
+
+
+def one_format() -> dict:
+    """The same model and code under DDP (a GradientCompressionState, its parameters named) and under
+    FSDP2 (compress_between_nodes), 2 steps each: each checkpoint's keys and value kinds; then each
+    side's sums loaded into the other side's fresh residuals and saved again, to equal them."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    settings = {"code": "2bit", "threshold": THRESHOLD, "block": 8}
+
+    def kinds(state) -> dict:
+        return {
+            "keys": sorted(state),
+            "settings": state["settings"],
+            "residuals": {
+                name: (type(value).__name__, tuple(value.shape), value.dtype)
+                for name, value in state["residuals"].items()
+            },
+            "by_rank": (type(state["by_rank"]).__name__, all(isinstance(k, str) for k in state["by_rank"])),
+        }
+
+    def ddp_side():
+        model = DDP(make_model())
+        state = torch_chainermn.hooks.GradientCompressionState(**settings)
+        state.name_parameters(model)
+        model.register_comm_hook(state, torch_chainermn.hooks.gradient_compression_hook)
+        return model, state
+
+    def fsdp_side():
+        model = sharded_model()
+        torch_chainermn.fsdp.compress_between_nodes(model, compression=dict(settings), weights="float32")
+        return model
+
+    model, ddp = ddp_side()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    ddp_state = ddp.state_dict(by_rank=True)
+    model = fsdp_side()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    fsdp_state = torch_chainermn.fsdp.state_dict(model)
+
+    def full(value):
+        return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+    # DDP's sums into a fresh FSDP2 model, FSDP2's into a fresh DDP state: the same sums come back.
+    into_fsdp = fsdp_side()
+    torch_chainermn.fsdp.load_state_dict(into_fsdp, {k: ddp_state[k] for k in ("settings", "residuals")})
+    back_from_fsdp = torch_chainermn.fsdp.state_dict(into_fsdp, by_rank=False)["residuals"]
+    _, into_ddp = ddp_side()
+    into_ddp.load_state_dict({k: fsdp_state[k] for k in ("settings", "residuals")})
+    back_from_ddp = into_ddp.state_dict()["residuals"]
+    return {
+        "ddp": kinds(ddp_state),
+        "fsdp2": kinds(fsdp_state),
+        "owed": all(v.abs().sum() > 0 for v in ddp_state["residuals"].values())
+        and all(full(v).abs().sum() > 0 for v in fsdp_state["residuals"].values()),
+        "ddp into fsdp2": all(torch.equal(full(back_from_fsdp[k]), v) for k, v in ddp_state["residuals"].items()),
+        "fsdp2 into ddp": all(torch.equal(back_from_ddp[k], full(v)) for k, v in fsdp_state["residuals"].items()),
     }
 
 
@@ -327,6 +385,7 @@ def cases(directory: str) -> dict:
         "training": {code: coded_training(code) for code in ("int8", "2bit")},
         "exchange": {code: coded_exchange_matches_reference(code) for code in torch_chainermn.codes.CODES},
         "checkpoint": checkpoint_resumes_exactly(directory),
+        "one format": one_format(),
         "errors": bad_input(),
     }
 

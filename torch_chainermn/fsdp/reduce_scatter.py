@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..codes import CompressionSpec, decode, encode, wire_row_bytes
+from ..residuals import ResidualStore
 from .levels import levels_of
 
 __all__ = ["TwoHopReduceScatter"]
@@ -34,9 +35,21 @@ __all__ = ["TwoHopReduceScatter"]
 class TwoHopReduceScatter(ReduceScatter):
     """Gradients reduce-scattered in the node at full precision, then between nodes as `gradients`
     ("float32", or a code of torch_chainermn.codes with `block`, `threshold` and `keep`; see above).
-    Made here, the ranks' settings are not compared: compress_between_nodes compares them."""
+    Made here, the ranks' settings are not compared: compress_between_nodes compares them.
 
-    def __init__(self, gradients: str = "float32", block: int = 256, threshold: float = 0.5, keep: int = 8):
+    store: the ResidualStore the residual is held in, under `holder` (compress_between_nodes gives the
+    modules of a model one store, each its module's name); by default one of its own."""
+
+    def __init__(
+        self,
+        gradients: str = "float32",
+        block: int = 256,
+        threshold: float = 0.5,
+        keep: int = 8,
+        *,
+        store: ResidualStore | None = None,
+        holder: str = ".",
+    ):
         self.gradients = gradients
         self.block = block
         self.threshold = threshold
@@ -51,8 +64,11 @@ class TwoHopReduceScatter(ReduceScatter):
         )
         self._reordered = None  # the input, by intra rank then node, reused from call to call
         self._node_sums = None  # the node's sums of this rank's N shards
-        # A code between nodes: what this rank owes ([N, shard] float32), kept across steps ...
-        self.residual: torch.Tensor | None = None
+        # A code between nodes: what this rank owes ([N, shard] float32), kept across steps in the
+        # store (the DDP side's kind: one owner, one checkpoint format, residuals.py) ...
+        self.store = store if store is not None else ResidualStore(settings_of(gradients, block, threshold, keep))
+        self.holder = holder
+        self.residual: torch.Tensor | None = None  # the store's tensor, once made
         self._sent = self._received = None  # ... the codes it sends and receives ([N, row bytes])
         self._as_float32 = None  # the node sums or the output, where FSDP reduces in another dtype
         self._made_for = None  # (nodes, shard, device) the residual and wire buffers fit
@@ -64,7 +80,7 @@ class TwoHopReduceScatter(ReduceScatter):
         """Make the residual for `nodes` x `shard` values before the first step, so that a checkpoint
         has the same structure in a fresh run (torch.distributed.checkpoint loads into it)."""
         if self.gradients != "float32" and self.residual is None:
-            self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
+            (self.residual,) = self.store.allocate(self.holder, ((nodes, shard),), device)
 
     def __call__(
         self,
@@ -137,7 +153,8 @@ class TwoHopReduceScatter(ReduceScatter):
             or self.residual.device != device
             or (self.residual.shape != (nodes, shard) and not self.residual.any())
         ):
-            self.residual = torch.zeros(nodes, shard, dtype=torch.float32, device=device)
+            self.store.drop(self.holder)
+            (self.residual,) = self.store.allocate(self.holder, ((nodes, shard),), device)
         elif self.residual.shape != (nodes, shard):
             raise ValueError(
                 f"TwoHopReduceScatter: the residual held (a checkpoint's?) has shape "
@@ -148,6 +165,15 @@ class TwoHopReduceScatter(ReduceScatter):
             self._sent = torch.empty(nodes, row, dtype=torch.uint8, device=device)
             self._received = torch.empty_like(self._sent)
         self._made_for = (nodes, shard, device)
+
+
+def settings_of(gradients: str, block: int, threshold: float, keep: int) -> dict:
+    """The settings a checkpoint of these residuals holds: GradientCompression's (the same keys as the
+    DDP side's; no sums travel back, so compress_result=False, result_dtype=float32)."""
+    from ..compression import GradientCompression
+
+    values = (gradients, float(threshold), block, keep, False, torch.float32)
+    return ResidualStore.saved_settings(dict(zip(GradientCompression.SETTINGS, values)))
 
 
 def _reused(buffer, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
