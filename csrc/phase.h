@@ -8,14 +8,15 @@
 // thread that runs it, which carries the poster's profiler state) it is a span of torch's profiler,
 // with the transport (or code) and bytes as its inputs when the profiler records shapes.
 //
-// Inside any op of a group it also counts (counters.h): the call, its time (two clock reads) and
+// Inside any op of a group it also counts (counters.h): the call, its time (two reads of the TSC,
+// os/tick_clock.h) and
 // the bytes it moves, into the group's counters. Always on: a few relaxed atomic additions.
 #pragma once
 
 #include "counters.h"
+#include "os/tick_clock.h"
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 
 namespace chainermn {
@@ -46,7 +47,7 @@ class PhaseSpan {
       start(name, what, moved.bytes);
     }
     if (counters_ != nullptr) {
-      began_ = std::chrono::steady_clock::now();
+      began_ = tick_clock::now();
     }
   }
   ~PhaseSpan() {
@@ -54,9 +55,7 @@ class PhaseSpan {
       finish();
     }
     if (counters_ != nullptr) {
-      const auto took = std::chrono::steady_clock::now() - began_;
-      counters_->add(name_, what_, moved_,
-                     static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count()));
+      counters_->add(name_, what_, moved_, static_cast<uint64_t>(tick_clock::nanosBetween(began_, tick_clock::now())));
     }
   }
   PhaseSpan(const PhaseSpan&) = delete;
@@ -71,7 +70,7 @@ class PhaseSpan {
   const char* what_;
   const Moved moved_;
   Counters* counters_;  // the group's whose op this thread runs, if any
-  std::chrono::steady_clock::time_point began_{};
+  tick_clock::Ticks began_ = 0;
 };
 
 // The phase of a collective on a level's transport: within the node or between nodes.

@@ -52,10 +52,10 @@ Stragglers::Stragglers(int rank, std::vector<std::string> nodeOfRank, std::strin
       latenessSum_(nodeOfRank_.size(), 0) {}
 
 void CollectiveTimer::done() {
-  stragglers_.ran(std::chrono::steady_clock::now() - began_);
+  stragglers_.ran(std::chrono::nanoseconds(tick_clock::nanosBetween(began_, tick_clock::now())));
 }
 
-void Stragglers::ran(std::chrono::steady_clock::duration took) {
+void Stragglers::ran(std::chrono::nanoseconds took) {
   const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(took).count();
   mine_.store(static_cast<uint32_t>(std::min<int64_t>(micros, Arrival::kNone - 1)), std::memory_order_relaxed);
 }

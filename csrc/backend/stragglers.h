@@ -12,6 +12,8 @@
 // learnt.
 #pragma once
 
+#include "os/tick_clock.h"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -48,13 +50,12 @@ class Stragglers;
 // it completed (a collective that failed is not timed).
 class CollectiveTimer {
  public:
-  explicit CollectiveTimer(Stragglers& stragglers)
-      : stragglers_(stragglers), began_(std::chrono::steady_clock::now()) {}
+  explicit CollectiveTimer(Stragglers& stragglers) : stragglers_(stragglers), began_(tick_clock::now()) {}
   void done();
 
  private:
   Stragglers& stragglers_;
-  const std::chrono::steady_clock::time_point began_;
+  const tick_clock::Ticks began_;
 };
 
 class Stragglers {
@@ -63,7 +64,7 @@ class Stragglers {
   Stragglers(int rank, std::vector<std::string> nodeOfRank, std::string group, StragglerSettings settings);
 
   // This rank's collective ran for `took` (on the thread that ran it).
-  void ran(std::chrono::steady_clock::duration took);
+  void ran(std::chrono::nanoseconds took);
   // The time to send with this collective's fingerprint: the previous collective's, once (kNone if
   // it was not timed: it failed, or ran over NCCL alone).
   uint32_t takeMine();

@@ -1,7 +1,6 @@
 // Recording into the flight recorder's ring (flight_recorder.h); the dump is flight_recorder_dump.cpp.
 #include "runtime/flight_recorder.h"
 
-#include <c10/util/ApproximateClock.h>
 #include <torch/csrc/distributed/c10d/Utils.hpp>  // getCvarInt: torch's reading of its settings
 
 #include <pthread.h>
@@ -120,7 +119,7 @@ FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string&
   if (!enabled()) {
     return kNotRecorded;
   }
-  const int64_t now = c10::getTime();
+  const tick_clock::Ticks now = tick_clock::now();
   const char* thread = threadName();
   std::lock_guard<std::mutex> lock(mutex_);
   if (!group.named) {
@@ -146,9 +145,9 @@ FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string&
   slot.direction = send ? "->" : receive ? "<-" : nullptr;
   slot.rank = op.rank;
   slot.peer = op.peer;
-  slot.createdNs = now;
-  slot.startedNs = 0;
-  slot.completedNs = 0;
+  slot.created = now;
+  slot.started = 0;
+  slot.completed = 0;
   slot.timeoutMs = op.timeout.count();
   slot.thread = std::this_thread::get_id();
   std::memcpy(slot.threadName, thread, sizeof(slot.threadName));
@@ -188,13 +187,13 @@ void FlightRecorder::started(Id id) {
   if (id == kNotRecorded) {
     return;
   }
-  const int64_t now = c10::getTime();
+  const tick_clock::Ticks now = tick_clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
   Slot* slot = slotOf(id);
-  if (slot == nullptr || slot->startedNs != 0) {
+  if (slot == nullptr || slot->started != 0) {
     return;
   }
-  slot->startedNs = now;
+  slot->started = now;
   if (slot->collective) {
     slot->group->lastStarted = static_cast<int64_t>(slot->collectiveSeq);
   }
@@ -204,7 +203,7 @@ void FlightRecorder::ended(Id id, bool completed) {
   if (id == kNotRecorded) {
     return;
   }
-  const int64_t now = c10::getTime();
+  const tick_clock::Ticks now = tick_clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
   Slot* slot = slotOf(id);
   if (slot == nullptr || slot->retired) {
@@ -214,10 +213,10 @@ void FlightRecorder::ended(Id id, bool completed) {
   if (!completed) {
     return;
   }
-  if (slot->startedNs == 0) {
-    slot->startedNs = now;  // completed without being seen to start (a batch's empty window)
+  if (slot->started == 0) {
+    slot->started = now;  // completed without being seen to start (a batch's empty window)
   }
-  slot->completedNs = now;
+  slot->completed = now;
   if (slot->collective) {
     slot->group->lastCompleted = static_cast<int64_t>(slot->collectiveSeq);
   }

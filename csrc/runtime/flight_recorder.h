@@ -13,6 +13,8 @@
 // guards it. Off (buffer 0), the backend's cost is one branch per op.
 #pragma once
 
+#include "os/tick_clock.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -108,9 +110,11 @@ class FlightRecorder {
     const char* direction = nullptr;  // "->" for a send, "<-" for a receive; null for the rest
     int rank = 0;
     int peer = -1;
-    int64_t createdNs = 0;  // wall clock, as torch's
-    int64_t startedNs = 0;  // 0: not yet
-    int64_t completedNs = 0;
+    // When it was posted, started, completed, in ticks of os/tick_clock.h (0: not yet); the dump
+    // turns them into the wall clock's nanoseconds, as torch's are.
+    tick_clock::Ticks created = 0;
+    tick_clock::Ticks started = 0;
+    tick_clock::Ticks completed = 0;
     int64_t timeoutMs = 0;
     std::thread::id thread;
     char threadName[16] = {};

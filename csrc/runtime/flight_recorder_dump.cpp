@@ -71,18 +71,21 @@ c10::Dict<c10::IValue, c10::IValue> entryOf(const FlightRecorder::Slot& slot, co
     name += " " + std::to_string(slot.rank) + slot.direction + std::to_string(slot.peer);
   }
   entry.insert("profiling_name", name);
-  entry.insert("time_created_ns", slot.createdNs);
-  if (slot.completedNs != 0) {
-    entry.insert("duration_ms", static_cast<double>(slot.completedNs - slot.startedNs) / 1e6);
+  entry.insert("time_created_ns", tick_clock::unixNanos(slot.created));
+  if (slot.completed != 0) {
+    entry.insert("duration_ms", static_cast<double>(tick_clock::nanosBetween(slot.started, slot.completed)) / 1e6);
   }
   const int64_t* next = slot.sizes.data();
   entry.insert("input_sizes", sizesOf(slot.inputDims, next));
   entry.insert("input_dtypes", dtypeNames(slot.inputDtypes));
   entry.insert("output_sizes", sizesOf(slot.outputDims, next));
   entry.insert("output_dtypes", dtypeNames(slot.outputDtypes));
-  entry.insert("state", slot.completedNs != 0 ? "completed" : slot.startedNs != 0 ? "started" : "scheduled");
-  entry.insert("time_discovered_started_ns", slot.startedNs != 0 ? c10::IValue(slot.startedNs) : c10::IValue());
-  entry.insert("time_discovered_completed_ns", slot.completedNs != 0 ? c10::IValue(slot.completedNs) : c10::IValue());
+  entry.insert("state", slot.completed != 0 ? "completed" : slot.started != 0 ? "started" : "scheduled");
+  const auto wall = [](tick_clock::Ticks ticks) {
+    return ticks != 0 ? c10::IValue(tick_clock::unixNanos(ticks)) : c10::IValue();
+  };
+  entry.insert("time_discovered_started_ns", wall(slot.started));
+  entry.insert("time_discovered_completed_ns", wall(slot.completed));
   entry.insert("retired", slot.retired);
   entry.insert("timeout_ms", slot.timeoutMs);
   entry.insert("is_p2p", slot.isP2P);
@@ -126,7 +129,7 @@ std::string FlightRecorder::dump(bool includeCollectives, bool includeStackTrace
       slots.reserve(next_ - first);
       for (Id id = first; id < next_; ++id) {
         const Slot& slot = slots_[id % slots_.size()];
-        if (!(onlyActive && slot.completedNs != 0)) {
+        if (!(onlyActive && slot.completed != 0)) {
           slots.push_back(slot);
         }
       }
