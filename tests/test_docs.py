@@ -4,21 +4,31 @@ says what it is and runs:
 
 - a block is ```python, ```sh (commands) or ```text (output, layouts: not code);
 - the line before a python or sh block says whether the suite runs it: `<!-- run: 2 ranks -->` (a
-  Python snippet, on the 2 ranks of one torchrun job, as 2 simulated nodes) or `<!-- not run: why -->`
-  (a fragment, a GPU, a cluster, an install, minutes of training: the reason is there for the reader
-  too). No command of the docs runs in a suite's minute today: each installs, builds, trains for
-  minutes or stands for the reader's own script.
+  Python snippet, on the 2 ranks of one torchrun job, as 2 simulated nodes), `<!-- run -->` (commands),
+  `<!-- run: expect "TEXT" ... -->` (commands whose output holds each TEXT: what the page says they
+  print or write) or `<!-- not run: why -->` (a fragment, a GPU, a cluster, an install, minutes of
+  training: the reason is there for the reader too).
 
 A page's Python snippets run in order in one namespace, as a reader would run them
-(tests/support/doc_snippets.py); every runnable snippet shares one launch. A failure names the page
-and line of the snippet that broke. The counts, and every reason not to run, are in pytest's summary."""
+(tests/support/doc_snippets.py); every runnable snippet shares one launch. Each block of commands
+runs on its own in bash (`set -euo pipefail`), as a reader would paste it at the repository's root:
+from a temporary folder whose entries link to the root's (a command reads the repository, and what it
+writes there, a picture or a checkpoint folder, stays in the temporary folder), with the suite's venv
+first on PATH, this checkout first on PYTHONPATH, and what the machine needs that a reader's does not
+in the environment (mpiexec as root, torchrun's port), under a timeout; it must exit 0. A failure names
+the page and line of the block that broke. The counts, and every reason not to run, are in pytest's
+summary."""
 
 import collections
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
-from tests.support.harness import job_environment, launch, torchrun
+import pytest
+
+from tests.support.harness import free_port, job_environment, launch, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -36,8 +46,10 @@ FROM_CSRC = re.compile(rf"(?<![\w/.-])((?:{'|'.join(CSRC)})/{_TAIL})")
 LINK = re.compile(r"\]\(([^)\s#]*)(?:#([^)\s]*))?\)")  # [text](target#anchor): relative to the page
 
 FENCE = re.compile(r"^```(\S*)\s*$")
-MARKER = re.compile(r"^<!-- (run: 2 ranks|not run: .+) -->$")
+MARKER = re.compile(r'^<!-- (run: 2 ranks|run(?:: expect(?: "[^"]+")+)?|not run: .+) -->$')
 LANGUAGES = ("python", "sh", "text")
+RUN = {"python": "<!-- run: 2 ranks -->", "sh": '<!-- run --> or <!-- run: expect "TEXT" -->'}
+COMMANDS_TIMEOUT_S = 180  # one block of commands; the slowest (3 launches) takes about 25 s on the 2-core VM
 
 Snippet = collections.namedtuple("Snippet", "doc line language marker code")
 
@@ -153,6 +165,13 @@ def snippets() -> list:
     return found_
 
 
+def runner(marker: str):
+    """What runs a block with this marker: "python" (2 ranks), "sh" (bash), or None (not run)."""
+    if marker.startswith("not run"):
+        return None
+    return "python" if marker == "run: 2 ranks" else "sh"
+
+
 def test_every_code_block_says_what_it_is_and_whether_it_runs(request):
     wrong = []
     for s in snippets():
@@ -162,9 +181,9 @@ def test_every_code_block_says_what_it_is_and_whether_it_runs(request):
         elif s.language == "text" and s.marker:
             wrong.append(f"{where}: a text block is not run: no marker")
         elif s.language != "text" and not s.marker:
-            wrong.append(f"{where}: say on the line before it <!-- run: 2 ranks --> or <!-- not run: why -->")
-        elif s.language == "sh" and not s.marker.startswith("not run"):
-            wrong.append(f"{where}: a command the suite could run needs a runner here first (test_docs.py)")
+            wrong.append(f"{where}: say on the line before it {RUN[s.language]} or <!-- not run: why -->")
+        elif s.language != "text" and runner(s.marker) not in (None, s.language):
+            wrong.append(f"{where}: a ```{s.language} block runs with {RUN[s.language]}")
     assert not wrong, "\n".join(wrong)
     code = [s for s in snippets() if s.language != "text"]
     not_run = [s for s in code if s.marker.startswith("not run")]
@@ -191,3 +210,32 @@ def test_python_snippets_run_on_two_ranks(tmp_path):
     assert done.returncode == 0, f"{failed[0] if failed else 'the job failed'}:\n{done.stdout[-6000:]}"
     ran = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
     assert ran == [f"{s.doc}:{s.line}" for s in selected], done.stdout[-3000:]
+
+
+def commands():
+    return [s for s in snippets() if s.language == "sh" and s.marker and runner(s.marker) == "sh"]
+
+
+@pytest.mark.parametrize("block", commands(), ids=lambda s: f"{s.doc}:{s.line}")
+def test_commands_run(block, tmp_path):
+    for entry in REPO.iterdir():  # the root as the reader's: what a command writes stays here
+        if entry.name not in (".git", ".venv"):
+            (tmp_path / entry.name).symlink_to(entry)
+    (tmp_path / ".venv").symlink_to(sys.prefix)  # .venv/bin/python: the suite's (make test-torch's too)
+    env = job_environment({"PET_MASTER_PORT": str(free_port())})  # torchrun's --master-port, off 29500
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(OMPI_MCA_rmaps_base_oversubscribe="1")  # mpiexec -n 2 on a machine of fewer slots
+    if os.geteuid() == 0:  # the suite's machine, not a reader's: mpiexec refuses root without these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    done = launch(
+        ["bash", "-c", "set -euo pipefail\n" + block.code],
+        env,
+        timeout=COMMANDS_TIMEOUT_S,
+        cwd=tmp_path,
+        what=f"{block.doc}:{block.line}'s commands",
+        merged=True,
+    )
+    where = f"{block.doc}:{block.line}"
+    assert done.returncode == 0, f"{where} exited with {done.returncode}:\n{done.stdout[-6000:]}"
+    missing = [text for text in re.findall(r'"([^"]+)"', block.marker) if text not in done.stdout]
+    assert not missing, f"{where} did not print {missing}:\n{done.stdout[-6000:]}"
