@@ -173,6 +173,120 @@ def test_errors_name_the_op_and_the_argument():
         assert message in str(raised.value)
 
 
+# ---- the operators take the spec whole -----------------------------------------------------------
+
+SPEC_TYPE = "__torch__.torch.classes.torch_chainermn.CompressionSpec"
+
+
+def test_the_operators_take_one_spec():
+    """Each operator's schema has one `spec` of torch's custom class and no setting of its own."""
+    ops = torch.ops.torch_chainermn
+    schemas = {name: str(getattr(ops, name).default._schema) for name in ("encode", "decode", "wire_row_bytes")}
+    for name, schema in schemas.items():
+        assert f"{SPEC_TYPE} spec" in schema, schema
+        assert not any(f" {setting}" in schema for setting in ("code,", "block", "threshold", "keep")), schema
+    assert "bool sum=False" in schemas["decode"]
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_the_operators_called_with_a_spec_give_the_rules_bytes(code):
+    """torch.ops.torch_chainermn.* called directly with a CompressionSpec, for every registered code: the
+    wire, residual and decoded rows are the rules' (the bytes the settings-by-position operators gave)."""
+    rows, count, threshold = 2, 300, 0.3
+    block = 64 + -64 % codes.describe(code)["block_multiple"]
+    spec = CompressionSpec(code, block=block, threshold=threshold, keep=3)
+    x, residual = values(rows, count, 5), values(rows, count, 6, scale=0.1)
+    row_bytes = torch.ops.torch_chainermn.wire_row_bytes(spec, count)
+    assert row_bytes == wire_row_bytes(spec, count) == wire_row_bytes(code, count, block, keep=3)
+    wire, kept = torch.full((rows, row_bytes), 0xAB, dtype=torch.uint8), residual.clone()
+    torch.ops.torch_chainermn.encode(x, wire, kept, spec)
+    out, total = torch.full((rows, count), 7.0), torch.full((count,), 7.0)
+    torch.ops.torch_chainermn.decode(wire, out, spec)
+    torch.ops.torch_chainermn.decode(wire, total, spec, True)
+    for row in range(rows):
+        r = residual[row] + x[row]
+        expected_row, carried = rule_of(code)(r, block, threshold, 3)
+        assert torch.equal(wire[row], expected_row), f"row {row}"
+        assert torch.equal(kept[row], r - carried), f"row {row}: the residual"
+        assert torch.equal(out[row], carried), f"row {row}: decoded"
+    assert torch.equal(total, out[0] + out[1])
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # TorchScript, to save the spec
+def test_a_spec_is_torchs_custom_class_and_a_value():
+    """The one Python class is a torch.ScriptObject of the operators' custom class, and a value: equal
+    specs hash alike, it pickles, a copy is itself, its fields are not set, TorchScript saves it."""
+    import copy
+    import io
+    import pickle
+
+    spec = CompressionSpec("4bit", block=64, compress_result="int8")
+    assert isinstance(spec, torch.ScriptObject) and isinstance(spec, CompressionSpec)
+    assert spec._type().qualified_name() == SPEC_TYPE
+    same = CompressionSpec("4bit", block=64, compress_result="int8")
+    assert spec == same and hash(spec) == hash(same) and spec != CompressionSpec("4bit", block=32) and spec != "4bit"
+    assert str(spec) == repr(spec) and repr(spec).startswith("CompressionSpec('4bit', ")
+    back = pickle.loads(pickle.dumps(spec))
+    assert type(back) is CompressionSpec and back == spec and back.settings() == spec.settings()
+    assert copy.copy(spec) is spec and copy.deepcopy(spec) is spec
+    # torch.ScriptObject's operators (forwarded to TorchScript methods the class lacks) are not its own
+    assert bool(spec) and not (spec != same)
+    for operation in (len, lambda s: s < same, lambda s: s + 1, lambda s: 1 in s):
+        with pytest.raises(TypeError):
+            operation(spec)
+    with pytest.raises(AttributeError, match="CompressionSpec is a value: its block cannot be set"):
+        spec.block = 32
+    assert spec.block == 64
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, spec):
+            super().__init__()
+            self.spec = spec
+
+        def forward(self, x: torch.Tensor, wire: torch.Tensor) -> torch.Tensor:
+            torch.ops.torch_chainermn.encode(x, wire, None, self.spec)
+            return wire
+
+    saved = io.BytesIO()
+    int8 = CompressionSpec("int8", block=16)
+    torch.jit.save(torch.jit.script(Encoder(int8)), saved)  # the custom class's state (def_pickle)
+    saved.seek(0)
+    x = values(2, 50, 7)
+    loaded, plain = (torch.zeros(2, wire_row_bytes(int8, 50), dtype=torch.uint8) for _ in range(2))
+    torch.jit.load(saved)(x, loaded)
+    encode(x, plain, None, int8)
+    assert torch.equal(loaded, plain)
+
+
+def test_an_operator_given_no_spec_names_itself():
+    x = values(2, 10, 1)
+    wire = torch.empty(2, wire_row_bytes("int8", 10, 4), dtype=torch.uint8)
+    raw = {
+        "torch_chainermn::encode": lambda: torch.ops.torch_chainermn.encode(x, wire, None, "int8"),
+        "torch_chainermn::decode": lambda: torch.ops.torch_chainermn.decode(wire, torch.empty(2, 10), {"code": "int8"}),
+        "torch_chainermn::wire_row_bytes": lambda: torch.ops.torch_chainermn.wire_row_bytes(None, 10),
+    }
+    for op, call in raw.items():
+        with pytest.raises(RuntimeError) as raised:
+            call()
+        assert op in str(raised.value) and f"{SPEC_TYPE}" in str(raised.value) and "'spec'" in str(raised.value)
+    wrapped = {
+        "torch_chainermn.encode: the code must be a CompressionSpec or a code's name, got 3": lambda: encode(
+            x, wire, None, 3
+        ),
+        "torch_chainermn.decode: the settings come with the CompressionSpec, got ['block'] too": lambda: decode(
+            wire, torch.empty(2, 10), CompressionSpec("int8", block=4), block=4
+        ),
+        "torch_chainermn.wire_row_bytes: count must be >= 0, got -1": lambda: wire_row_bytes(
+            CompressionSpec("int8"), -1
+        ),
+    }
+    for message, call in wrapped.items():
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert message in str(raised.value)
+
+
 # ---- top-k --------------------------------------------------------------------------------------
 
 

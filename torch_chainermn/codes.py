@@ -80,7 +80,7 @@ def wire_row_bytes(spec: CompressionSpec | str, count: int, block: int | None = 
     name with its settings."""
     settings = {name: value for name, value in (("block", block), ("keep", keep)) if value is not None}
     spec = _spec_of(spec, settings, "torch_chainermn.wire_row_bytes")
-    return torch.ops.torch_chainermn.wire_row_bytes(spec.code, count, spec.block, spec.keep)
+    return torch.ops.torch_chainermn.wire_row_bytes(spec, count)
 
 
 def encode(
@@ -96,7 +96,7 @@ def encode(
     device's current stream), as `spec` (or `code=` with its settings) says; the residual, when
     given, keeps what the codes did not carry."""
     spec = _spec_of(spec if spec is not None else code, settings, "torch_chainermn.encode")
-    torch.ops.torch_chainermn.encode(values, wire, residual, spec.code, spec.block, spec.threshold, spec.keep)
+    torch.ops.torch_chainermn.encode(values, wire, residual, spec)
 
 
 def decode(
@@ -110,4 +110,4 @@ def decode(
 ) -> None:  # noqa: A002  (the operator's name for it)
     """The rows of `wire` back into `out` ([rows, count] float32), or with sum=True their sum ([count])."""
     spec = _spec_of(spec if spec is not None else code, settings, "torch_chainermn.decode")
-    torch.ops.torch_chainermn.decode(wire, out, spec.code, spec.block, spec.threshold, sum, spec.keep)
+    torch.ops.torch_chainermn.decode(wire, out, spec, sum)

@@ -16,33 +16,31 @@ void* currentStream(const at::Tensor& on) {
 }
 
 void encodeCuda(const at::Tensor& values, const at::Tensor& wire, const std::optional<at::Tensor>& residual,
-                c10::string_view codeName, int64_t block, double threshold, int64_t keep) {
-  const Code code = codeNamed(std::string(codeName), "torch_chainermn.encode");
-  const CodeSettings settings{static_cast<float>(threshold), block, keep};
-  const auto [rows, count] = checkEncode(values, wire, residual, code, settings);
+                const CompressionSpecRef& held) {
+  const CompressionSpec& spec = held->spec;
+  const auto [rows, count] = checkEncode(values, wire, residual, spec);
   const c10::cuda::CUDAGuard guard(values.device());
   float* kept = residual && residual->defined() ? residual->data_ptr<float>() : nullptr;
-  encode(code, settings, values.data_ptr<float>(), kept, wire.data_ptr<uint8_t>(), rows, wire.size(1), count,
+  encode(spec.code, spec.settings, values.data_ptr<float>(), kept, wire.data_ptr<uint8_t>(), rows, wire.size(1), count,
          currentStream(values));
 }
 
-void decodeCuda(const at::Tensor& wire, const at::Tensor& out, c10::string_view codeName, int64_t block,
-                double threshold, bool sum, int64_t keep) {
-  const Code code = codeNamed(std::string(codeName), "torch_chainermn.decode");
-  const CodeSettings settings{static_cast<float>(threshold), block, keep};
-  const auto [rows, count] = checkDecode(wire, out, code, settings, sum);
+void decodeCuda(const at::Tensor& wire, const at::Tensor& out, const CompressionSpecRef& held, bool sum) {
+  const CompressionSpec& spec = held->spec;
+  const auto [rows, count] = checkDecode(wire, out, spec, sum);
   const c10::cuda::CUDAGuard guard(out.device());
   if (rows == 0) {
     out.zero_();
     return;
   }
-  decode(code, settings, wire.data_ptr<uint8_t>(), rows, wire.size(1), out.data_ptr<float>(), count, sum,
+  decode(spec.code, spec.settings, wire.data_ptr<uint8_t>(), rows, wire.size(1), out.data_ptr<float>(), count, sum,
          /*accumulate=*/false, currentStream(out));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torch_chainermn, CUDA, m) {
+  registerCompressionSpecClass();  // the impls' schemas name it; this block may run before TORCH_LIBRARY's
   m.impl("encode", &encodeCuda);
   m.impl("decode", &decodeCuda);
 }

@@ -2,6 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <string>
+#include <tuple>
+#include <utility>
+
 namespace chainermn {
 
 namespace {
@@ -12,13 +16,57 @@ void checkRows(const at::Tensor& t, const char* op, const char* name, at::Scalar
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// The spec's code: every CompressionSpecObject holds a spec made by compressionSpec (checked), so a
+// missing code is a programming error, named here rather than dereferenced.
+Code checkedCode(const CompressionSpec& spec, const char* op) {
+  TORCH_CHECK(spec.code != nullptr && spec.named != nullptr, op,
+              ": the spec must come from compressionSpec (it checks the settings once)");
+  return spec.code;
+}
+
+// The custom class's state for torch's serialization (torch.jit.save, torch.export): the spec as
+// compressionSpec takes it.
+using SpecState = std::tuple<std::string, double, int64_t, int64_t, bool, std::string, int64_t>;
+
+SpecState stateOf(const CompressionSpecRef& held) {
+  const CompressionSpec& spec = held->spec;
+  const bool ownSums = !spec.compressResult || spec.resultCode == spec.code;
+  return {spec.code->name,
+          static_cast<double>(spec.settings.threshold),
+          spec.settings.block,
+          spec.settings.keep,
+          spec.compressResult,
+          ownSums ? "" : spec.resultCode->name,
+          static_cast<int64_t>(spec.resultWire)};
+}
+
+CompressionSpecRef specFromState(SpecState state) {
+  auto [code, threshold, block, keep, compressResult, resultCode, resultWire] = std::move(state);
+  CodeSettings settings;
+  settings.threshold = static_cast<float>(threshold);
+  settings.block = block;
+  settings.keep = keep;
+  return c10::make_intrusive<CompressionSpecObject>(compressionSpec(code, settings, compressResult, resultCode,
+                                                                    static_cast<c10::ScalarType>(resultWire),
+                                                                    "torch_chainermn.CompressionSpec"));
+}
+
 }  // namespace
 
+void registerCompressionSpecClass() {
+  static const auto registered = torch::class_<CompressionSpecObject>(
+                                     "torch_chainermn", "CompressionSpec",
+                                     "A code and its settings (torch_chainermn.CompressionSpec): the operators' spec")
+                                     .def_pickle([](const CompressionSpecRef& held) { return stateOf(held); },
+                                                 [](SpecState state) { return specFromState(std::move(state)); });
+  (void)registered;
+}
+
 std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tensor& wire,
-                                        const std::optional<at::Tensor>& residual, Code code,
-                                        const CodeSettings& settings) {
+                                        const std::optional<at::Tensor>& residual, const CompressionSpec& spec) {
   constexpr const char* op = "torch_chainermn.encode";
-  checkCodeSettings(code, settings, op);
+  const Code code = checkedCode(spec, op);
+  const CodeSettings& settings = spec.settings;
   checkRows(values, op, "values", at::kFloat, "float32");
   checkRows(wire, op, "wire", at::kByte, "uint8");
   const int64_t rows = values.size(0);
@@ -40,10 +88,11 @@ std::pair<int64_t, int64_t> checkEncode(const at::Tensor& values, const at::Tens
   return {rows, count};
 }
 
-std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor& out, Code code,
-                                        const CodeSettings& settings, bool sum) {
+std::pair<int64_t, int64_t> checkDecode(const at::Tensor& wire, const at::Tensor& out, const CompressionSpec& spec,
+                                        bool sum) {
   constexpr const char* op = "torch_chainermn.decode";
-  checkCodeSettings(code, settings, op);
+  const Code code = checkedCode(spec, op);
+  const CodeSettings& settings = spec.settings;
   checkRows(wire, op, "wire", at::kByte, "uint8");
   TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat && out.is_contiguous(), op,
                     ": out must be contiguous float32, got ", out.scalar_type());

@@ -4,6 +4,7 @@
 #include "backend/transport_plan.h"
 #include "runtime/worker.h"
 #include "comm/gloo.h"
+#include "python/compression.h"
 #include "python/submodules.h"
 #include "strategies/strategy.h"
 #include "os/terminate_report.h"
@@ -201,17 +202,17 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "compressed_mean",
           [](ProcessGroupChainerMN& pg, std::vector<at::Tensor> tensors, std::optional<at::Tensor> residual,
-             std::optional<at::Tensor> secondResidual, const chainermn::CompressionSpec& spec) {
+             std::optional<at::Tensor> secondResidual, const chainermn::PyCompressionSpec& spec) {
             return pg.compressedMean(tensors, residual.value_or(at::Tensor()), secondResidual.value_or(at::Tensor()),
-                                     spec);
+                                     spec.spec());
           },
           py::arg("tensors"), py::arg("residual"), py::arg("second_residual"),
           py::arg("spec"),  // a torch_chainermn.CompressionSpec (python/compression.cpp)
           py::call_guard<py::gil_scoped_release>())
       .def(
           "compression_residuals",
-          [](const ProcessGroupChainerMN& pg, int64_t count, const chainermn::CompressionSpec& spec) {
-            const chainermn::ResidualShape shape = pg.compressionResiduals(spec, count);
+          [](const ProcessGroupChainerMN& pg, int64_t count, const chainermn::PyCompressionSpec& spec) {
+            const chainermn::ResidualShape shape = pg.compressionResiduals(spec.spec(), count);
             return py::make_tuple(shape.first, shape.second, shape.secondOffset, shape.secondCount);
           },
           py::arg("count"), py::arg("spec"),

@@ -1,10 +1,14 @@
 // torch_chainermn._C.codes: the registry of codes (kernels/codes.h) as Python reads it, and the one
 // value that carries a code and its settings across the boundary (CompressionSpec,
-// strategies/compressed.h), bound here once. torch_chainermn/codes.py derives every list of codes and
-// the settings check from this module; the process group's compressed_mean and
-// compression_residuals take the value.
+// kernels/code_spec.h), bound here once. torch_chainermn/codes.py derives every list of codes and
+// the settings check from this module; the torch operators (python/codes_ops.cpp), the process
+// group's compressed_mean and compression_residuals take the value.
+//
+// The Python class is a subclass of torch.ScriptObject (python/compression.h): each instance is an
+// object of torch's custom class torch.classes.torch_chainermn.CompressionSpec, the operators' `spec`,
+// so the same object is what users make, what the bindings take and what torch.ops takes.
+#include "python/compression.h"
 #include "python/submodules.h"
-#include "strategies/compressed.h"
 
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -12,6 +16,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <set>
 #include <string>
 
 namespace py = pybind11;
@@ -75,6 +80,19 @@ py::dict settingsOf(const CompressionSpec& spec) {
   return settings;
 }
 
+std::string reprOf(const CompressionSpec& spec) {
+  return "CompressionSpec(" + std::string(py::repr(py::str(spec.code->name))) +
+         ", threshold=" + std::string(py::repr(py::float_(spec.settings.threshold))) +
+         ", block=" + std::to_string(spec.settings.block) + ", keep=" + std::to_string(spec.settings.keep) +
+         ", compress_result=" + std::string(py::repr(compressResultOf(spec))) +
+         ", result_dtype=" + std::string(py::str(py::cast(spec.resultWire))) + ")";
+}
+
+bool sameSpec(const PyCompressionSpec& a, const py::object& b) {
+  return py::isinstance<PyCompressionSpec>(b) &&
+         settingsOf(a.spec()).equal(settingsOf(b.cast<const PyCompressionSpec&>().spec()));
+}
+
 py::dict describe(Code code) {
   py::dict info;
   info["name"] = code->name;
@@ -93,6 +111,43 @@ py::dict describe(Code code) {
   info["carries_sums"] = code->carriesSums;
   info["has_cuda"] = code->encodeCuda != nullptr;
   return info;
+}
+
+// torch.ScriptObject forwards Python's operators to the TorchScript class's methods, which this class
+// does not have: each would raise NotImplementedError, and bool(spec) would call __len__. A
+// CompressionSpec is true and has no other operator, as a plain Python object: a comparison or
+// arithmetic gives NotImplemented (Python's TypeError), the container protocol a TypeError.
+void dropScriptObjectOperators(py::object cls) {
+  static const std::set<std::string> kept = {"__init__", "__doc__", "__module__", "__getattr__", "__hash__"};
+  const std::string binaryPrefixes =
+      " lt le gt ge add sub mul matmul truediv floordiv mod pow lshift rshift and or xor ";
+  const py::dict own = cls.attr("__dict__");
+  const py::dict base = py::module_::import("torch").attr("ScriptObject").attr("__dict__");
+  for (const auto& [key, value] : base) {
+    const std::string name = py::str(key);
+    if (name.size() < 5 || name.rfind("__", 0) != 0 || name.substr(name.size() - 2) != "__" || kept.count(name) ||
+        own.contains(key)) {
+      continue;
+    }
+    std::string bare = name.substr(2, name.size() - 4);
+    if (bare.size() > 1 && bare[0] == 'i' && binaryPrefixes.find(" " + bare.substr(1) + " ") != std::string::npos) {
+      bare = bare.substr(1);  // in place: as the operator
+    }
+    if (binaryPrefixes.find(" " + bare + " ") != std::string::npos) {
+      cls.attr(key) = py::cpp_function(
+          [](const py::object&, const py::args&) {
+            return py::object(py::reinterpret_borrow<py::object>(Py_NotImplemented));
+          },
+          py::is_method(cls));
+    } else {
+      cls.attr(key) = py::cpp_function(
+          [name](const py::object&, const py::args&) -> py::object {
+            throw py::type_error("CompressionSpec has no " + name + " (a code and its settings)");
+          },
+          py::is_method(cls));
+    }
+  }
+  cls.attr("__bool__") = py::cpp_function([](const py::object&) { return true; }, py::is_method(cls));
 }
 
 void bindCodes(py::module_& m) {
@@ -122,7 +177,8 @@ void bindCodes(py::module_& m) {
       py::arg("code"), py::arg("threshold") = 0.5, py::arg("block") = 256, py::arg("keep") = 8,
       py::arg("argument") = "code");
 
-  py::class_<CompressionSpec>(m, "CompressionSpec", R"(A code and its settings: what a compressed exchange between
+  py::class_<PyCompressionSpec, torch::jit::Object> spec(m, "CompressionSpec",
+                                                         R"(A code and its settings: what a compressed exchange between
 nodes sends (docs/codes.md). Checked when made (a ValueError naming `op` and the argument); the same value
 every consumer takes (compression=) and that the ranks compare before any data moves.
 
@@ -132,45 +188,53 @@ every consumer takes (compression=) and that the ranks compare before any data m
 
 code: a registered code (torch_chainermn.codes.CODES). threshold, block, keep: the settings, each read
 by the codes that name it (codes.describe). compress_result: also compress the sums on their way back:
-True (in the same code) or a code that carries sums. result_dtype: otherwise the sums' dtype.)")
-      .def(py::init([](const std::string& code, py::handle threshold, py::handle block, py::handle keep,
+True (in the same code) or a code that carries sums. result_dtype: otherwise the sums' dtype.
+
+A torch.ScriptObject of the custom class torch.classes.torch_chainermn.CompressionSpec: the torch
+operators (torch.ops.torch_chainermn.encode/decode/wire_row_bytes) take it as their `spec`.)");
+  spec.def(py::init([](const std::string& code, py::handle threshold, py::handle block, py::handle keep,
                        py::handle compressResult, at::ScalarType resultDtype, const std::string& op,
                        const std::string& argument) {
-             return specOf(code, threshold, block, keep, compressResult, resultDtype, op, argument);
+             return PyCompressionSpec(specOf(code, threshold, block, keep, compressResult, resultDtype, op, argument));
            }),
            py::arg("code"), py::kw_only(), py::arg("threshold") = 0.5, py::arg("block") = 256, py::arg("keep") = 8,
            py::arg("compress_result") = false, py::arg("result_dtype") = at::kFloat, py::arg("op") = "CompressionSpec",
            py::arg("argument") = "code")
-      .def_property_readonly("code", [](const CompressionSpec& spec) { return spec.code->name; })
-      .def_property_readonly("threshold", [](const CompressionSpec& spec) { return spec.settings.threshold; })
-      .def_property_readonly("block", [](const CompressionSpec& spec) { return spec.settings.block; })
-      .def_property_readonly("keep", [](const CompressionSpec& spec) { return spec.settings.keep; })
-      .def_property_readonly("compress_result", &compressResultOf)
-      .def_property_readonly("result_dtype", [](const CompressionSpec& spec) { return spec.resultWire; })
-      .def("settings", &settingsOf, "Every field, as the constructor takes them (code first)")
+      .def_property_readonly("code", [](const PyCompressionSpec& self) { return self.spec().code->name; })
+      .def_property_readonly("threshold", [](const PyCompressionSpec& self) { return self.spec().settings.threshold; })
+      .def_property_readonly("block", [](const PyCompressionSpec& self) { return self.spec().settings.block; })
+      .def_property_readonly("keep", [](const PyCompressionSpec& self) { return self.spec().settings.keep; })
+      .def_property_readonly("compress_result",
+                             [](const PyCompressionSpec& self) { return compressResultOf(self.spec()); })
+      .def_property_readonly("result_dtype", [](const PyCompressionSpec& self) { return self.spec().resultWire; })
+      .def(
+          "settings", [](const PyCompressionSpec& self) { return settingsOf(self.spec()); },
+          "Every field, as the constructor takes them (code first)")
       .def_property_readonly(
-          "compared", [](const CompressionSpec& spec) { return spec.named->fields; },
+          "compared", [](const PyCompressionSpec& self) { return self.spec().named->fields; },
           "(name, value) of every field the ranks compare: the code and what it reads, compress_result, result_dtype")
-      .def("__eq__",
-           [](const CompressionSpec& a, const py::object& b) {
-             return py::isinstance<CompressionSpec>(b) &&
-                    settingsOf(a).equal(settingsOf(b.cast<const CompressionSpec&>()));
+      .def("__eq__", &sameSpec)
+      .def("__ne__", [](const PyCompressionSpec& a, const py::object& b) { return !sameSpec(a, b); })
+      .def("__hash__", [](const PyCompressionSpec& self) { return self.spec().named->digest; })
+      .def("__repr__", [](const PyCompressionSpec& self) { return reprOf(self.spec()); })
+      .def("__str__", [](const PyCompressionSpec& self) { return reprOf(self.spec()); })
+      // A value: its fields are not set (torch.ScriptObject's __setattr__ would say "no attribute"), and
+      // a copy is the same object (torch.ScriptObject's own would drop the Python class).
+      .def("__setattr__",
+           [](const py::object& self, const py::str& name, const py::object& /*value*/) {
+             throw py::attribute_error("CompressionSpec is a value: its " + std::string(name) +
+                                       " cannot be set (make another CompressionSpec)");
            })
-      .def("__hash__", [](const CompressionSpec& spec) { return spec.named->digest; })
-      .def("__repr__",
-           [](const CompressionSpec& spec) {
-             return "CompressionSpec(" + std::string(py::repr(py::str(spec.code->name))) +
-                    ", threshold=" + std::string(py::repr(py::float_(spec.settings.threshold))) +
-                    ", block=" + std::to_string(spec.settings.block) + ", keep=" + std::to_string(spec.settings.keep) +
-                    ", compress_result=" + std::string(py::repr(compressResultOf(spec))) +
-                    ", result_dtype=" + std::string(py::str(py::cast(spec.resultWire))) + ")";
-           })
-      .def(py::pickle([](const CompressionSpec& spec) { return settingsOf(spec); },
+      .def("__copy__", [](const py::object& self) { return self; })
+      .def("__deepcopy__", [](const py::object& self, const py::object& /*memo*/) { return self; })
+      .def(py::pickle([](const PyCompressionSpec& self) { return settingsOf(self.spec()); },
                       [](const py::dict& settings) {
-                        return specOf(settings["code"].cast<std::string>(), settings["threshold"], settings["block"],
-                                      settings["keep"], settings["compress_result"],
-                                      settings["result_dtype"].cast<at::ScalarType>(), "CompressionSpec");
+                        return PyCompressionSpec(
+                            specOf(settings["code"].cast<std::string>(), settings["threshold"], settings["block"],
+                                   settings["keep"], settings["compress_result"],
+                                   settings["result_dtype"].cast<at::ScalarType>(), "CompressionSpec"));
                       }));
+  dropScriptObjectOperators(spec);
 }
 
 const bool registered = registerSubmodule("codes", "the registry of codes and the CompressionSpec value", bindCodes);

@@ -17,7 +17,7 @@
 #pragma once
 
 #include "comm/transport.h"
-#include "kernels/codes.h"
+#include "kernels/code_spec.h"
 #include "buffers/scratch.h"
 #include "topology.h"
 #include "types.h"
@@ -30,29 +30,6 @@
 #include <vector>
 
 namespace chainermn {
-
-// A compressed mean's code and settings: one value, made and checked once (compressionSpec), bound
-// once to Python (python/compression.cpp: torch_chainermn.CompressionSpec), passed whole to the
-// backend and compared whole across ranks (`named`: every field that changes what travels).
-struct CompressionSpec {
-  Code code = nullptr;
-  CodeSettings settings;  // what the codes read: 2-bit's threshold, the block codes' block, top-k's keep
-  bool compressResult = false;
-  Code resultCode = nullptr;  // the sums' code with compressResult: `code`, or a code that carriesSums
-  c10::ScalarType resultWire = c10::ScalarType::Float;  // the sums' dtype when not compressed
-  std::shared_ptr<const NamedSettings> named;           // the fields above, named; shared: no copy per call
-};
-
-// A spec from its Python spelling: a code's name, the settings, and the sums' code ("": the code
-// itself), checked: a ValueError naming `op` and the argument for an unknown code, a setting a code
-// rejects (kernels/codes.h), a sums' code that cannot carry sums, or a result dtype other than
-// float32, float16 and bfloat16.
-CompressionSpec compressionSpec(const std::string& code, const CodeSettings& settings, bool compressResult,
-                                const std::string& resultCode, c10::ScalarType resultWire, const char* op,
-                                const char* argument = "code");
-
-// Whether either phase's code reads the block (the chunks are then whole blocks).
-bool usesBlock(const CompressionSpec& spec);
 
 // The residuals one rank keeps for a buffer of `count` values: a node's leader keeps `first`
 // (every value), and with compressResult `second` (its node's chunk of the sums, which is

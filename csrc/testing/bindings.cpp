@@ -2,6 +2,7 @@
 // threads; every call below releases the GIL while they run, and a rank's Python function takes it
 // only while it runs Python code.
 #include "testing/bindings.h"
+#include "python/compression.h"
 #include "python/submodules.h"
 #include "os/thread_name.h"
 
@@ -127,7 +128,8 @@ std::vector<std::vector<at::Tensor>> allreduceCases(const std::string& strategy,
 // keeping its residuals as a process group's caller would. Returns [step][rank] results, and the
 // residuals every rank ends with.
 py::tuple compressedMeanSteps(const std::vector<std::string>& nodeNames, const std::vector<at::Tensor>& inputs,
-                              int steps, const CompressionSpec& spec, bool sharedMemory) {
+                              int steps, const PyCompressionSpec& handle, bool sharedMemory) {
+  const CompressionSpec& spec = handle.spec();
   TORCH_CHECK_VALUE(inputs.size() == nodeNames.size(), "one input per rank: ", nodeNames.size(), " expected");
   const size_t size = inputs.size();
   std::vector<std::vector<at::Tensor>> results(steps, std::vector<at::Tensor>(size));
