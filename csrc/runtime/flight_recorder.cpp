@@ -106,12 +106,41 @@ TracedGroup* FlightRecorder::addGroup(std::vector<int64_t> globalRanks, int grou
   group->name = std::move(fallbackName);
   if (groupRank >= 0 && groupRank < static_cast<int>(globalRanks.size())) {
     if (groups_.empty()) {
-      globalRank_ = globalRanks[groupRank];
+      globalRank_.store(globalRanks[groupRank], std::memory_order_relaxed);
     }
   }
   group->globalRanks = std::move(globalRanks);
   groups_.push_back(std::move(group));
   return groups_.back().get();
+}
+
+void FlightRecorder::lock(Slot& slot) {
+  while (slot.busy.exchange(true, std::memory_order_acquire)) {
+    while (slot.busy.load(std::memory_order_relaxed)) {
+      std::this_thread::yield();  // held for a few stores, or for a dump's copy of the entry
+    }
+  }
+}
+
+void FlightRecorder::unlock(Slot& slot) {
+  slot.busy.store(false, std::memory_order_release);
+}
+
+FlightRecorder::Locked::Locked(FlightRecorder& recorder, Id id) {
+  if (id == kNotRecorded || recorder.slots_.empty()) {
+    return;
+  }
+  slot_ = &recorder.slots_[id % recorder.slots_.size()];
+  lock(*slot_);
+  if (slot_->entry.id == id) {
+    entry_ = &slot_->entry;
+  }
+}
+
+FlightRecorder::Locked::~Locked() {
+  if (slot_ != nullptr) {
+    unlock(*slot_);
+  }
 }
 
 FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string& groupName,
@@ -121,21 +150,25 @@ FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string&
   }
   const tick_clock::Ticks now = tick_clock::now();
   const char* thread = threadName();
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!group.named) {
-    if (!groupName.empty()) {
-      group.name = groupName;
+  if (!group.named.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mutex_);  // once per group, before the dump may read its name
+    if (!group.named.load(std::memory_order_relaxed)) {
+      if (!groupName.empty()) {
+        group.name = groupName;
+      }
+      group.desc = groupDesc.empty() ? "undefined" : groupDesc;  // torch's description of an undescribed group
+      group.named.store(true, std::memory_order_release);
     }
-    group.desc = groupDesc.empty() ? "undefined" : groupDesc;  // torch's description of an undescribed group
-    group.named = true;
   }
-  const Id id = next_++;
-  Slot& slot = slots_[id % slots_.size()];
+  const Id id = next_.fetch_add(1, std::memory_order_relaxed);
+  Slot& held = slots_[id % slots_.size()];
+  lock(held);
+  Entry& slot = held.entry;
   slot.id = id;
   slot.group = &group;
   slot.collectiveSeq = op.collectiveSeq;
   slot.p2pSeq = op.p2pSeq;
-  slot.opId = ++group.ops;
+  slot.opId = group.ops.fetch_add(1, std::memory_order_relaxed) + 1;
   slot.collective = op.collective;
   slot.isP2P = !op.collective;
   slot.retired = false;
@@ -169,18 +202,11 @@ FlightRecorder::Id FlightRecorder::record(TracedGroup& group, const std::string&
   } else {
     appendSizes(slot.sizes, slot.outputDims, slot.outputDtypes, op.outputs);
   }
+  unlock(held);
   if (op.collective) {
-    group.lastEnqueued = static_cast<int64_t>(op.collectiveSeq);
+    group.lastEnqueued.store(static_cast<int64_t>(op.collectiveSeq), std::memory_order_relaxed);
   }
   return id;
-}
-
-FlightRecorder::Slot* FlightRecorder::slotOf(Id id) {
-  if (id == kNotRecorded || slots_.empty()) {
-    return nullptr;
-  }
-  Slot& slot = slots_[id % slots_.size()];
-  return slot.id == id ? &slot : nullptr;
 }
 
 void FlightRecorder::started(Id id) {
@@ -188,14 +214,13 @@ void FlightRecorder::started(Id id) {
     return;
   }
   const tick_clock::Ticks now = tick_clock::now();
-  std::lock_guard<std::mutex> lock(mutex_);
-  Slot* slot = slotOf(id);
-  if (slot == nullptr || slot->started != 0) {
+  Locked slot(*this, id);
+  if (!slot || slot->started != 0) {
     return;
   }
   slot->started = now;
   if (slot->collective) {
-    slot->group->lastStarted = static_cast<int64_t>(slot->collectiveSeq);
+    slot->group->lastStarted.store(static_cast<int64_t>(slot->collectiveSeq), std::memory_order_relaxed);
   }
 }
 
@@ -204,9 +229,8 @@ void FlightRecorder::ended(Id id, bool completed) {
     return;
   }
   const tick_clock::Ticks now = tick_clock::now();
-  std::lock_guard<std::mutex> lock(mutex_);
-  Slot* slot = slotOf(id);
-  if (slot == nullptr || slot->retired) {
+  Locked slot(*this, id);
+  if (!slot || slot->retired) {
     return;
   }
   slot->retired = true;
@@ -218,7 +242,7 @@ void FlightRecorder::ended(Id id, bool completed) {
   }
   slot->completed = now;
   if (slot->collective) {
-    slot->group->lastCompleted = static_cast<int64_t>(slot->collectiveSeq);
+    slot->group->lastCompleted.store(static_cast<int64_t>(slot->collectiveSeq), std::memory_order_relaxed);
   }
 }
 

@@ -50,7 +50,7 @@ std::vector<std::string> dtypeNames(const std::vector<c10::ScalarType>& dtypes) 
   return names;
 }
 
-c10::Dict<c10::IValue, c10::IValue> entryOf(const FlightRecorder::Slot& slot, const GroupView& group,
+c10::Dict<c10::IValue, c10::IValue> entryOf(const FlightRecorder::Entry& slot, const GroupView& group,
                                             bool includeStackTraces) {
   auto entry = c10d::new_dict();
   if (includeStackTraces) {
@@ -106,7 +106,7 @@ std::string FlightRecorder::dump(bool includeCollectives, bool includeStackTrace
   auto result = c10d::new_dict();
   auto pgConfig = c10d::new_dict();
   auto pgStatus = c10d::new_dict();
-  std::vector<Slot> slots;
+  std::vector<Entry> slots;
   std::vector<GroupView> groups;
   {
     // Copied under the lock, as torch's dump_entries does; the dicts are built after.
@@ -119,18 +119,21 @@ std::string FlightRecorder::dump(bool includeCollectives, bool includeStackTrace
       config.insert("ranks", ranksText(group->globalRanks));
       pgConfig.insert(group->name, config);
       auto status = c10d::new_dict();
-      status.insert("last_enqueued_collective", group->lastEnqueued);
-      status.insert("last_started_collective", group->lastStarted);
-      status.insert("last_completed_collective", group->lastCompleted);
+      status.insert("last_enqueued_collective", group->lastEnqueued.load());
+      status.insert("last_started_collective", group->lastStarted.load());
+      status.insert("last_completed_collective", group->lastCompleted.load());
       pgStatus.insert(std::to_string(group->id), status);
     }
     if (includeCollectives && !slots_.empty()) {
-      const Id first = next_ > slots_.size() ? next_ - slots_.size() : 0;
-      slots.reserve(next_ - first);
-      for (Id id = first; id < next_; ++id) {
-        const Slot& slot = slots_[id % slots_.size()];
-        if (!(onlyActive && slot.completed != 0)) {
-          slots.push_back(slot);
+      // Each entry copied under its slot's lock; one recorded meanwhile over an older one is taken
+      // as it is, one whose recording has not begun is left out.
+      const Id next = next_.load();
+      const Id first = next > slots_.size() ? next - slots_.size() : 0;
+      slots.reserve(next - first);
+      for (Id id = first; id < next; ++id) {
+        Locked slot(*this, id);
+        if (slot && !(onlyActive && slot->completed != 0)) {
+          slots.push_back(*slot);
         }
       }
     }
@@ -154,11 +157,7 @@ bool FlightRecorder::write(const std::string& why) {
     return false;
   }
   try {
-    int64_t rank = 0;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      rank = globalRank_;
-    }
+    const int64_t rank = globalRank_.load();
     const std::string trace = dump(/*includeCollectives=*/true, /*includeStackTraces=*/false, /*onlyActive=*/false);
     auto& writer = c10d::DebugInfoWriter::getWriter(static_cast<int>(rank));
     writer.write(trace);
