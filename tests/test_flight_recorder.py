@@ -4,6 +4,7 @@ a collective, read by torch's analyzer through `python -m torch_chainermn.fr_tra
 
 import os
 import pickle
+import time
 import re
 import subprocess
 import sys
@@ -20,6 +21,9 @@ from torch_chainermn._C import testing
 
 def _ring(capacity):
     return testing.FlightRecorderRing(capacity, [4, 5, 6], 1, "7", "default_pg")
+
+
+STARTED_COMPLETED = ("time_discovered_started_ns", "time_discovered_completed_ns")
 
 
 def test_the_ring_keeps_the_last_ops_with_their_states_in_torchs_format():
@@ -59,6 +63,7 @@ def test_the_ring_keeps_the_last_ops_with_their_states_in_torchs_format():
     assert all_gather["op_id"] == 6
 
     ring2 = _ring(8)
+    wall_before = time.time_ns()
     done = ring2.record("barrier", 1, 0, -1, [], [torch.zeros(1)])
     running = ring2.record("barrier", 2, 0, -1, [], [torch.zeros(1)])
     ring2.started(done)
@@ -68,6 +73,11 @@ def test_the_ring_keeps_the_last_ops_with_their_states_in_torchs_format():
     assert [e["state"] for e in entries] == ["completed", "started"]
     assert entries[0]["duration_ms"] >= 0 and "duration_ms" not in entries[1]
     assert entries[0]["time_discovered_completed_ns"] >= entries[0]["time_discovered_started_ns"] > 0
+    # The times are the wall clock's nanoseconds, as torch's (recorded as TSC ticks, converted at the
+    # dump: os/tick_clock.h); a millisecond of slack for the conversion's rate.
+    created, started, completed = (entries[0][k] for k in ("time_created_ns", *STARTED_COMPLETED))
+    assert wall_before - 1_000_000 <= created <= started <= completed <= time.time_ns() + 1_000_000
+    assert abs(entries[0]["duration_ms"] - (completed - started) / 1e6) < 0.01
     assert [e["record_id"] for e in pickle.loads(ring2.dump(only_active=True))["entries"]] == [running]
 
 
