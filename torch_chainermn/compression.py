@@ -127,43 +127,33 @@ class GradientCompression:
             code, _ = deprecated_spelling(
                 op, "code", "type", None if code is DEFAULT_CODE else code, type, stacklevel=frames
             )
+        given = {
+            "code": code,
+            "threshold": threshold,
+            "compress_result": compress_result,
+            "result_dtype": result_dtype,
+            "block": block,
+            "keep": keep,
+        }
         if compression is not None:  # the code and its settings as one value
-            given = {
-                "code": code,
-                "threshold": threshold,
-                "compress_result": compress_result,
-                "result_dtype": result_dtype,
-                "block": block,
-                "keep": keep,
-            }
             changed = sorted(name for name, value in given.items() if value != GradientCompression.DEFAULTS[name])
             if not isinstance(compression, codes.CompressionSpec) or changed:
                 raise ValueError(
                     f"{op}: compression= takes a torch_chainermn.CompressionSpec, which holds every "
                     f"setting (got {compression!r}" + (f" and {changed}" if changed else "") + ")"
                 )
-            settings = compression.settings()
-            code, threshold, block, keep = settings["code"], settings["threshold"], settings["block"], settings["keep"]
-            compress_result, result_dtype = settings["compress_result"], settings["result_dtype"]
+            given = compression.settings()
         # The code and every setting, checked once by the backend (one rule: kernels/codes.h), and
         # passed whole to every mean.
-        self.spec = self.check(
-            op,
-            code=code,
-            threshold=threshold,
-            compress_result=compress_result,
-            result_dtype=result_dtype,
-            block=block,
-            keep=keep,
-        )
+        self.spec = self.check(op, **given)
         self.process_group = group_of(process_group, op)
         self._backend = backend_of(self.process_group, op)
-        self.code = str(code)
-        self.threshold = float(threshold)
-        self.block = block
-        self.keep = keep
-        self.compress_result = compress_result
-        self.result_dtype = result_dtype
+        self.code = str(given["code"])
+        self.threshold = float(given["threshold"])
+        self.block = given["block"]
+        self.keep = given["keep"]
+        self.compress_result = given["compress_result"]
+        self.result_dtype = given["result_dtype"]
         self._residuals: dict[tuple, _Residual] = {}  # ids of the layout's parameters -> residual
         # The residuals' tensors and their checkpoint's form, shared with FSDP2's (residuals.py).
         self._store = ResidualStore(self._saved_settings())

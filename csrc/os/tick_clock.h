@@ -1,9 +1,13 @@
 // The clock every op reads on its way (the flight recorder's times, the stragglers' timer, the
 // counters' phase times): torch's profiler clock, c10::getApproximateTime (the TSC on x86, the
 // virtual counter on ARM), read in about 10 ns where a steady_clock::now() costs 35 ns on a cloud VM
-// (measured here: a 4 KiB all_reduce reads it 7 times). Ticks become nanoseconds by a rate measured
-// against the steady clock since the library loaded, refreshed about once a second; where the kernel
-// does not trust the TSC (its clocksource is not "tsc"), the ticks are the steady clock's nanoseconds.
+// (measured here: a 4 KiB all_reduce reads it 7 times). Where the kernel does not trust the TSC (its
+// clocksource is not "tsc"), the ticks are the steady clock's nanoseconds.
+//
+// Ticks become nanoseconds by a rate measured against the steady clock since the library loaded,
+// refreshed about once a second and kept in an atomic, so that every thread reads it freely. Not
+// torch's ApproximateClockToUnixTimeConverter: it fits against the wall clock, which NTP may step, and
+// hands out a std::function that threads could not share while it is refreshed.
 #pragma once
 
 #include <c10/util/ApproximateClock.h>

@@ -114,9 +114,9 @@ py::dict describe(Code code) {
 }
 
 // torch.ScriptObject forwards Python's operators to the TorchScript class's methods, which this class
-// does not have: each would raise NotImplementedError, and bool(spec) would call __len__. A
-// CompressionSpec is true and has no other operator, as a plain Python object: a comparison or
-// arithmetic gives NotImplemented (Python's TypeError), the container protocol a TypeError.
+// does not have: each would raise NotImplementedError, and bool(spec) would call __len__.
+// Here a CompressionSpec behaves as a plain Python object: it is true, a comparison or arithmetic
+// gives NotImplemented (so Python raises its TypeError), and the container protocol raises TypeError.
 void dropScriptObjectOperators(py::object cls) {
   static const std::set<std::string> kept = {"__init__", "__doc__", "__module__", "__getattr__", "__hash__"};
   const std::string binaryPrefixes =
